@@ -1,0 +1,168 @@
+"""Validated, frozen settings for each tier and for the engine that composes them.
+
+These are the single source of truth: the CLI, ``TIERCACHE_*`` environment variables and config files
+(issue #3) map onto them; nothing else re-declares the option list. Every check names the setting and
+the fix.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class EvictionPolicyName(enum.StrEnum):
+    """L1 eviction policies: ``lru`` (default) or the frequency-aware ``s3fifo``."""
+
+    LRU = "lru"
+    S3FIFO = "s3fifo"
+
+
+class L3WritePolicy(enum.StrEnum):
+    """When committed chunks go to S3: ``through`` (after L2, asynchronously) or ``back`` (on L2 eviction)."""
+
+    THROUGH = "through"
+    BACK = "back"
+
+
+def _positive(name: str, value: float, unit: str = "") -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0{unit}, got {value!r}")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class L1Config:
+    """The shared host-memory arena.
+
+    ``name`` is the shared-memory object (``/dev/shm/<name>``) that workers attach to; ``None`` picks a
+    unique name. Reservations and read leases expire after their TTLs so a crashed client cannot leak
+    the arena.
+    """
+
+    size_bytes: int = 1 * GiB
+    name: str | None = None
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    alignment: int = 4096
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("--l1-size-gb", self.size_bytes, " bytes")
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise ConfigError(f"L1 alignment must be a power of two, got {self.alignment}")
+        _positive("L1 reservation TTL", self.reservation_ttl_s, " s")
+        _positive("L1 lease TTL", self.lease_ttl_s, " s")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """The LMDB tier at ``path``.
+
+    ``budget_bytes`` bounds payload bytes; eviction starts above ``high_watermark`` × budget and stops at
+    ``low_watermark`` × budget. The LMDB map is sized ``map_headroom`` × budget (+64 MiB) because large
+    values need *contiguous* free pages (measured: mixed sizes settle ~25% above live data), so
+    ``MDB_MAP_FULL`` does not happen in steady state. ``sync_interval_s`` is how far durability may lag
+    (writes are ``sync=False`` and a background thread calls ``env.sync()``); LMDB stays consistent
+    after a crash either way.
+    """
+
+    path: Path
+    budget_bytes: int = 10 * GiB
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    map_headroom: float = 1.5
+    sync_interval_s: float = 1.0
+    compress: bool = False
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        _positive("--disk-size-gb", self.budget_bytes, " bytes")
+        _fraction("disk high watermark", self.high_watermark)
+        _fraction("disk low watermark", self.low_watermark)
+        if self.low_watermark >= self.high_watermark:
+            raise ConfigError(
+                f"disk low watermark {self.low_watermark} must be below the high watermark "
+                f"{self.high_watermark}"
+            )
+        if self.map_headroom < 1.3:
+            raise ConfigError(
+                f"disk map headroom {self.map_headroom} is below 1.3; LMDB needs room for "
+                "fragmentation of large values (use 1.3 or more)"
+            )
+        _positive("disk sync interval", self.sync_interval_s, " s")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config:
+    """The S3 (or S3-compatible) tier.
+
+    Objects live at ``s3://<bucket>/<prefix>/<fingerprint>/g<group>/<prefix hash>``. ``capacity_bytes``
+    bounds the bytes of objects under ``prefix`` (this deployment's namespace); the oldest are deleted
+    beyond it. Credentials come from boto3's standard chain and are never logged.
+    """
+
+    bucket: str
+    prefix: str = "tiercache"
+    endpoint_url: str | None = None
+    region: str | None = None
+    path_style: bool = False
+    capacity_bytes: int = 1024 * GiB
+    max_concurrency: int = 8
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 10.0
+    exists_ttl_s: float = 300.0
+    missing_ttl_s: float = 5.0
+    compress: bool = False
+    lease_ttl_s: float = 60.0
+    reservation_ttl_s: float = 30.0
+    create_bucket: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ConfigError("--s3-bucket is required when the s3 tier is enabled")
+        object.__setattr__(self, "prefix", self.prefix.strip("/"))
+        _positive("S3 capacity", self.capacity_bytes, " bytes")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"S3 max concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"S3 max attempts must be >= 1, got {self.max_attempts}")
+        _positive("S3 connect timeout", self.connect_timeout_s, " s")
+        _positive("S3 read timeout", self.read_timeout_s, " s")
+        if self.breaker_failures < 1:
+            raise ConfigError(f"S3 breaker failures must be >= 1, got {self.breaker_failures}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine moves chunks between tiers.
+
+    Queues are bounded: when one is full the write is dropped and counted, never blocking a caller.
+    """
+
+    l3_write_policy: L3WritePolicy = L3WritePolicy.THROUGH
+    write_queue_depth: int = 256
+    promote_workers: int = 4
+    write_workers: int = 2
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.write_queue_depth < 1:
+            raise ConfigError(f"write queue depth must be >= 1, got {self.write_queue_depth}")
+        if self.promote_workers < 1 or self.write_workers < 1:
+            raise ConfigError("engine worker counts must be >= 1")

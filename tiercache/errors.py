@@ -1,0 +1,80 @@
+"""Every exception tiercache raises on purpose.
+
+The tree::
+
+    TierCacheError                      root: catch this to catch anything of ours
+    ├── ConfigError                     a setting is invalid; the message names it and the fix
+    ├── KeyFormatError                  bytes or text that are not a valid ObjectKey / fingerprint
+    ├── FrameError                      an object frame failed verification (never surfaces as a hit)
+    │   └── FrameVersionError           written by an unknown format version
+    ├── TierError                       a tier operation failed
+    │   ├── TierFullError               no room even after evicting (all pinned/owed, or too large)
+    │   ├── ReservationError            commit/abort of an unknown, expired or already finished reservation
+    │   ├── LeaseError                  release of an unknown or expired read lease
+    │   ├── ArenaError                  the shared L1 arena could not be created or attached
+    │   ├── DiskTierError               LMDB failed (translated from lmdb.Error)
+    │   └── S3TierError                 S3 failed after retries (translated from botocore errors)
+    │       └── CircuitOpenError        S3 is considered unhealthy; the call was not attempted
+    └── CopyBackendError                the copy back-end cannot run here (e.g. CUDA without a GPU)
+
+Back-end exceptions are translated at the tier boundary with ``raise ... from exc`` so callers
+never need to import lmdb or botocore to handle failures.
+"""
+
+from __future__ import annotations
+
+
+class TierCacheError(Exception):
+    """Root of every exception raised by tiercache."""
+
+
+class ConfigError(TierCacheError):
+    """A configuration value is invalid. The message names the setting and how to fix it."""
+
+
+class KeyFormatError(TierCacheError, ValueError):
+    """Bytes or text that do not parse as an ObjectKey or fingerprint."""
+
+
+class FrameError(TierCacheError):
+    """A stored object failed verification: wrong magic, key, length or checksum."""
+
+
+class FrameVersionError(FrameError):
+    """A stored object was written by a format version this build cannot read."""
+
+
+class TierError(TierCacheError):
+    """A tier operation failed."""
+
+
+class TierFullError(TierError):
+    """No room for the object even after evicting everything evictable."""
+
+
+class ReservationError(TierError):
+    """Commit or abort of a reservation that is unknown, expired or already finished."""
+
+
+class LeaseError(TierError):
+    """Release of a read lease that is unknown or has expired."""
+
+
+class ArenaError(TierError):
+    """The shared-memory arena could not be created or attached."""
+
+
+class DiskTierError(TierError):
+    """The LMDB environment failed; the message says which path and what to check."""
+
+
+class S3TierError(TierError):
+    """An S3 request failed after its retries."""
+
+
+class CircuitOpenError(S3TierError):
+    """S3 has failed repeatedly; requests are skipped until the cool-down ends."""
+
+
+class CopyBackendError(TierCacheError):
+    """The requested copy back-end cannot run on this host."""

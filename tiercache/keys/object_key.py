@@ -1,0 +1,85 @@
+"""ObjectKey: the one identity of a stored chunk, on every tier.
+
+``ObjectKey = (fingerprint, object_group, prefix_hash)``. Built by :meth:`ObjectKey.from_bytes` /
+:meth:`ObjectKey.parse` and encoded by :meth:`ObjectKey.to_bytes` / :meth:`ObjectKey.text`; nothing
+else builds or parses keys, and keys are never pickled.
+
+Byte form (35 bytes): ``version(1) | fingerprint(16) | object_group(u16 big-endian) | prefix_hash(16)``.
+The fingerprint comes first so that LMDB keeps one engine layout's objects together and a range scan
+lists them. Text form: ``<fingerprint hex>/g<group>/<prefix hash hex>`` — used as the S3 object name
+(under the configured prefix) and by the CLI.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tiercache.errors import KeyFormatError
+from tiercache.keys.fingerprint import FINGERPRINT_BYTES, Fingerprint
+from tiercache.keys.hashing import HASH_BYTES
+
+KEY_VERSION = 1
+KEY_BYTES = 1 + FINGERPRINT_BYTES + 2 + HASH_BYTES
+MAX_OBJECT_GROUP = 0xFFFF
+_TEXT = re.compile(r"^([0-9a-f]{32})/g(\d{1,5})/([0-9a-f]{32})$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ObjectKey:
+    """Where one chunk of one object group of one engine layout lives, on every tier."""
+
+    fingerprint: Fingerprint
+    object_group: int
+    prefix_hash: bytes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.object_group <= MAX_OBJECT_GROUP:
+            raise KeyFormatError(
+                f"object group {self.object_group} is outside 0..{MAX_OBJECT_GROUP}"
+            )
+        if len(self.prefix_hash) != HASH_BYTES:
+            raise KeyFormatError(
+                f"a prefix hash is {HASH_BYTES} bytes, got {len(self.prefix_hash)}"
+            )
+
+    def to_bytes(self) -> bytes:
+        """The 35-byte binary form used as the LMDB key and inside object frames."""
+        return (
+            bytes((KEY_VERSION,))
+            + self.fingerprint.raw
+            + self.object_group.to_bytes(2, "big")
+            + self.prefix_hash
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | memoryview) -> ObjectKey:
+        """Parse the binary form; raises :class:`KeyFormatError` on anything else."""
+        raw = bytes(raw)
+        if len(raw) != KEY_BYTES:
+            raise KeyFormatError(f"an object key is {KEY_BYTES} bytes, got {len(raw)}")
+        if raw[0] != KEY_VERSION:
+            raise KeyFormatError(f"object key version {raw[0]} is not {KEY_VERSION}")
+        fp_end = 1 + FINGERPRINT_BYTES
+        return cls(
+            Fingerprint(raw[1:fp_end]),
+            int.from_bytes(raw[fp_end : fp_end + 2], "big"),
+            raw[fp_end + 2 :],
+        )
+
+    def text(self) -> str:
+        """The printable form ``<fingerprint>/g<group>/<prefix hash>``."""
+        return f"{self.fingerprint.hex}/g{self.object_group}/{self.prefix_hash.hex()}"
+
+    @classmethod
+    def parse(cls, text: str) -> ObjectKey:
+        """Parse :meth:`text`; raises :class:`KeyFormatError` naming the expected form."""
+        m = _TEXT.match(text.strip())
+        if not m:
+            raise KeyFormatError(
+                f"{text!r} is not an object key; expected <32 hex>/g<group>/<32 hex>"
+            )
+        return cls(Fingerprint.from_hex(m.group(1)), int(m.group(2)), bytes.fromhex(m.group(3)))
+
+    def __str__(self) -> str:
+        return self.text()

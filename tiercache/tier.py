@@ -1,0 +1,224 @@
+"""The tier contract: what L1, L2 and L3 each implement, and all the engine knows of them.
+
+Two-phase moves on every tier:
+
+* **write**: :meth:`Tier.reserve` returns a :class:`WriteHandle` whose ``buffer`` the caller fills,
+  then :meth:`Tier.commit` makes the object visible (or :meth:`Tier.abort` drops it). An object is
+  never visible before its commit, and a reservation that is never finished expires.
+* **read**: :meth:`Tier.pin` returns a :class:`ReadHandle` whose ``buffer`` holds the *verified*
+  payload and stays valid until :meth:`Tier.release`. A pinned object is never evicted. A corrupt
+  object is a miss (``None``), deleted and counted — never a hit.
+
+Tiers are synchronous and thread-safe. They may block on I/O (LMDB, S3); the engine calls L2/L3 only
+from its own bounded executors, never from a request loop. Only :class:`L1 <tiercache.l1.L1Tier>`
+promises that its calls do not block on I/O.
+
+Five methods are abstract beyond the write/read pairs; everything else has a default written in terms
+of them, which a tier overrides only to be faster (e.g. L2's :meth:`put` writes straight from the
+caller's buffer, L3's :meth:`lookup_prefix` searches instead of asking once per chunk).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tiercache.keys.object_key import ObjectKey
+
+
+class EvictionReason(enum.StrEnum):
+    """Why an object left a tier; counted separately in :class:`TierStats`."""
+
+    CAPACITY = "capacity"  # the byte budget needed room
+    CORRUPT = "corrupt"  # failed verification on read
+    DELETED = "deleted"  # explicit delete / clear
+    EXPIRED = "expired"  # lifetime bound reached (L3 capacity on objects this deployment wrote)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteHandle:
+    """A reservation: fill ``buffer`` (exactly ``nbytes``), then commit or abort it."""
+
+    key: ObjectKey
+    nbytes: int
+    buffer: memoryview
+    token: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHandle:
+    """A pinned, verified object: ``buffer`` is valid until the handle is released."""
+
+    key: ObjectKey
+    buffer: memoryview
+    token: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes and objects a tier holds against its budget (payload bytes, not file sizes)."""
+
+    bytes_used: int
+    bytes_budget: int
+    objects: int
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters every tier keeps. Thread-safe increments through :meth:`add`."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    verify_failures: int = 0
+    errors: int = 0
+    skipped: int = 0  # operations not attempted (circuit open, tier full)
+    expired_reservations: int = 0
+    expired_leases: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Increment counter ``name`` by ``n``."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def evicted(self, reason: EvictionReason, n: int = 1) -> None:
+        """Count ``n`` evictions for ``reason``."""
+        with self._lock:
+            self.evictions[reason.value] = self.evictions.get(reason.value, 0) + n
+
+    def snapshot(self) -> dict[str, object]:
+        """A consistent plain-dict copy of every counter."""
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "puts": self.puts,
+                "bytes_written": self.bytes_written,
+                "bytes_read": self.bytes_read,
+                "verify_failures": self.verify_failures,
+                "errors": self.errors,
+                "skipped": self.skipped,
+                "expired_reservations": self.expired_reservations,
+                "expired_leases": self.expired_leases,
+                "evictions": dict(self.evictions),
+            }
+
+
+class Tier(ABC):
+    """One storage tier. See the module docstring for the contract."""
+
+    #: Short name used in stats, logs and the CLI ("l1", "disk", "s3").
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+
+    # -- writes --------------------------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """Reserve room for ``nbytes`` under ``key``; evicts if needed.
+
+        Raises :class:`~tiercache.errors.TierFullError` if no room can be made. Reserving a key that is
+        already committed is allowed; the new object replaces the old one at commit.
+        """
+
+    @abstractmethod
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        """Make the reserved object visible.
+
+        ``owed=True`` says this is the only copy and a lower tier is still owed it: the tier must not
+        evict it until :meth:`settle` is called. Raises :class:`~tiercache.errors.ReservationError` if
+        the reservation is unknown, finished or expired.
+        """
+
+    @abstractmethod
+    def abort(self, handle: WriteHandle) -> None:
+        """Drop a reservation; a no-op if it already expired."""
+
+    # -- reads ---------------------------------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is (believed) committed here. Cheap; does not verify the bytes."""
+
+    @abstractmethod
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        """Verified payload of ``key``, held until :meth:`release`; ``None`` on a miss.
+
+        A failed verification deletes the object, counts ``verify_failures`` and returns ``None``.
+        """
+
+    @abstractmethod
+    def release(self, handle: ReadHandle) -> None:
+        """End a pin. Releasing twice or after expiry is harmless."""
+
+    # -- management ----------------------------------------------------------------------------
+    @abstractmethod
+    def delete(self, key: ObjectKey) -> bool:
+        """Remove ``key``; ``True`` if it was there. Pinned objects go once released."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """Bytes and objects held against the budget."""
+
+    @abstractmethod
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """Every committed key (order unspecified)."""
+
+    # -- defaults ------------------------------------------------------------------------------
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        """Store ``data`` under ``key`` in one call (reserve, copy, commit)."""
+        view = memoryview(data).cast("B")
+        handle = self.reserve(key, view.nbytes)
+        try:
+            handle.buffer[:] = view
+        except BaseException:
+            self.abort(handle)
+            raise
+        self.commit(handle, owed=owed)
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        """A verified copy of the payload of ``key``, or ``None`` on a miss."""
+        handle = self.pin(key)
+        if handle is None:
+            return None
+        try:
+            return bytes(handle.buffer)
+        finally:
+            self.release(handle)
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading ``keys`` are present. Tiers with costly lookups override this."""
+        for i, key in enumerate(keys):
+            if not self.contains(key):
+                return i
+        return len(keys)
+
+    def settle(self, key: ObjectKey) -> None:
+        """A lower tier now holds ``key``: it may be evicted here. No-op on tiers that never owe."""
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Make committed objects durable (LMDB sync). No-op where commit already is durable."""
+
+    def close(self) -> None:
+        """Release files, sockets and memory. Idempotent."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def deadline(seconds: float) -> float:
+    """The monotonic time ``seconds`` from now (handles carry monotonic expiry times)."""
+    return time.monotonic() + seconds
