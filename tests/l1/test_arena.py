@@ -1,0 +1,176 @@
+"""The shared arena: owner-only, attachable by name from another process, gone after unlink."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from tests.conftest import FakeClock, make_key, payload_for
+from tiercache.config import L1Config
+from tiercache.errors import ArenaError
+from tiercache.l1 import L1Tier, SharedArena, default_arena_name
+from tiercache.l1.arena import SHM_DIR
+
+
+# -- run in a spawned child process (module level so that spawn can import them) -------------------
+def _child_read(name: str, offset: int, nbytes: int) -> bytes:
+    arena = SharedArena.attach(name)
+    try:
+        return bytes(arena.view(offset, nbytes))
+    finally:
+        arena.close()
+
+
+def _child_write(name: str, offset: int, data: bytes) -> None:
+    arena = SharedArena.attach(name)
+    try:
+        arena.view(offset, len(data))[:] = data
+    finally:
+        arena.close()
+
+
+@pytest.fixture
+def spawn_pool():
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+# -- the arena on its own ----------------------------------------------------------------------------
+def test_the_arena_file_is_owner_only() -> None:
+    with SharedArena.create(default_arena_name(), 8192) as arena:
+        mode = stat.S_IMODE(os.stat(arena.path).st_mode)
+        assert mode == 0o600
+
+
+def test_closing_and_unlinking_leaves_nothing_in_dev_shm() -> None:
+    arena = SharedArena.create(default_arena_name(), 8192)
+    path = arena.path
+    assert path.exists()
+    arena.close()
+    arena.unlink()
+    assert not path.exists()
+    arena.unlink()  # idempotent
+
+
+def test_an_l1_tier_unlinks_the_arena_it_created_at_close(clock: FakeClock) -> None:
+    tier = L1Tier(L1Config(size_bytes=65536, name=default_arena_name()), clock=clock)
+    path = SHM_DIR / tier.arena_name
+    assert path.exists()
+    tier.close()
+    assert not path.exists()
+    tier.close()  # idempotent
+
+
+def test_an_l1_tier_leaves_a_passed_in_arena_to_its_owner(clock: FakeClock) -> None:
+    with SharedArena.create(default_arena_name(), 65536) as arena:
+        tier = L1Tier(L1Config(size_bytes=65536), clock=clock, arena=arena)
+        assert tier.arena_name == arena.name
+        tier.close()
+        assert arena.path.exists()
+    assert not arena.path.exists()
+
+
+def test_writes_through_one_mapping_are_seen_through_another() -> None:
+    with SharedArena.create(default_arena_name(), 8192) as owner:
+        other = SharedArena.attach(owner.name)
+        try:
+            assert other.size == owner.size
+            owner.view(100, 5)[:] = b"hello"
+            assert bytes(other.view(100, 5)) == b"hello"
+        finally:
+            other.close()
+
+
+def test_creating_an_existing_name_is_refused() -> None:
+    with SharedArena.create(default_arena_name(), 4096) as arena:
+        with pytest.raises(ArenaError, match="already exists"):
+            SharedArena.create(arena.name, 4096)
+
+
+def test_attaching_a_missing_arena_says_what_to_check() -> None:
+    with pytest.raises(ArenaError, match="no L1 arena named .* is the tiercache server running"):
+        SharedArena.attach(default_arena_name())
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../etc", ".hidden", "sp ace", "x" * 300])
+def test_invalid_names_are_refused(bad: str) -> None:
+    with pytest.raises(ArenaError, match="invalid L1 arena name"):
+        SharedArena.create(bad, 4096)
+
+
+def test_an_arena_larger_than_dev_shm_is_refused_with_the_fix() -> None:
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_blocks * st.f_frsize * 2
+    name = default_arena_name()
+    with pytest.raises(ArenaError, match="shm-size"):
+        SharedArena.create(name, too_big)
+    assert not (SHM_DIR / name).exists()
+
+
+def test_only_the_owner_may_unlink() -> None:
+    with SharedArena.create(default_arena_name(), 4096) as arena:
+        other = SharedArena.attach(arena.name)
+        with pytest.raises(ArenaError, match="only the process that created"):
+            other.unlink()
+        other.close()
+
+
+def test_views_outside_the_arena_are_refused() -> None:
+    with SharedArena.create(default_arena_name(), 4096) as arena:
+        with pytest.raises(ArenaError, match="outside"):
+            arena.view(4000, 100)
+
+
+def test_a_view_handed_out_before_close_stays_readable() -> None:
+    arena = SharedArena.create(default_arena_name(), 4096)
+    view = arena.view(0, 3)
+    view[:] = b"abc"
+    arena.close()
+    arena.unlink()
+    assert bytes(view) == b"abc"
+    with pytest.raises(ArenaError, match="closed"):
+        arena.view(0, 1)
+
+
+# -- across processes --------------------------------------------------------------------------------
+def test_another_process_reads_exactly_the_committed_bytes(
+    make_l1, spawn_pool: ProcessPoolExecutor
+) -> None:
+    tier = make_l1(size_bytes=256 * 1024)
+    key = make_key(1)
+    payload = payload_for(key, 70_001)
+    tier.put(key, payload)
+    handle = tier.pin(key)
+    assert handle is not None
+    slot = tier.slot_of(handle)
+    try:
+        seen = spawn_pool.submit(_child_read, tier.arena_name, slot.offset, slot.nbytes).result(60)
+    finally:
+        tier.release(handle)
+    assert seen == payload
+
+
+def test_another_process_fills_a_reservation_that_the_owner_commits(
+    make_l1, spawn_pool: ProcessPoolExecutor
+) -> None:
+    tier = make_l1(size_bytes=256 * 1024)
+    key = make_key(2)
+    payload = payload_for(key, 12_345)
+    handle = tier.reserve(key, len(payload))
+    slot = tier.slot_of(handle)
+    spawn_pool.submit(_child_write, tier.arena_name, slot.offset, payload).result(60)
+    tier.commit(handle)
+    assert tier.get(key) == payload
+
+
+def test_a_child_exiting_does_not_remove_the_arena(
+    make_l1, spawn_pool: ProcessPoolExecutor
+) -> None:
+    tier = make_l1()
+    spawn_pool.submit(_child_read, tier.arena_name, 0, 1).result(60)
+    spawn_pool.shutdown(wait=True)
+    assert (SHM_DIR / tier.arena_name).exists()

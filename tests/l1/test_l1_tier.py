@@ -1,0 +1,247 @@
+"""L1-specific behaviour beyond the shared contract: owed entries, leases, versions, policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import FakeClock, make_key, payload_for
+from tiercache.config import EvictionPolicyName
+from tiercache.errors import LeaseError, ReservationError, TierError, TierFullError
+from tiercache.tier import EvictionReason
+
+KiB = 1024
+UNIT = 4 * KiB  # the default alignment: one slot per UNIT-sized object
+
+
+def fill(tier, keys: range, size: int = UNIT) -> None:
+    for i in keys:
+        key = make_key(i)
+        tier.put(key, payload_for(key, size))
+
+
+# -- owed entries ------------------------------------------------------------------------------------
+def test_owed_objects_are_not_evicted_until_settled(make_l1) -> None:
+    tier = make_l1(size_bytes=4 * UNIT)
+    owed = make_key(0)
+    tier.put(owed, payload_for(owed, UNIT), owed=True)
+    fill(tier, range(1, 20))
+    assert tier.get(owed) == payload_for(owed, UNIT)
+    tier.settle(owed)
+    fill(tier, range(20, 40))
+    assert not tier.contains(owed)
+
+
+def test_when_everything_is_owed_a_reservation_fails_and_says_why(make_l1) -> None:
+    tier = make_l1(size_bytes=2 * UNIT)
+    for i in range(2):
+        tier.put(make_key(i), b"x" * UNIT, owed=True)
+    with pytest.raises(TierFullError, match="2 owed to a lower tier"):
+        tier.reserve(make_key(9), UNIT)
+    assert tier.stats.snapshot()["skipped"] == 1
+
+
+def test_when_everything_is_pinned_a_reservation_fails_and_says_why(make_l1) -> None:
+    tier = make_l1(size_bytes=2 * UNIT)
+    fill(tier, range(2))
+    handles = [tier.pin(make_key(i)) for i in range(2)]
+    with pytest.raises(TierFullError, match="2 objects pinned"):
+        tier.reserve(make_key(9), UNIT)
+    for h in handles:
+        tier.release(h)
+    tier.reserve(make_key(9), UNIT)  # room can be made again
+
+
+def test_an_object_larger_than_the_arena_is_refused_with_the_fix(make_l1) -> None:
+    tier = make_l1(size_bytes=2 * UNIT)
+    with pytest.raises(TierFullError, match="larger than the L1 arena"):
+        tier.reserve(make_key(1), 2 * UNIT + 1)
+
+
+# -- leases ------------------------------------------------------------------------------------------
+def test_an_expired_lease_is_counted_and_no_longer_protects(make_l1, clock: FakeClock) -> None:
+    tier = make_l1(size_bytes=2 * UNIT, lease_ttl_s=10.0)
+    key = make_key(0)
+    tier.put(key, payload_for(key, UNIT))
+    handle = tier.pin(key)
+    assert handle is not None
+    clock.advance(9.0)
+    fill(tier, range(1, 5))
+    assert tier.contains(key)  # still leased: survived the churn
+    clock.advance(1.0)
+    fill(tier, range(5, 9))
+    assert not tier.contains(key)
+    assert tier.stats.snapshot()["expired_leases"] == 1
+    tier.release(handle)  # after expiry: harmless
+    with pytest.raises(LeaseError, match="pin the key again"):
+        tier.slot_of(handle)
+
+
+def test_each_pin_is_its_own_lease(make_l1) -> None:
+    tier = make_l1(size_bytes=2 * UNIT)
+    key = make_key(0)
+    tier.put(key, payload_for(key, UNIT))
+    first, second = tier.pin(key), tier.pin(key)
+    tier.release(first)
+    fill(tier, range(1, 5))
+    assert bytes(second.buffer) == payload_for(key, UNIT)  # still pinned by the second lease
+    tier.release(second)
+    fill(tier, range(5, 9))
+    assert not tier.contains(key)
+
+
+def test_pinned_buffers_are_read_only(make_l1) -> None:
+    tier = make_l1()
+    key = make_key(0)
+    tier.put(key, b"abc")
+    handle = tier.pin(key)
+    assert handle.buffer.readonly
+    tier.release(handle)
+
+
+# -- reservations ------------------------------------------------------------------------------------
+def test_an_expired_reservation_is_freed_and_counted(make_l1, clock: FakeClock) -> None:
+    tier = make_l1(size_bytes=2 * UNIT, reservation_ttl_s=5.0)
+    handle = tier.reserve(make_key(0), 2 * UNIT)
+    assert tier.free_bytes() == 0
+    clock.advance(5.0)
+    assert tier.free_bytes() == 2 * UNIT
+    assert tier.stats.snapshot()["expired_reservations"] == 1
+    with pytest.raises(ReservationError, match="reserve again"):
+        tier.commit(handle)
+    tier.abort(handle)  # harmless
+
+
+def test_open_reservations_are_not_evicted(make_l1) -> None:
+    tier = make_l1(size_bytes=2 * UNIT)
+    handle = tier.reserve(make_key(0), UNIT)
+    handle.buffer[:] = b"r" * UNIT
+    fill(tier, range(1, 6))
+    tier.commit(handle)
+    assert tier.get(make_key(0)) == b"r" * UNIT
+
+
+def test_slot_of_gives_the_offset_and_size_workers_copy(make_l1) -> None:
+    tier = make_l1()
+    key = make_key(0)
+    handle = tier.reserve(key, 1000)
+    slot = tier.slot_of(handle)
+    assert slot.nbytes == 1000 and slot.offset % UNIT == 0
+    tier.arena.view(slot.offset, slot.nbytes)[:] = payload_for(key, 1000)
+    tier.commit(handle)
+    assert tier.get(key) == payload_for(key, 1000)
+    with pytest.raises(ReservationError):
+        tier.slot_of(handle)
+
+
+# -- versions ----------------------------------------------------------------------------------------
+def test_overwriting_a_pinned_object_keeps_the_old_bytes_for_the_pin_holder(make_l1) -> None:
+    tier = make_l1(size_bytes=4 * UNIT)
+    key = make_key(0)
+    tier.put(key, b"old" * 1000)
+    handle = tier.pin(key)
+    tier.put(key, b"new" * 1000)
+    fill(tier, range(1, 10))  # churn: the old slot must not be reused while pinned
+    assert bytes(handle.buffer) == b"old" * 1000
+    assert tier.get(key) in (None, b"new" * 1000)
+    tier.release(handle)
+    tier.put(key, b"new" * 1000)
+    assert tier.get(key) == b"new" * 1000
+    assert tier.usage().objects <= 4
+
+
+def test_the_old_version_is_freed_when_its_pin_ends(make_l1) -> None:
+    tier = make_l1(size_bytes=4 * UNIT)
+    key = make_key(0)
+    tier.put(key, b"a" * UNIT)
+    handle = tier.pin(key)
+    tier.put(key, b"b" * UNIT)
+    assert tier.free_bytes() == 2 * UNIT
+    tier.release(handle)
+    assert tier.free_bytes() == 3 * UNIT
+    assert tier.usage().bytes_used == UNIT
+
+
+def test_delete_while_pinned_hides_now_and_frees_at_release(make_l1) -> None:
+    tier = make_l1(size_bytes=4 * UNIT)
+    key = make_key(0)
+    tier.put(key, b"d" * UNIT)
+    handle = tier.pin(key)
+    assert tier.delete(key) is True
+    assert not tier.contains(key) and tier.get(key) is None
+    assert bytes(handle.buffer) == b"d" * UNIT
+    assert tier.free_bytes() == 3 * UNIT
+    tier.release(handle)
+    assert tier.free_bytes() == 4 * UNIT
+    assert tier.stats.snapshot()["evictions"] == {EvictionReason.DELETED.value: 1}
+
+
+# -- eviction policy ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("policy", "survives"),
+    [(EvictionPolicyName.S3FIFO, True), (EvictionPolicyName.LRU, False)],
+)
+def test_a_hot_shared_prefix_survives_a_scan_of_one_off_prompts_only_with_s3fifo(
+    make_l1, policy: EvictionPolicyName, survives: bool
+) -> None:
+    tier = make_l1(size_bytes=16 * UNIT, eviction_policy=policy)
+    hot = make_key(0)
+    tier.put(hot, payload_for(hot, UNIT))
+    assert tier.get(hot) is not None and tier.get(hot) is not None  # reused
+    fill(tier, range(1, 200))  # one-off prompts, each stored once, never read
+    assert tier.contains(hot) is survives
+    if survives:
+        assert tier.get(hot) == payload_for(hot, UNIT)
+
+
+def test_eviction_frees_contiguous_room_for_a_large_object(make_l1) -> None:
+    tier = make_l1(size_bytes=8 * UNIT)
+    fill(tier, range(8))
+    big = make_key(100)
+    tier.put(big, payload_for(big, 5 * UNIT))
+    assert tier.get(big) == payload_for(big, 5 * UNIT)
+    assert tier.stats.snapshot()["evictions"][EvictionReason.CAPACITY.value] >= 5
+
+
+# -- lifecycle ---------------------------------------------------------------------------------------
+def test_a_closed_tier_refuses_work_but_release_and_abort_stay_harmless(make_l1) -> None:
+    tier = make_l1()
+    key = make_key(0)
+    tier.put(key, b"x")
+    pinned = tier.pin(key)
+    pending = tier.reserve(make_key(1), 10)
+    tier.close()
+    tier.release(pinned)
+    tier.abort(pending)
+    with pytest.raises(TierError, match="closed"):
+        tier.reserve(key, 1)
+    with pytest.raises(TierError, match="closed"):
+        tier.pin(key)
+
+
+def test_concurrent_writers_and_readers_only_ever_see_whole_committed_objects(make_l1) -> None:
+    import threading
+
+    tier = make_l1(size_bytes=32 * UNIT, eviction_policy=EvictionPolicyName.S3FIFO)
+    errors: list[str] = []
+
+    def work(worker: int) -> None:
+        for round_ in range(200):
+            key = make_key((worker * 7 + round_) % 24)
+            try:
+                tier.put(key, payload_for(key, UNIT + round_))
+            except TierFullError:
+                pass
+            handle = tier.pin(key)
+            if handle is not None:
+                data = bytes(handle.buffer)
+                if data != payload_for(key, len(data)):
+                    errors.append(f"{key}: torn or foreign bytes")
+                tier.release(handle)
+
+    threads = [threading.Thread(target=work, args=(w,), name=f"l1-test-{w}") for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tier.usage().bytes_used <= 32 * UNIT

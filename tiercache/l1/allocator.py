@@ -1,0 +1,127 @@
+"""Variable-size slot allocation inside the L1 arena.
+
+Best fit over a free list kept twice: by offset (to find and merge neighbours when a slot is freed)
+and by ``(size, offset)`` (to find the smallest extent that fits). Both are ``sortedcontainers``
+structures, so allocate and free are O(log n) in the number of free extents. Best fit keeps large
+extents whole for large chunks; ties go to the lowest offset, which packs the arena from the front.
+
+Every slot starts and ends on a multiple of ``alignment`` (4 KiB by default: page aligned, which DMA
+engines and ``cudaHostRegister``-ed copies like), so a slot of ``n`` bytes occupies ``n`` rounded up.
+Not thread-safe: the owner (:class:`~tiercache.l1.L1Tier`) calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sortedcontainers import SortedDict, SortedList
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """``size`` bytes at ``offset`` in the arena."""
+
+    offset: int
+    size: int
+
+
+class SlotAllocator:
+    """Allocates aligned, non-overlapping byte ranges of ``[0, capacity)``."""
+
+    def __init__(self, capacity: int, alignment: int = 4096) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self._alignment = alignment
+        # Only whole aligned units are usable; a ragged tail would break alignment of the next slot.
+        self._capacity = capacity - capacity % alignment
+        self._by_offset: SortedDict = SortedDict()  # offset -> size, free extents
+        self._by_size: SortedList = SortedList()  # (size, offset), same extents
+        self._allocated: dict[int, int] = {}  # offset -> size, live slots
+        self._free_bytes = 0
+        if self._capacity:
+            self._add_free(0, self._capacity)
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Usable bytes (the arena size rounded down to the alignment)."""
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        """Slot start and size granularity."""
+        return self._alignment
+
+    def free_bytes(self) -> int:
+        """Bytes in free extents (not necessarily contiguous). O(1)."""
+        return self._free_bytes
+
+    def largest_free(self) -> int:
+        """The biggest contiguous free extent, i.e. the largest slot that can be allocated now. O(1)."""
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def slot_size(self, nbytes: int) -> int:
+        """Bytes a request of ``nbytes`` occupies (rounded up to the alignment, at least one unit)."""
+        a = self._alignment
+        return max(a, (nbytes + a - 1) & ~(a - 1))
+
+    def extents(self) -> list[Extent]:
+        """Free extents in offset order (a copy; for inspection and tests). O(n)."""
+        return [Extent(off, size) for off, size in self._by_offset.items()]
+
+    def __len__(self) -> int:
+        """Number of live slots."""
+        return len(self._allocated)
+
+    # -- allocate / free ---------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> Extent | None:
+        """A slot of at least ``nbytes``, or ``None`` if no free extent is large enough. O(log n)."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative size ({nbytes})")
+        need = self.slot_size(nbytes)
+        i = self._by_size.bisect_left((need, -1))
+        if i == len(self._by_size):
+            return None
+        size, offset = self._by_size[i]
+        self._remove_free(offset, size)
+        if size > need:
+            self._add_free(offset + need, size - need)
+        self._allocated[offset] = need
+        return Extent(offset, need)
+
+    def free(self, offset: int) -> None:
+        """Return the slot at ``offset``, merging it with free neighbours. O(log n).
+
+        Freeing an offset that is not a live slot is a bug in the caller and raises ``ValueError``.
+        """
+        size = self._allocated.pop(offset, None)
+        if size is None:
+            raise ValueError(f"no live slot at offset {offset} (double free?)")
+        start, end = offset, offset + size
+        # Merge with the extent that ends where this one starts.
+        i = self._by_offset.bisect_left(start)
+        if i > 0:
+            prev_off = self._by_offset.keys()[i - 1]
+            prev_size = self._by_offset[prev_off]
+            if prev_off + prev_size == start:
+                self._remove_free(prev_off, prev_size)
+                start = prev_off
+        # Merge with the extent that starts where this one ends.
+        next_size = self._by_offset.get(end)
+        if next_size is not None:
+            self._remove_free(end, next_size)
+            end += next_size
+        self._add_free(start, end - start)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _add_free(self, offset: int, size: int) -> None:
+        self._by_offset[offset] = size
+        self._by_size.add((size, offset))
+        self._free_bytes += size
+
+    def _remove_free(self, offset: int, size: int) -> None:
+        del self._by_offset[offset]
+        self._by_size.remove((size, offset))
+        self._free_bytes -= size

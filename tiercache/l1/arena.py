@@ -1,0 +1,280 @@
+"""The shared L1 arena: one file in ``/dev/shm`` that the server creates and worker processes map.
+
+Why a plain file + ``mmap`` rather than :mod:`multiprocessing.shared_memory`: in Python 3.11 every
+process that *attaches* a ``SharedMemory`` registers it with its resource tracker, which unlinks the
+segment when that process exits — a vLLM worker restarting would delete the server's arena. Here
+only the owner (the process that called :meth:`SharedArena.create`) ever unlinks.
+
+The file is created ``O_CREAT | O_EXCL`` with mode ``0o600``: only the server's user can attach, and a
+name collision is an error rather than a silent takeover of somebody else's arena. Its pages are
+allocated up front (``posix_fallocate``) so that a full ``/dev/shm`` is a clear error at start-up
+instead of a ``SIGBUS`` in a worker in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from tiercache.errors import ArenaError
+
+#: Where POSIX shared memory lives on Linux; a tmpfs.
+SHM_DIR = Path("/dev/shm")
+
+# A single path component: no "/", no leading "." (hidden files, "..").
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+
+
+def default_arena_name() -> str:
+    """A fresh, unique arena name (``tiercache-<pid>-<random>``)."""
+    return f"tiercache-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ArenaError(
+            f"invalid L1 arena name {name!r}: use 1-201 characters from A-Z a-z 0-9 _ . - "
+            "(no '/', not starting with '.')"
+        )
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
+
+
+class SharedArena:
+    """A fixed-size shared-memory region, created by its owner and attachable by name.
+
+    Not thread-safe by itself and it does not need to be: the region is a plain byte range; who may
+    touch which bytes is decided by the allocator of :class:`~tiercache.l1.L1Tier`.
+    Views returned by :meth:`view` stay valid after :meth:`close` until the last of them is dropped
+    (the mapping is released then), so a late reader never faults.
+    """
+
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, *, owner: bool) -> None:
+        """Use :meth:`create` or :meth:`attach`; this only wraps an existing mapping."""
+        self._name = name
+        self._path = SHM_DIR / name
+        self._mmap: mmap.mmap | None = mapping
+        self._base: memoryview | None = memoryview(mapping)
+        self._size = size
+        self._owner = owner
+        self._unlinked = False
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str | None, size: int, *, prefault: bool = True) -> SharedArena:
+        """Create ``/dev/shm/<name>`` of ``size`` bytes (owner-only) and map it.
+
+        Runs once in the server at start-up. Costs one file creation plus, with ``prefault``, the
+        kernel zeroing ``size`` bytes of tmpfs pages (roughly the time of one memset of the arena),
+        which turns "``/dev/shm`` too small" into an :class:`ArenaError` now rather than a ``SIGBUS``
+        later. ``name=None`` picks a unique name.
+        """
+        name = default_arena_name() if name is None else name
+        _check_name(name)
+        if size <= 0:
+            raise ArenaError(f"L1 arena size must be > 0 bytes, got {size}")
+        if not SHM_DIR.is_dir():
+            raise ArenaError(
+                f"{SHM_DIR} does not exist on this host; the L1 arena needs Linux POSIX shared memory"
+            )
+        path = SHM_DIR / name
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+        except OSError:  # cannot tell; fallocate below still catches a real shortage
+            free = size
+        if free < size:
+            raise ArenaError(
+                f"{SHM_DIR} has {_fmt_bytes(free)} free but the L1 arena needs {_fmt_bytes(size)}; "
+                "lower --l1-size-gb or enlarge /dev/shm (Docker: --shm-size, Kubernetes: an "
+                "emptyDir with medium: Memory)"
+            )
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError as exc:
+            raise ArenaError(
+                f"an L1 arena named {name!r} already exists ({path}); another tiercache server may be "
+                f"using it — pick another --l1-name, or remove {path} if no server is running"
+            ) from exc
+        except OSError as exc:
+            raise ArenaError(f"cannot create L1 arena {path}: {exc.strerror}") from exc
+        try:
+            # The umask may have removed bits; the owner must be able to read and write.
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            if prefault:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(path)
+            if exc.errno == errno.ENOSPC:
+                raise ArenaError(
+                    f"{SHM_DIR} ran out of space allocating the {_fmt_bytes(size)} L1 arena; lower "
+                    "--l1-size-gb or enlarge /dev/shm"
+                ) from exc
+            raise ArenaError(f"cannot size or map L1 arena {path}: {exc.strerror or exc}") from exc
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)  # mmap keeps its own duplicate of the descriptor
+        return cls(name, mapping, size, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> SharedArena:
+        """Map the existing arena ``name`` (in a worker process). Costs one ``open`` + ``mmap``."""
+        _check_name(name)
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise ArenaError(
+                f"no L1 arena named {name!r} in {SHM_DIR}; is the tiercache server running, and does "
+                "the name match its --l1-name?"
+            ) from exc
+        except PermissionError as exc:
+            raise ArenaError(
+                f"permission denied opening L1 arena {path}: the arena is owner-only; run the "
+                "worker as the same user as the tiercache server"
+            ) from exc
+        except OSError as exc:
+            raise ArenaError(f"cannot open L1 arena {path}: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise ArenaError(
+                    f"L1 arena {path} is empty; it is still being created or is not a tiercache arena"
+                )
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise ArenaError(f"cannot map L1 arena {path}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+        return cls(name, mapping, size, owner=False)
+
+    # -- access ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The name other processes pass to :meth:`attach`."""
+        return self._name
+
+    @property
+    def path(self) -> Path:
+        """The backing file, ``/dev/shm/<name>``."""
+        return self._path
+
+    @property
+    def size(self) -> int:
+        """Mapped bytes."""
+        return self._size
+
+    @property
+    def owner(self) -> bool:
+        """Whether this process created the arena (and may unlink it)."""
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._base is None
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A writable view of ``nbytes`` at ``offset``. O(1), no copy; any process, any thread."""
+        base = self._base
+        if base is None:
+            raise ArenaError(f"L1 arena {self._name!r} is closed; attach it again")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self._size:
+            raise ArenaError(
+                f"range [{offset}, {offset + nbytes}) is outside L1 arena {self._name!r} of "
+                f"{self._size} bytes"
+            )
+        return base[offset : offset + nbytes]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop this process's mapping. Idempotent.
+
+        Views still held elsewhere keep the memory mapped until they are released (CPython keeps the
+        ``mmap`` alive for them), so closing never invalidates a buffer a caller still holds.
+        """
+        base, mapping = self._base, self._mmap
+        self._base = None
+        self._mmap = None
+        if base is not None:
+            base.release()
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                # Views are still exported; the mapping goes when the last one is dropped.
+                pass
+
+    def unlink(self) -> None:
+        """Remove the backing file (owner only). Idempotent.
+
+        Processes that already mapped the arena keep their mapping; nobody can attach afterwards.
+        """
+        if not self._owner:
+            raise ArenaError(
+                f"only the process that created L1 arena {self._name!r} may unlink it; call close()"
+            )
+        if not self._unlinked:
+            self._unlinked = True
+            _unlink_quietly(self._path)
+
+    def __enter__(self) -> SharedArena:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        role = "owner" if self._owner else "attached"
+        return f"SharedArena(name={self._name!r}, size={self._size}, {role}, {state})"
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaSlot:
+    """``nbytes`` of payload at ``offset`` in the arena: what a worker needs to copy into or out of.
+
+    Offsets are the same in every process that maps the arena, so the server sends these (not
+    pointers) to workers.
+    """
+
+    offset: int
+    nbytes: int

@@ -1,0 +1,407 @@
+"""L1: hot chunks in a shared host-memory arena, the only tier the inference engine copies to/from.
+
+All calls run on the server (usually its request loop) and **never block on I/O**: every method is a
+few dict/heap operations plus O(log n) allocator work under one lock; the byte copies happen in the
+worker processes through :meth:`L1Tier.slot_of` (or in the caller's thread via ``handle.buffer``).
+
+Lifetimes, all measured with the injected ``clock`` and swept lazily at the start of each call
+(no timer thread):
+
+* a reservation (:meth:`~L1Tier.reserve`) that is neither committed nor aborted within
+  ``reservation_ttl_s`` is freed and counted in ``stats.expired_reservations``;
+* a read lease (:meth:`~L1Tier.pin`) older than ``lease_ttl_s`` stops protecting its object and is
+  counted in ``stats.expired_leases``; its bytes may then be reused. TTLs must therefore exceed the
+  slowest copy a healthy worker does — they exist to reclaim memory from crashed clients.
+
+Versions: a key's committed bytes live in one slot. Overwriting (reserve + commit under the same key)
+or deleting a pinned object hides it from new readers at once, but its slot is freed only when the last
+pin on it ends, so a reader never sees its bytes change under it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from tiercache.config import L1Config
+from tiercache.errors import (
+    ArenaError,
+    ConfigError,
+    LeaseError,
+    ReservationError,
+    TierError,
+    TierFullError,
+)
+from tiercache.keys.object_key import ObjectKey
+from tiercache.l1.allocator import SlotAllocator
+from tiercache.l1.arena import ArenaSlot, SharedArena
+from tiercache.l1.policy import EvictionPolicy, make_policy
+from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """One allocation holding one version of one key's bytes."""
+
+    key: ObjectKey
+    offset: int
+    nbytes: int
+    pins: int = 0
+    owed: bool = False
+    visible: bool = False  # committed and currently the object readers get for ``key``
+
+
+@dataclass(slots=True, eq=False)
+class _Ticket:
+    """An open reservation or read lease on a slot."""
+
+    slot: _Slot
+    expires_at: float
+
+
+class L1Tier(Tier):
+    """The shared-memory tier. See the module docstring for lifetimes and versions.
+
+    Thread-safe: one lock guards all metadata. Owns (creates, and unlinks at :meth:`close`) its
+    :class:`SharedArena` unless one is passed in, in which case the caller keeps ownership.
+    """
+
+    name = "l1"
+
+    def __init__(
+        self,
+        config: L1Config,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        arena: SharedArena | None = None,
+    ) -> None:
+        super().__init__()
+        self._config = config
+        self._clock = clock
+        self._allocator = SlotAllocator(config.size_bytes, config.alignment)
+        if self._allocator.capacity == 0:
+            raise ConfigError(
+                f"L1 size {config.size_bytes} bytes is smaller than the alignment {config.alignment}; "
+                "raise --l1-size-gb"
+            )
+        if arena is None:
+            self._arena = SharedArena.create(config.name, config.size_bytes)
+            self._owns_arena = True
+        else:
+            if arena.size < config.size_bytes:
+                raise ArenaError(
+                    f"L1 arena {arena.name!r} has {arena.size} bytes but the L1 size is "
+                    f"{config.size_bytes}; create a larger arena or lower --l1-size-gb"
+                )
+            self._arena = arena
+            self._owns_arena = False
+        # All fields below are guarded by _lock: the index, the open reservations and leases and
+        # their expiry heaps, the allocator, the policy and the byte count. Never held across I/O.
+        self._lock = threading.Lock()
+        self._objects: dict[ObjectKey, _Slot] = {}  # visible (committed) objects
+        self._reservations: dict[int, _Ticket] = {}  # token -> open reservation
+        self._leases: dict[int, _Ticket] = {}  # token -> open read lease
+        self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
+        self._lease_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
+        self._policy: EvictionPolicy[ObjectKey] = make_policy(config.eviction_policy)
+        self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
+        self._tokens = itertools.count(1)
+        self._closed = False
+
+    # -- what the server hands to workers ------------------------------------------------------
+    @property
+    def arena_name(self) -> str:
+        """Name workers pass to :meth:`SharedArena.attach`."""
+        return self._arena.name
+
+    @property
+    def arena(self) -> SharedArena:
+        """This process's mapping of the arena."""
+        return self._arena
+
+    @property
+    def config(self) -> L1Config:
+        """The settings this tier was built with."""
+        return self._config
+
+    def slot_of(self, handle: WriteHandle | ReadHandle) -> ArenaSlot:
+        """Where an open reservation's or lease's bytes live, for a worker to copy. O(1), server side.
+
+        Raises :class:`ReservationError` / :class:`LeaseError` if the handle is no longer open.
+        """
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            if isinstance(handle, WriteHandle):
+                ticket = self._reservations.get(handle.token)
+                if ticket is None or ticket.slot.key != handle.key:
+                    raise ReservationError(self._reservation_gone(handle))
+            else:
+                ticket = self._leases.get(handle.token)
+                if ticket is None or ticket.slot.key != handle.key:
+                    raise LeaseError(
+                        f"read lease {handle.token} for {handle.key} is not open (released or expired "
+                        f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
+                    )
+            return ArenaSlot(ticket.slot.offset, ticket.slot.nbytes)
+
+    def free_bytes(self) -> int:
+        """Arena bytes not allocated to any slot (possibly fragmented), after expiring what is due."""
+        with self._lock:
+            self._sweep(self._clock())
+            return self._allocator.free_bytes()
+
+    def largest_free(self) -> int:
+        """The largest slot that fits without evicting, after expiring what is due."""
+        with self._lock:
+            self._sweep(self._clock())
+            return self._allocator.largest_free()
+
+    # -- writes --------------------------------------------------------------------------------
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """Allocate a slot for ``key``, evicting by policy if needed. Request loop; never blocks.
+
+        Cost: O(log n) for the allocation plus O(1) per eviction. Raises :class:`TierFullError` when
+        the object is larger than the arena or everything evictable is gone and it still does not fit.
+        """
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._sweep(now)
+            capacity = self._allocator.capacity
+            if self._allocator.slot_size(nbytes) > capacity:
+                self.stats.add("skipped")
+                raise TierFullError(
+                    f"object {key} of {nbytes} bytes is larger than the L1 arena ({capacity} usable "
+                    "bytes); raise --l1-size-gb or use a smaller --chunk-size"
+                )
+            extent = self._allocator.allocate(nbytes)
+            while extent is None:
+                victim = self._policy.evict_one(self._can_evict)
+                if victim is None:
+                    self.stats.add("skipped")
+                    raise TierFullError(self._full_message(key, nbytes))
+                self._evict(victim)
+                extent = self._allocator.allocate(nbytes)
+            slot = _Slot(key, extent.offset, nbytes)
+            self._bytes_held += nbytes
+            token = next(self._tokens)
+            expires_at = now + self._config.reservation_ttl_s
+            self._reservations[token] = _Ticket(slot, expires_at)
+            heapq.heappush(self._reservation_deadlines, (expires_at, token))
+            buffer = self._arena.view(slot.offset, nbytes)
+        return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
+
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        """Make a filled reservation the visible object for its key. Request loop; O(1).
+
+        A previous version is hidden at once and freed when its last pin ends. ``owed=True`` keeps the
+        object from eviction until :meth:`settle`. Raises :class:`ReservationError` if the reservation
+        is unknown, already finished or expired.
+        """
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            ticket = self._reservations.get(handle.token)
+            if ticket is None or ticket.slot.key != handle.key:
+                raise ReservationError(self._reservation_gone(handle))
+            del self._reservations[handle.token]
+            slot = ticket.slot
+            slot.owed = owed
+            slot.visible = True
+            old = self._objects.get(slot.key)
+            if old is not None:
+                self._policy.on_remove(slot.key)
+                self._hide(old)
+            self._objects[slot.key] = slot
+            self._policy.on_insert(slot.key)
+            self.stats.add("puts")
+            self.stats.add("bytes_written", slot.nbytes)
+
+    def abort(self, handle: WriteHandle) -> None:
+        """Free a reservation; a no-op if it already expired or finished. Request loop; O(log n)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._sweep(self._clock())
+            ticket = self._reservations.get(handle.token)
+            if ticket is not None and ticket.slot.key == handle.key:
+                del self._reservations[handle.token]
+                self._free(ticket.slot)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is committed here. O(1); does not count a hit or miss."""
+        with self._lock:
+            self._check_open()
+            return key in self._objects
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading ``keys`` are committed here, under one lock acquisition. O(len(keys))."""
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if key not in self._objects:
+                    return i
+            return len(keys)
+
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        """Lease the committed bytes of ``key`` (read-only view) for up to ``lease_ttl_s``. O(1).
+
+        Arena memory is never corrupted by storage, so L1 trusts its bytes: verification happens when
+        they arrive from L2/L3. Returns ``None`` (a counted miss) if ``key`` is not committed.
+        """
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._sweep(now)
+            slot = self._objects.get(key)
+            if slot is None:
+                self.stats.add("misses")
+                return None
+            slot.pins += 1
+            token = next(self._tokens)
+            expires_at = now + self._config.lease_ttl_s
+            self._leases[token] = _Ticket(slot, expires_at)
+            heapq.heappush(self._lease_deadlines, (expires_at, token))
+            self._policy.on_access(key)
+            self.stats.add("hits")
+            self.stats.add("bytes_read", slot.nbytes)
+            buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
+        return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
+
+    def release(self, handle: ReadHandle) -> None:
+        """End a lease. Releasing twice, after expiry or after close is harmless. O(log n)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._sweep(self._clock())
+            ticket = self._leases.get(handle.token)
+            if ticket is not None and ticket.slot.key == handle.key:
+                del self._leases[handle.token]
+                self._unpin(ticket.slot)
+
+    # -- management ----------------------------------------------------------------------------
+    def delete(self, key: ObjectKey) -> bool:
+        """Hide ``key`` now; its bytes are freed at once or when the last pin ends. O(log n)."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            slot = self._objects.pop(key, None)
+            if slot is None:
+                return False
+            self._policy.on_remove(key)
+            self._hide(slot)
+            self.stats.evicted(EvictionReason.DELETED)
+            return True
+
+    def settle(self, key: ObjectKey) -> None:
+        """A lower tier now holds ``key``; it may be evicted from L1 again. O(1)."""
+        with self._lock:
+            slot = self._objects.get(key)
+            if slot is not None:
+                slot.owed = False
+
+    def usage(self) -> TierUsage:
+        """Payload bytes of every live slot (reservations and still-pinned old versions included)."""
+        with self._lock:
+            if not self._closed:
+                self._sweep(self._clock())
+            return TierUsage(
+                bytes_used=self._bytes_held,
+                bytes_budget=self._config.size_bytes,
+                objects=len(self._objects),
+            )
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """A snapshot of the committed keys. O(n) copy under the lock."""
+        with self._lock:
+            return iter(list(self._objects))
+
+    def close(self) -> None:
+        """Forget every object, unmap the arena and unlink it if this tier created it. Idempotent.
+
+        Buffers already handed out stay readable until dropped (see :meth:`SharedArena.close`).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._objects.clear()
+            self._reservations.clear()
+            self._leases.clear()
+            self._reservation_deadlines.clear()
+            self._lease_deadlines.clear()
+            self._bytes_held = 0
+        self._arena.close()
+        if self._owns_arena:
+            self._arena.unlink()
+
+    # -- internals (all called with _lock held) -------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"L1 tier (arena {self._arena.name!r}) is closed")
+
+    def _sweep(self, now: float) -> None:
+        """Expire reservations and leases whose deadline passed. O(k log n) for k expired."""
+        heap = self._reservation_deadlines
+        while heap and heap[0][0] <= now:
+            _, token = heapq.heappop(heap)
+            ticket = self._reservations.pop(token, None)
+            if ticket is not None:
+                self._free(ticket.slot)
+                self.stats.add("expired_reservations")
+        heap = self._lease_deadlines
+        while heap and heap[0][0] <= now:
+            _, token = heapq.heappop(heap)
+            ticket = self._leases.pop(token, None)
+            if ticket is not None:
+                self.stats.add("expired_leases")
+                self._unpin(ticket.slot)
+
+    def _can_evict(self, key: ObjectKey) -> bool:
+        slot = self._objects.get(key)
+        return slot is not None and slot.pins == 0 and not slot.owed
+
+    def _evict(self, key: ObjectKey) -> None:
+        slot = self._objects.pop(key)
+        slot.visible = False
+        self._free(slot)
+        self.stats.evicted(EvictionReason.CAPACITY)
+
+    def _hide(self, slot: _Slot) -> None:
+        """Take a version out of the index's view; free it unless a reader still holds it."""
+        slot.visible = False
+        if slot.pins == 0:
+            self._free(slot)
+
+    def _unpin(self, slot: _Slot) -> None:
+        slot.pins -= 1
+        if slot.pins == 0 and not slot.visible:
+            self._free(slot)
+
+    def _free(self, slot: _Slot) -> None:
+        self._allocator.free(slot.offset)
+        self._bytes_held -= slot.nbytes
+
+    def _reservation_gone(self, handle: WriteHandle) -> str:
+        return (
+            f"reservation {handle.token} for {handle.key} is not open: already committed or aborted, "
+            f"or expired after reservation_ttl_s={self._config.reservation_ttl_s}s; reserve again"
+        )
+
+    def _full_message(self, key: ObjectKey, nbytes: int) -> str:
+        pinned = sum(1 for s in self._objects.values() if s.pins > 0)
+        owed = sum(1 for s in self._objects.values() if s.owed and s.pins == 0)
+        return (
+            f"L1 arena full: cannot fit {key} ({nbytes} bytes). Free {self._allocator.free_bytes()} "
+            f"bytes, largest free extent {self._allocator.largest_free()}; nothing left to evict: "
+            f"{pinned} objects pinned, {owed} owed to a lower tier, {len(self._reservations)} open "
+            "reservations. Release pins, let writes to lower tiers settle, or raise --l1-size-gb."
+        )
