@@ -1,0 +1,870 @@
+"""The LMDB-backed disk tier (:class:`DiskTier`).
+
+On-disk layout: one LMDB environment at ``DiskConfig.path`` with five named sub-databases::
+
+    data       object key (35 B)  -> stored payload (compressed when the frame says so)
+    meta       object key (35 B)  -> frame header (75 B) | recency seq (u64 BE) | flags (u8)
+                                     (flags bit 0: owed to a lower tier)
+    recency    seq (u64 BE)       -> object key        (LRU order: the first record is the oldest)
+    info       name               -> u64 BE            (bytes_used, next_seq, format)
+    manifests  fingerprint (16 B) -> manifest JSON     (LayoutManifest.canonical(), for `inspect`)
+
+``data`` and ``meta`` of one object are always written and deleted in the same write transaction, so
+a crash leaves either the old object or the new one. ``bytes_used`` counts the *stored* bytes in
+``data`` (what occupies the disk) and is kept in the same transactions, so a restart knows its usage
+and its LRU order without scanning.
+
+LMDB facts this module is built around (measured, see ``reference/storage-facts.md``):
+
+* pages freed by a write transaction can be reused only by a *later* one (in practice two later), so
+  eviction commits in its own transaction, followed by a tiny "nudge" commit, before the insert;
+* after ``MDB_MAP_FULL`` the transaction is dead: it is aborted, more is evicted, and the insert is
+  retried; if that cannot succeed the caller gets :class:`~tiercache.errors.TierFullError`;
+* a long-lived read transaction pins pages and grows the file, so read leases expire and no
+  iterator keeps a transaction open between yields;
+* ``sync=False`` plus a background ``env.sync()`` every ``sync_interval_s`` is the practical
+  setting: LMDB stays consistent after a crash and only the last interval's writes may be lost.
+
+Locks (all per instance, none module-level):
+
+* ``_write_lock`` serialises this process's write transactions (LMDB would too, but the eviction
+  decision and the insert must see each other's effects, and a write transaction must end on the
+  thread that began it, which ``with`` blocks under one lock guarantee). Never held while waiting on
+  anything but LMDB and the ``on_evict`` callback.
+* ``_state_lock`` guards the in-memory tables: reservations, leases, pin counts and pending recency
+  touches. Held only for dictionary operations, never across LMDB calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from tiercache.config import DiskConfig
+from tiercache.errors import (
+    DiskTierError,
+    FrameError,
+    KeyFormatError,
+    ReservationError,
+    TierFullError,
+)
+from tiercache.frames import HEADER_BYTES, FrameHeader, pack_payload, verify_payload
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+
+log = logging.getLogger(__name__)
+
+#: Version of the sub-database layout above. Bumped when it changes; a mismatch refuses to open.
+DISK_FORMAT_VERSION = 1
+
+MiB = 1 << 20
+_SEQ_BYTES = 8
+_META_BYTES = HEADER_BYTES + _SEQ_BYTES + 1
+_OWED = 1  # bit in the meta flags byte
+_INFO_USED = b"bytes_used"
+_INFO_SEQ = b"next_seq"
+_INFO_FORMAT = b"format"
+_MAP_FULL_RETRIES = 2
+_ITER_BATCH = 1024
+_MAX_READERS = 512
+
+
+def _u64(raw: bytes | memoryview | None) -> int:
+    return 0 if raw is None else int.from_bytes(raw, "big")
+
+
+def _b64(value: int) -> bytes:
+    return value.to_bytes(8, "big")
+
+
+@dataclass(slots=True)
+class _Reservation:
+    key: ObjectKey
+    buffer: bytearray
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Lease:
+    key_bytes: bytes
+    txn: lmdb.Transaction | None  # None when the payload was decompressed into our own memory
+    expires_at: float
+
+
+class DiskTier(Tier):
+    """L2: verified, persistent, LRU-evicted objects in one LMDB environment.
+
+    Every method is thread-safe and may block on disk I/O; the engine calls it from its bounded L2
+    executor, never from a request loop. Reads run concurrently; writes are serialised.
+
+    ``on_evict(key, payload)`` is called for each object evicted for capacity *before* it is
+    deleted, inside the eviction write transaction: ``payload`` is a verified view that is valid
+    only during the call, so copy it (the engine hands it to the S3 write-back queue). It must be
+    quick and must not call back into this tier. If it raises, that object is kept and the next
+    one is tried. Objects committed with ``owed=True`` are evicted only through ``on_evict`` (which
+    settles the debt); with no callback they stay until :meth:`settle`.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        config: DiskConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[ObjectKey, memoryview], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self._clock = clock
+        self._on_evict = on_evict
+        self._budget = config.budget_bytes
+        self._map_size = int(config.map_headroom * config.budget_bytes) + 64 * MiB
+        self._write_lock = threading.Lock()  # guards: this process's write transactions
+        self._state_lock = threading.Lock()  # guards: the four tables below and _next_token
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._pins: Counter[bytes] = Counter()
+        self._touched: dict[bytes, None] = {}
+        self._next_token = 1
+        self._syncs = 0  # written only by the sync thread and flush(); read without a lock
+        self._closed = False
+        self._stop = threading.Event()
+        self._sync_thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._env, self._dbs = self._open()
+        self._start_sync_thread()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
+        path = self.config.path
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise DiskTierError(
+                f"cannot create the disk tier directory {path}: {exc}; check the path and its "
+                "permissions"
+            ) from exc
+        old_umask = os.umask(0o077)  # data.mdb and lock.mdb are created owner-only
+        try:
+            env = lmdb.open(
+                str(path),
+                map_size=self._map_size,
+                max_dbs=8,
+                max_readers=_MAX_READERS,
+                sync=False,
+                metasync=False,
+                writemap=False,
+                readahead=True,
+                meminit=False,
+                mode=0o600,
+            )
+        except lmdb.Error as exc:
+            raise DiskTierError(
+                f"cannot open the LMDB environment at {path}: {exc}; is it open in another "
+                "tiercache server, or on a file system without mmap/locking support?"
+            ) from exc
+        finally:
+            os.umask(old_umask)
+        try:
+            dbs = {
+                name: env.open_db(name.encode())
+                for name in ("data", "meta", "recency", "info", "manifests")
+            }
+            with env.begin(write=True, db=dbs["info"]) as txn:
+                found = txn.get(_INFO_FORMAT, db=dbs["info"])
+                if found is None:
+                    txn.put(_INFO_FORMAT, _b64(DISK_FORMAT_VERSION), db=dbs["info"])
+                elif _u64(found) != DISK_FORMAT_VERSION:
+                    raise DiskTierError(
+                        f"the disk tier at {path} was written by layout version {_u64(found)}, "
+                        f"this build reads {DISK_FORMAT_VERSION}; delete the directory (it is a "
+                        "cache) or point --disk-path elsewhere"
+                    )
+        except lmdb.Error as exc:
+            env.close()
+            raise DiskTierError(f"cannot initialise the LMDB environment at {path}: {exc}") from exc
+        except DiskTierError:
+            env.close()
+            raise
+        return env, dbs
+
+    def _start_sync_thread(self) -> None:
+        self._stop = threading.Event()
+        thread = threading.Thread(
+            target=self._background,
+            args=(self._stop,),
+            name=f"tiercache-disk-sync:{self.config.path.name}",
+            daemon=True,
+        )
+        self._sync_thread = thread
+        thread.start()
+
+    def _background(self, stop: threading.Event) -> None:
+        """Every ``sync_interval_s``: expire leases, apply recency touches, ``env.sync()``."""
+        pid = os.getpid()
+        while not stop.wait(self.config.sync_interval_s):
+            if os.getpid() != pid or self._closed:
+                return
+            try:
+                self._sweep()
+                if self._touched:
+                    with self._write_lock:
+                        with self._env.begin(write=True, buffers=True) as txn:
+                            self._apply_touches(txn)
+                self._env.sync(True)
+                self._syncs += 1
+            except Exception:  # the thread must survive a bad interval; the next one retries
+                self.stats.add("errors")
+                log.exception("disk tier background sync at %s failed", self.config.path)
+
+    def _env_here(self) -> lmdb.Environment:
+        """The environment, reopened first if this process is a fork of the one that opened it."""
+        if self._closed:
+            raise DiskTierError(
+                f"the disk tier at {self.config.path} is closed; create a new DiskTier to use it"
+            )
+        if os.getpid() != self._pid:
+            self._after_fork()
+        return self._env
+
+    def _after_fork(self) -> None:
+        # Locks may have been held by parent threads that do not exist here: start fresh.
+        self._write_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        # Drop (never abort) the parent's read transactions: aborting would clear *its* reader slots
+        # in the shared lock file, letting its pinned pages be reused under it. py-lmdb skips the
+        # abort for objects finalised in another process, so close() below then leaves them alone.
+        self._leases.clear()
+        self._pins.clear()
+        self._touched.clear()
+        self._reservations.clear()
+        try:
+            self._env.close()
+        except lmdb.Error:
+            log.debug("closing the inherited LMDB handle failed", exc_info=True)
+        self._pid = os.getpid()
+        self._env, self._dbs = self._open()
+        self._start_sync_thread()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Apply pending recency touches and ``env.sync()`` now. Blocks on an fsync."""
+        env = self._env_here()
+        try:
+            if self._touched:
+                with self._write_lock:
+                    with env.begin(write=True, buffers=True) as txn:
+                        self._apply_touches(txn)
+            env.sync(True)
+            self._syncs += 1
+        except lmdb.Error as exc:
+            raise self._translate(exc, "sync") from exc
+
+    @property
+    def syncs(self) -> int:
+        """How many times the environment has been synced to disk (background thread and flush)."""
+        return self._syncs
+
+    def close(self) -> None:
+        """Stop the sync thread, end every lease, sync and close. Idempotent; cannot hang.
+
+        Buffers of handles still pinned become invalid: release them first.
+        """
+        if self._closed:
+            return
+        forked = os.getpid() != self._pid
+        self._stop.set()
+        thread = self._sync_thread
+        if thread is not None and thread.is_alive() and not forked:
+            thread.join(timeout=max(5.0, 2 * self.config.sync_interval_s))
+            if thread.is_alive():
+                # Stuck in an fsync on a sick disk: closing the env under it could crash us.
+                log.error(
+                    "disk tier sync thread at %s did not stop; leaving the LMDB handle open",
+                    self.config.path,
+                )
+                self._closed = True
+                return
+        with self._state_lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+            self._pins.clear()
+            self._reservations.clear()
+        self._closed = True
+        if forked:
+            return  # the parent's handle: never touch it from here (see _after_fork)
+        with self._write_lock:
+            try:
+                if self._touched:
+                    with self._env.begin(write=True, buffers=True) as txn:
+                        self._apply_touches(txn)
+                for lease in leases:
+                    if lease.txn is not None:
+                        lease.txn.abort()
+                self._env.sync(True)
+            except lmdb.Error:
+                log.warning(
+                    "final sync of the disk tier at %s failed", self.config.path, exc_info=True
+                )
+            finally:
+                self._env.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _translate(self, exc: lmdb.Error, what: str) -> DiskTierError:
+        self.stats.add("errors")
+        return DiskTierError(
+            f"LMDB {what} failed at {self.config.path}: {exc}; check the disk (space, I/O errors) "
+            "or delete the directory, which only holds cached data"
+        )
+
+    def _token(self) -> int:
+        # caller holds _state_lock
+        token = self._next_token
+        self._next_token += 1
+        return token
+
+    def _sweep(self) -> None:
+        """Expire reservations and leases whose time is up (aborting the leases' read txns)."""
+        now = self._clock()
+        expired: list[_Lease] = []
+        with self._state_lock:
+            for token in [t for t, r in self._reservations.items() if r.expires_at <= now]:
+                del self._reservations[token]
+                self.stats.add("expired_reservations")
+            for token in [t for t, lease in self._leases.items() if lease.expires_at <= now]:
+                lease = self._leases.pop(token)
+                self._unpin(lease.key_bytes)
+                expired.append(lease)
+        for lease in expired:
+            self.stats.add("expired_leases")
+            if lease.txn is not None:
+                lease.txn.abort()
+
+    def _unpin(self, kb: bytes) -> None:
+        # caller holds _state_lock
+        self._pins[kb] -= 1
+        if self._pins[kb] <= 0:
+            del self._pins[kb]
+
+    def _apply_touches(self, txn: lmdb.Transaction) -> bool:
+        """Move every key read since the last write to the young end of the LRU order."""
+        with self._state_lock:
+            touched, self._touched = self._touched, {}
+        if not touched:
+            return False
+        meta_db, rec_db, info_db = self._dbs["meta"], self._dbs["recency"], self._dbs["info"]
+        seq = _u64(txn.get(_INFO_SEQ, db=info_db))
+        for kb in touched:
+            meta = txn.get(kb, db=meta_db)
+            if meta is None or len(meta) != _META_BYTES:
+                continue
+            meta = bytes(meta)
+            old_seq = meta[HEADER_BYTES : HEADER_BYTES + _SEQ_BYTES]
+            if txn.get(old_seq, db=rec_db) == kb:
+                txn.delete(old_seq, db=rec_db)
+            txn.put(kb, meta[:HEADER_BYTES] + _b64(seq) + meta[-1:], db=meta_db)
+            txn.put(_b64(seq), kb, db=rec_db)
+            seq += 1
+        txn.put(_INFO_SEQ, _b64(seq), db=info_db)
+        return True
+
+    def _stored_len(self, txn: lmdb.Transaction, kb: bytes) -> int:
+        """Stored bytes of ``kb`` (0 if absent), from its header when that is intact.
+
+        Reading the header avoids ``get()`` on the payload, which faults in every page of a value
+        that may be cold on disk (measured: py-lmdb touches them all, even with buffers=True).
+        """
+        meta = txn.get(kb, db=self._dbs["meta"])
+        if meta is not None and len(meta) == _META_BYTES:
+            try:
+                return FrameHeader.decode(meta[:HEADER_BYTES], ObjectKey.from_bytes(kb)).stored_len
+            except (FrameError, KeyFormatError):
+                pass  # damaged: measure the payload itself
+        data = txn.get(kb, db=self._dbs["data"])
+        return 0 if data is None else len(data)
+
+    def _delete_in(self, txn: lmdb.Transaction, kb: bytes, size: int | None = None) -> int:
+        """Delete ``kb``'s records in ``txn``; return the stored bytes freed (``size`` if given)."""
+        data_db, meta_db, rec_db = self._dbs["data"], self._dbs["meta"], self._dbs["recency"]
+        freed = self._stored_len(txn, kb) if size is None else size
+        meta = txn.get(kb, db=meta_db)
+        if meta is not None and len(meta) >= HEADER_BYTES + _SEQ_BYTES:
+            seqb = bytes(meta[HEADER_BYTES : HEADER_BYTES + _SEQ_BYTES])
+            # A corrupt meta record may name another key's seq: only delete our own.
+            if txn.get(seqb, db=rec_db) == kb:
+                txn.delete(seqb, db=rec_db)
+        txn.delete(kb, db=data_db)
+        txn.delete(kb, db=meta_db)
+        return freed
+
+    def _set_used(self, txn: lmdb.Transaction, used: int) -> None:
+        txn.put(_INFO_USED, _b64(max(0, used)), db=self._dbs["info"])
+
+    def _used_in(self, txn: lmdb.Transaction) -> int:
+        return _u64(txn.get(_INFO_USED, db=self._dbs["info"]))
+
+    # -- writes --------------------------------------------------------------------------------
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """A writable ``nbytes`` buffer in process memory; nothing touches LMDB until commit.
+
+        Cheap (one allocation). Raises :class:`TierFullError` if ``nbytes`` exceeds the budget.
+        """
+        self._env_here()
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve {nbytes} bytes")
+        if nbytes > self._budget:
+            self.stats.add("skipped")
+            raise TierFullError(
+                f"an object of {nbytes} bytes exceeds the disk tier budget of {self._budget} "
+                "bytes; raise --disk-size-gb or use smaller chunks"
+            )
+        self._sweep()
+        buf = bytearray(nbytes)
+        expires_at = self._clock() + self.config.reservation_ttl_s
+        with self._state_lock:
+            token = self._token()
+            self._reservations[token] = _Reservation(key, buf, expires_at)
+        return WriteHandle(key, nbytes, memoryview(buf), token, expires_at)
+
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        """Write the reserved buffer as one atomic LMDB transaction (evicting first if needed).
+
+        Blocks on LMDB (a memory copy into the page cache; ``sync=False``). Raises
+        :class:`ReservationError` for an unknown, finished or expired reservation, and
+        :class:`TierFullError` if no room can be made.
+        """
+        self._env_here()
+        self._sweep()
+        with self._state_lock:
+            res = self._reservations.pop(handle.token, None)
+        if res is None or res.key != handle.key:
+            raise ReservationError(
+                f"reservation {handle.token} for {handle.key} is unknown, expired or already "
+                "finished; reserve again"
+            )
+        self._store(res.key, memoryview(res.buffer), owed=owed)
+
+    def abort(self, handle: WriteHandle) -> None:
+        """Drop a reservation; a no-op if it is already gone. Cheap."""
+        with self._state_lock:
+            self._reservations.pop(handle.token, None)
+
+    def put(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False
+    ) -> None:
+        """Store ``data`` straight from the caller's buffer (one copy: LMDB's, into the map).
+
+        Blocks on LMDB; raises :class:`TierFullError` if no room can be made.
+        """
+        self._env_here()
+        view = memoryview(data).cast("B")
+        if view.nbytes > self._budget:
+            self.stats.add("skipped")
+            raise TierFullError(
+                f"an object of {view.nbytes} bytes exceeds the disk tier budget of "
+                f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
+            )
+        self._sweep()
+        self._store(key, view, owed=owed)
+
+    def _store(self, key: ObjectKey, view: memoryview, *, owed: bool) -> None:
+        header, stored = pack_payload(key, view, compress=self.config.compress)
+        nbytes = len(stored)
+        if nbytes > self._budget:
+            raise TierFullError(
+                f"an object of {nbytes} stored bytes exceeds the disk tier budget of "
+                f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
+            )
+        kb = key.to_bytes()
+        meta_tail = _OWED if owed else 0
+        extra = 0
+        try:
+            with self._write_lock:
+                for attempt in range(_MAP_FULL_RETRIES + 1):
+                    self._make_room(kb, nbytes, extra)
+                    try:
+                        self._insert(kb, header, stored, meta_tail)
+                    except lmdb.MapFullError:
+                        # The txn is dead and already aborted by its `with`. Free another 10% of the
+                        # budget in its own committed txn (pages are reusable only after that).
+                        log.warning(
+                            "LMDB map full at %s (attempt %d); evicting more",
+                            self.config.path,
+                            attempt + 1,
+                        )
+                        extra += self._budget // 10
+                        continue
+                    self.stats.add("puts")
+                    self.stats.add("bytes_written", nbytes)
+                    return
+        except lmdb.MapFullError as exc:
+            # Even the eviction txn found no page to copy-on-write into.
+            self.stats.add("skipped")
+            raise TierFullError(
+                f"the LMDB map at {self.config.path} is full and eviction could not make room; "
+                "raise the disk map headroom or the budget"
+            ) from exc
+        except lmdb.Error as exc:
+            raise self._translate(exc, "write") from exc
+        self.stats.add("skipped")
+        raise TierFullError(
+            f"the LMDB map at {self.config.path} stayed full after evicting "
+            f"{extra} extra bytes; raise the disk map headroom (fragmentation of mixed value sizes)"
+        )
+
+    def _insert(self, kb: bytes, header: FrameHeader, stored: Any, meta_tail: int) -> None:
+        dbs = self._dbs
+        with self._env.begin(write=True, buffers=True) as txn:
+            used = self._used_in(txn)
+            # Removing the old version first frees its recency record and counts its bytes.
+            used -= self._delete_in(txn, kb)
+            seq = _u64(txn.get(_INFO_SEQ, db=dbs["info"]))
+            txn.put(kb, stored, db=dbs["data"])
+            txn.put(kb, header.encode() + _b64(seq) + bytes((meta_tail,)), db=dbs["meta"])
+            txn.put(_b64(seq), kb, db=dbs["recency"])
+            txn.put(_INFO_SEQ, _b64(seq + 1), db=dbs["info"])
+            self._set_used(txn, used + len(stored))
+
+    def _make_room(self, kb: bytes, nbytes: int, extra: int) -> None:
+        """Evict oldest-first in its own committed txn so that ``kb`` (``nbytes``) fits.
+
+        Eviction starts when the insert would pass the high watermark (or when ``extra`` bytes more
+        are asked for after ``MDB_MAP_FULL``) and stops at the low watermark. Caller holds
+        ``_write_lock``. Raises :class:`TierFullError` (evicting nothing) if even evicting every
+        evictable object would not fit the budget.
+        """
+        high = int(self.config.high_watermark * self._budget)
+        low = int(self.config.low_watermark * self._budget)
+        evicted = 0
+        with self._env.begin(write=True, buffers=True) as txn:
+            self._apply_touches(txn)  # so the LRU order below is current
+            used = self._used_in(txn)
+            after = used - self._stored_len(txn, kb) + nbytes
+            if after <= high and extra == 0:
+                return  # commits the touches, if any
+            freed, evicted = self._evict_in(txn, kb, after, max(0, low - extra))
+            if after - freed > self._budget:
+                self.stats.add("skipped")
+                raise TierFullError(  # the `with` aborts: nothing was evicted
+                    f"no room for {nbytes} bytes in the disk tier at {self.config.path}: "
+                    f"{after - freed - nbytes} bytes are pinned or owed to a lower tier (budget "
+                    f"{self._budget}); release pins or settle owed objects"
+                )
+            self._set_used(txn, used - freed)
+        if evicted:
+            self._nudge()
+
+    def _evict_in(
+        self, txn: lmdb.Transaction, keep: bytes, after: int, target: int
+    ) -> tuple[int, int]:
+        """Delete LRU objects in ``txn`` until ``after`` (usage once the insert is done) is at most
+        ``target``; return (stored bytes freed, objects deleted). ``keep`` is never evicted."""
+        before = after
+        dbs = self._dbs
+        with self._state_lock:
+            pinned = set(self._pins)
+        victims: list[tuple[bytes, int]] = []
+        stale: list[bytes] = []
+        corrupt: list[bytes] = []
+        with txn.cursor(db=dbs["recency"]) as cur:
+            for seqb, kb in cur:
+                if after <= target:
+                    break
+                kb = bytes(kb)
+                meta = txn.get(kb, db=dbs["meta"])
+                if meta is None or (
+                    len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) != bytes(seqb)
+                ):
+                    stale.append(bytes(seqb))  # left behind by a touch or a lost meta: drop it
+                    continue
+                if kb == keep or kb in pinned:
+                    continue
+                owed = len(meta) == _META_BYTES and meta[-1] & _OWED
+                if owed and self._on_evict is None:
+                    continue
+                key = ObjectKey.from_bytes(kb)
+                try:
+                    if len(meta) != _META_BYTES:
+                        raise FrameError(f"meta record of {len(meta)} bytes")
+                    header = FrameHeader.decode(meta[:HEADER_BYTES], key)
+                    size = header.stored_len
+                    if self._on_evict is not None:  # only write-back needs the bytes read back
+                        data = txn.get(kb, db=dbs["data"])
+                        if data is None:
+                            raise FrameError("payload record missing")
+                        size = len(data)
+                        payload = verify_payload(header, data)
+                except FrameError:
+                    corrupt.append(kb)  # never hand corrupt bytes to the write-back
+                    after -= self._stored_len(txn, kb)
+                    continue
+                if self._on_evict is not None:
+                    try:
+                        self._on_evict(key, memoryview(payload))
+                    except Exception:
+                        self.stats.add("errors")
+                        log.exception("on_evict failed for %s; keeping it on disk", key)
+                        continue
+                victims.append((kb, size))
+                after -= size
+        for seqb in stale:
+            txn.delete(seqb, db=dbs["recency"])
+        for kb, size in victims:
+            self._delete_in(txn, kb, size)
+        for kb in corrupt:
+            self._delete_in(txn, kb)
+        if victims:
+            self.stats.evicted(EvictionReason.CAPACITY, len(victims))
+        if corrupt:
+            self.stats.add("verify_failures", len(corrupt))
+            self.stats.evicted(EvictionReason.CORRUPT, len(corrupt))
+        return before - after, len(victims) + len(corrupt)
+
+    def _nudge(self) -> None:
+        """Commit one tiny write so that pages freed by the previous txn become reusable."""
+        info = self._dbs["info"]
+        with self._env.begin(write=True) as txn:
+            txn.put(_INFO_SEQ, txn.get(_INFO_SEQ, db=info) or _b64(0), db=info)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` has a meta record. One short read txn; does not verify the payload."""
+        env = self._env_here()
+        try:
+            with env.begin(db=self._dbs["meta"]) as txn:
+                return txn.get(key.to_bytes(), db=self._dbs["meta"]) is not None
+        except lmdb.Error as exc:
+            raise self._translate(exc, "lookup") from exc
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading ``keys`` are present, in one read txn (no verification)."""
+        env = self._env_here()
+        meta_db = self._dbs["meta"]
+        try:
+            with env.begin(db=meta_db) as txn:
+                for i, key in enumerate(keys):
+                    if txn.get(key.to_bytes(), db=meta_db) is None:
+                        return i
+        except lmdb.Error as exc:
+            raise self._translate(exc, "lookup") from exc
+        return len(keys)
+
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        """Verify ``key`` and return a zero-copy view into the map, valid until :meth:`release`.
+
+        Opens a read txn that stays open until release or lease expiry (``lease_ttl_s``): copy the
+        bytes out and release at once, since an open read txn stops LMDB from reusing pages.
+        Verification reads every stored byte (xxh3, several GB/s). A compressed object is
+        decompressed into process memory and holds no txn. A corrupt object is deleted, counted and
+        reported as a miss.
+        """
+        env = self._env_here()
+        self._sweep()
+        kb = key.to_bytes()
+        dbs = self._dbs
+        try:
+            txn = env.begin(buffers=True)
+        except lmdb.Error as exc:
+            raise self._translate(exc, "read") from exc
+        problem: str | None = None
+        seen_meta: bytes | None = None
+        seen_size = 0
+        payload: bytes | memoryview | None = None
+        try:
+            meta = txn.get(kb, db=dbs["meta"])
+            data = txn.get(kb, db=dbs["data"])
+            if meta is None and data is None:
+                txn.abort()
+                self.stats.add("misses")
+                return None
+            seen_meta = None if meta is None else bytes(meta)
+            seen_size = 0 if data is None else len(data)
+            if meta is None:
+                problem = "payload without a meta record"
+            elif data is None:
+                problem = "meta record without a payload"
+            elif len(meta) != _META_BYTES:
+                problem = f"meta record of {len(meta)} bytes"
+            else:
+                header = FrameHeader.decode(meta[:HEADER_BYTES], key)
+                payload = verify_payload(header, data)
+        except FrameError as exc:
+            problem = str(exc)
+        except lmdb.Error as exc:
+            txn.abort()
+            raise self._translate(exc, "read") from exc
+        if problem is not None or payload is None:
+            txn.abort()
+            self._drop_corrupt(key, kb, seen_meta, seen_size, problem or "unreadable")
+            return None
+        if isinstance(payload, bytes):  # decompressed: ours, no need to hold the snapshot
+            txn.abort()
+            view, lease_txn = memoryview(payload), None
+        else:
+            view, lease_txn = payload, txn
+        expires_at = self._clock() + self.config.lease_ttl_s
+        with self._state_lock:
+            token = self._token()
+            self._leases[token] = _Lease(kb, lease_txn, expires_at)
+            self._pins[kb] += 1
+            self._touched[kb] = None
+        self.stats.add("hits")
+        self.stats.add("bytes_read", view.nbytes)
+        return ReadHandle(key, view, token, expires_at)
+
+    def _drop_corrupt(
+        self, key: ObjectKey, kb: bytes, seen_meta: bytes | None, size: int, why: str
+    ) -> None:
+        log.warning("disk tier object %s failed verification (%s); deleting it", key, why)
+        self.stats.add("verify_failures")
+        self.stats.add("misses")
+        try:
+            with self._write_lock:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    current = txn.get(kb, db=self._dbs["meta"])
+                    if (None if current is None else bytes(current)) != seen_meta:
+                        return  # replaced by a new write since we looked: not ours to delete
+                    used = self._used_in(txn) - self._delete_in(txn, kb, size)
+                    self._set_used(txn, used)
+        except lmdb.Error as exc:
+            raise self._translate(exc, "delete of a corrupt object") from exc
+        self.stats.evicted(EvictionReason.CORRUPT)
+
+    def release(self, handle: ReadHandle) -> None:
+        """End a pin and its read txn. Harmless twice or after expiry. Cheap."""
+        with self._state_lock:
+            lease = self._leases.pop(handle.token, None)
+            if lease is not None:
+                self._unpin(lease.key_bytes)
+        if lease is not None and lease.txn is not None:
+            lease.txn.abort()
+
+    # -- management ----------------------------------------------------------------------------
+    def delete(self, key: ObjectKey) -> bool:
+        """Remove ``key`` in one write txn. A pinned reader keeps its (MVCC) view until release."""
+        self._env_here()
+        kb = key.to_bytes()
+        try:
+            with self._write_lock:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    present = txn.get(kb, db=self._dbs["meta"]) is not None
+                    if present or txn.get(kb, db=self._dbs["data"]) is not None:
+                        self._set_used(txn, self._used_in(txn) - self._delete_in(txn, kb))
+        except lmdb.Error as exc:
+            raise self._translate(exc, "delete") from exc
+        if present:
+            self.stats.evicted(EvictionReason.DELETED)
+        return present
+
+    def settle(self, key: ObjectKey) -> None:
+        """A lower tier now holds ``key``: clear its owed flag so plain LRU may evict it."""
+        self._env_here()
+        kb = key.to_bytes()
+        try:
+            with self._write_lock:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    meta = txn.get(kb, db=self._dbs["meta"])
+                    if meta is not None and len(meta) == _META_BYTES and meta[-1] & _OWED:
+                        meta = bytes(meta)
+                        txn.put(kb, meta[:-1] + bytes((meta[-1] & ~_OWED,)), db=self._dbs["meta"])
+        except lmdb.Error as exc:
+            raise self._translate(exc, "settle") from exc
+
+    def usage(self) -> TierUsage:
+        """Persisted stored-byte total, budget and object count. One short read txn."""
+        env = self._env_here()
+        try:
+            with env.begin() as txn:
+                used = self._used_in(txn)
+                objects = txn.stat(self._dbs["meta"])["entries"]
+        except lmdb.Error as exc:
+            raise self._translate(exc, "stat") from exc
+        return TierUsage(used, self._budget, objects)
+
+    def _scan(self, db_name: str) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) pairs of one sub-database in batches, each batch in its own short txn.
+
+        No txn stays open between yields: a slow consumer must not pin pages.
+        """
+        env = self._env_here()
+        db = self._dbs[db_name]
+        start: bytes | None = None
+        while True:
+            batch: list[tuple[bytes, bytes]] = []
+            try:
+                with env.begin(db=db) as txn, txn.cursor(db=db) as cur:
+                    found = cur.set_range(start) if start is not None else cur.first()
+                    while found and len(batch) < _ITER_BATCH:
+                        k = cur.key()
+                        if k != start:
+                            batch.append((k, cur.value()))
+                        found = cur.next()
+            except lmdb.Error as exc:
+                raise self._translate(exc, "scan") from exc
+            if not batch:
+                return
+            yield from batch
+            start = batch[-1][0]
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """Every committed key, in key order (so one fingerprint's objects come together)."""
+        for kb, _meta in self._scan("meta"):
+            yield ObjectKey.from_bytes(kb)
+
+    def iter_owed_keys(self) -> Iterator[ObjectKey]:
+        """Keys committed with ``owed=True`` and not settled (to re-queue them after a restart)."""
+        for kb, meta in self._scan("meta"):
+            if len(meta) == _META_BYTES and meta[-1] & _OWED:
+                yield ObjectKey.from_bytes(kb)
+
+    # -- manifests -----------------------------------------------------------------------------
+    def set_eviction_listener(
+        self, listener: Callable[[ObjectKey, memoryview], None] | None
+    ) -> None:
+        """Replace ``on_evict`` (see the class docstring); waits for a running eviction."""
+        self._env_here()
+        with self._write_lock:  # never swap the callback in the middle of an eviction
+            self._on_evict = listener
+
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        """Store the manifest (``LayoutManifest.canonical()``) of ``fingerprint``. One write txn.
+
+        Manifests do not count against the byte budget and are never evicted (they are tiny).
+        """
+        self._env_here()
+        try:
+            with self._write_lock:
+                with self._env.begin(write=True) as txn:
+                    txn.put(fingerprint.raw, bytes(data), db=self._dbs["manifests"])
+        except lmdb.Error as exc:
+            raise self._translate(exc, "manifest write") from exc
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        """The stored manifest for ``fingerprint``, or ``None``. One short read txn."""
+        env = self._env_here()
+        try:
+            with env.begin() as txn:
+                return txn.get(fingerprint.raw, db=self._dbs["manifests"])
+        except lmdb.Error as exc:
+            raise self._translate(exc, "manifest read") from exc
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        """Every stored ``(fingerprint, manifest bytes)``, in fingerprint order."""
+        for raw, data in self._scan("manifests"):
+            yield Fingerprint(raw), data
+
+    def __repr__(self) -> str:
+        return f"DiskTier(path={str(self.config.path)!r}, budget={self._budget})"
+
+
+__all__ = ["DISK_FORMAT_VERSION", "DiskTier"]
