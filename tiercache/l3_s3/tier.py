@@ -1,0 +1,839 @@
+"""The S3 tier (L3): cold chunks in S3 or any S3-compatible object store, shared by every node.
+
+Layout (see ``docs/s3.md``)::
+
+    s3://<bucket>/<prefix>/<fingerprint hex>/g<group>/<prefix hash hex>   one frame per chunk
+    s3://<bucket>/<prefix>/manifests/<fingerprint hex>.json               layout manifests
+
+Each object is one :func:`~tiercache.frames.encode_frame` frame (header + payload, optionally zstd),
+written with a single ``put_object`` and verified against the key asked for on every read. A frame that
+fails verification is a counted miss and is deleted: never a wrong hit.
+
+Where the calls run and what they cost: every method may block on HTTP requests bounded by the
+configured connect/read timeouts and retry attempts; the engine calls this tier only from its own
+bounded executors. Read-side methods (:meth:`S3Tier.pin`, :meth:`S3Tier.contains`,
+:meth:`S3Tier.lookup_prefix`) never raise on S3 failures: an unhealthy S3 is a counted miss. A circuit
+breaker stops requests entirely after repeated failures, so an outage costs a few timeouts and then
+nothing until the cool-down ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    ParamValidationError,
+    PartialCredentialsError,
+)
+
+from tiercache.config import S3Config
+from tiercache.errors import (
+    CircuitOpenError,
+    FrameError,
+    FrameVersionError,
+    ReservationError,
+    S3TierError,
+    TierFullError,
+)
+from tiercache.frames import HEADER_BYTES, decode_frame, encode_frame
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.l3_s3.breaker import BreakerState, CircuitBreaker
+from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: DeleteObjects accepts at most this many keys per request.
+DELETE_BATCH = 1000
+#: Bound on remembered existence answers, so a long-running server's memory stays flat.
+EXISTENCE_CACHE_ENTRIES = 1 << 18
+#: Error codes that mean "the service is overloaded or broken", not "your request is wrong".
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+
+
+class _NotFound(Exception):
+    """Internal: the object does not exist (the service answered; not a failure)."""
+
+
+@dataclass(slots=True)
+class _Reservation:
+    key: ObjectKey
+    buffer: bytearray
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Lease:
+    key: ObjectKey
+    expires_at: float
+
+
+class S3Tier(Tier):
+    """L3: chunks as self-verifying S3 objects under ``config.prefix``, bounded by ``capacity_bytes``.
+
+    Construction checks that the bucket is reachable (creating it if ``config.create_bucket``) and
+    raises :class:`~tiercache.errors.S3TierError` saying what to fix otherwise; it then starts a named
+    daemon thread that lists the prefix to build the capacity index (objects written earlier, by this
+    or another node). ``clock`` drives reservation/lease expiry, existence-cache TTLs and the breaker's
+    cool-down; tests inject a fake one.
+
+    Thread-safe. The boto3 client is per process and re-created after a fork.
+    """
+
+    name = "s3"
+    remote = True  # every existence check is a round trip: the engine asks lookup_prefix for runs
+
+    def __init__(self, config: S3Config, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.config = config
+        self._clock = clock
+        self._breaker = CircuitBreaker(
+            config.breaker_failures, config.breaker_cooldown_s, clock=clock
+        )
+        # Bounds in-flight requests from all threads to the connection pool's size, so callers queue
+        # here instead of opening and discarding extra connections.
+        self._slots = threading.BoundedSemaphore(config.max_concurrency)
+        self._client_lock = threading.Lock()
+        self._client_obj: Any = None  # guarded by _client_lock
+        self._client_pid = -1  # guarded by _client_lock
+        self._tokens = itertools.count(1)
+
+        self._lock = threading.Lock()
+        # guarded by _lock:
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._pins: dict[ObjectKey, int] = {}
+        self._owed: set[ObjectKey] = set()
+        self._exists: OrderedDict[ObjectKey, tuple[bool, float]] = OrderedDict()
+        # The capacity index: object size by key, oldest first (listing order by LastModified at
+        # start, then insertion order of our own puts).
+        self._index: OrderedDict[ObjectKey, int] = OrderedDict()
+        self._bytes_used = 0
+        # Keys our own puts/deletes touched while the start-up listing runs: the listing must not
+        # resurrect or resize them with what it saw earlier. None once the listing is merged.
+        self._scan_touched: set[ObjectKey] | None = set()
+
+        self._closed = threading.Event()
+        self._indexed = threading.Event()
+        self.check()
+        self._scanner = threading.Thread(
+            target=self._scan_prefix, name=f"tiercache-s3-index[{config.bucket}]", daemon=True
+        )
+        self._scanner.start()
+
+    # -- client and start-up --------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """This process's boto3 S3 client (re-created after a fork).
+
+        Public for instrumentation, e.g. counting requests with ``client.meta.events.register``.
+        """
+        pid = os.getpid()
+        with self._client_lock:
+            if self._client_obj is None or self._client_pid != pid:
+                # A client (and its connection pool) must not cross a fork: sockets would be shared.
+                self._client_obj = self._make_client()
+                self._client_pid = pid
+            return self._client_obj
+
+    def raw_client(self) -> Any:
+        """A new, independent boto3 S3 client with exactly this tier's settings; the caller owns it.
+
+        For baselines (``tiercache bench`` compares the tier with raw ``put_object``/``get_object``
+        through the same timeouts, retries, pool size and checksum settings). Call ``.close()`` on it.
+        """
+        return self._make_client()
+
+    def _make_client(self) -> Any:
+        cfg = self.config
+        botocfg = BotoConfig(
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            retries={"mode": "standard", "max_attempts": cfg.max_attempts},
+            max_pool_connections=cfg.max_concurrency,
+            s3={"addressing_style": "path" if cfg.path_style else "auto"},
+            # Frames carry their own xxh3 checksum; SDK checksums cost ~15% per put for nothing.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        # A fresh session per client: boto3's default session is module-level shared state.
+        session = boto3.session.Session()
+        try:
+            return session.client(
+                "s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=botocfg
+            )
+        except (ValueError, BotoCoreError) as exc:
+            raise S3TierError(
+                # The exception text may echo the URL, user-info included: name its type only.
+                f"cannot create an S3 client for {self._where}: {type(exc).__name__}; check "
+                "--s3-endpoint-url "
+                "(http(s)://host[:port]) and the region"
+            ) from exc
+
+    @property
+    def _where(self) -> str:
+        return f"bucket {self.config.bucket!r} at {_printable_endpoint(self.config.endpoint_url)}"
+
+    def check(self) -> None:
+        """Verify the bucket is reachable (HEAD bucket), creating it if ``config.create_bucket``.
+
+        Called by the constructor; costs one or two requests. Raises :class:`S3TierError` naming the
+        bucket, the endpoint and what to check. Credentials are never part of the message.
+        """
+        client = self.client  # raises S3TierError for an unusable endpoint URL
+        try:
+            client.head_bucket(Bucket=self.config.bucket)
+            return
+        except ClientError as exc:
+            code = _error_code(exc)
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                if not self.config.create_bucket:
+                    raise S3TierError(
+                        f"S3 {self._where} does not exist; create it, fix --s3-bucket, or enable "
+                        "create_bucket"
+                    ) from exc
+            elif code in ("403", "AccessDenied", "Forbidden"):
+                raise S3TierError(
+                    f"access to S3 {self._where} was denied; check the credentials of the standard "
+                    "AWS chain (environment, ~/.aws, instance role) and that they allow "
+                    "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject (see docs/s3.md)"
+                ) from exc
+            else:
+                raise S3TierError(f"S3 {self._where} is not usable: {code}") from exc
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise S3TierError(
+                f"no usable AWS credentials for S3 {self._where}; configure the standard chain "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
+            ) from exc
+        except ParamValidationError as exc:
+            raise S3TierError(f"S3 {self._where} is not a valid bucket name: {exc}") from exc
+        except BotoCoreError as exc:
+            raise S3TierError(
+                f"cannot reach S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url, "
+                "the region and the network"
+            ) from exc
+        self._create_bucket()
+
+    def _create_bucket(self) -> None:
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket}
+        region = self.config.region or self.client.meta.region_name
+        if region and region != "us-east-1":
+            # us-east-1 is the only region that rejects an explicit location constraint.
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self.client.create_bucket(**kwargs)
+        except ClientError as exc:
+            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise S3TierError(
+                    f"could not create S3 {self._where}: {_error_code(exc)}; create it yourself or "
+                    "grant s3:CreateBucket"
+                ) from exc
+        except BotoCoreError as exc:
+            raise S3TierError(
+                f"could not create S3 {self._where}: {type(exc).__name__}"
+            ) from exc
+        log.info("created S3 %s", self._where)
+
+    # -- names ----------------------------------------------------------------------------------
+    def object_name(self, key: ObjectKey) -> str:
+        """The S3 object name of ``key``: ``<prefix>/<key text>`` (no leading slash)."""
+        return f"{self._list_prefix}{key.text()}"
+
+    def manifest_name(self, fp: Fingerprint) -> str:
+        """The S3 object name of the layout manifest of ``fp``."""
+        return f"{self._list_prefix}manifests/{fp.hex}.json"
+
+    @property
+    def _list_prefix(self) -> str:
+        return f"{self.config.prefix}/" if self.config.prefix else ""
+
+    def _parse_name(self, name: str) -> ObjectKey | None:
+        prefix = self._list_prefix
+        if not name.startswith(prefix):
+            return None
+        try:
+            return ObjectKey.parse(name[len(prefix) :])
+        except ValueError:  # KeyFormatError: a manifest or a foreign object under the prefix
+            return None
+
+    # -- the one request boundary ---------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(client)`` through the breaker and the concurrency bound; translate failures.
+
+        Raises :class:`_NotFound` for a missing object (the service answered), :class:`CircuitOpenError`
+        without trying while the breaker is open, and :class:`S3TierError` for anything else after
+        botocore's own retries (counted in ``stats.errors``).
+        """
+        if not self._breaker.allow():
+            self.stats.add("skipped")
+            raise CircuitOpenError(
+                f"S3 {self._where} failed {self.config.breaker_failures} times in a row; "
+                f"{what} skipped for up to {self.config.breaker_cooldown_s:g} s"
+            )
+        try:
+            client = self.client
+            with self._slots:
+                result = fn(client)
+        except S3TierError:  # the client itself could not be built (after a fork, say)
+            self._breaker.record_failure()
+            self.stats.add("errors")
+            raise
+        except ClientError as exc:
+            code = _error_code(exc)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in _NOT_FOUND_CODES:
+                self._breaker.record_success()
+                raise _NotFound from exc
+            if status >= 500 or code in _THROTTLE_CODES:
+                self._breaker.record_failure()
+            else:
+                self._breaker.record_success()  # it answered; the request itself was refused
+            self.stats.add("errors")
+            raise S3TierError(f"S3 {what} on {self._where} failed: {code} (HTTP {status})") from exc
+        except (BotoCoreError, OSError) as exc:
+            # Connection refused/reset, timeouts, truncated bodies: the endpoint is unhealthy.
+            self._breaker.record_failure()
+            self.stats.add("errors")
+            raise S3TierError(
+                f"S3 {what} on {self._where} failed: {type(exc).__name__}"
+            ) from exc
+        except BaseException:
+            self._breaker.record_failure()  # never leave a half-open trial unreported
+            raise
+        self._breaker.record_success()
+        return result
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        """Whether S3 is currently considered healthy (``closed``) or skipped (``open``)."""
+        return self._breaker.state
+
+    # -- existence cache ------------------------------------------------------------------------
+    def _remember(self, key: ObjectKey, present: bool) -> None:
+        ttl = self.config.exists_ttl_s if present else self.config.missing_ttl_s
+        with self._lock:
+            self._exists[key] = (present, self._clock() + ttl)
+            self._exists.move_to_end(key)
+            while len(self._exists) > EXISTENCE_CACHE_ENTRIES:
+                self._exists.popitem(last=False)
+
+    def _cached(self, key: ObjectKey) -> bool | None:
+        with self._lock:
+            entry = self._exists.get(key)
+            if entry is None:
+                return None
+            present, expires_at = entry
+            if self._clock() >= expires_at:
+                del self._exists[key]
+                return None
+            return present
+
+    def _head(self, key: ObjectKey) -> bool:
+        """HEAD ``key`` (one request); remembers the answer. Raises S3TierError/CircuitOpenError."""
+        name = self.object_name(key)
+        try:
+            self._call("HEAD", lambda c: c.head_object(Bucket=self.config.bucket, Key=name))
+        except _NotFound:
+            self._remember(key, False)
+            return False
+        self._remember(key, True)
+        return True
+
+    # -- writes ---------------------------------------------------------------------------------
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """Allocate a private buffer of ``nbytes`` for ``key``; no request is made.
+
+        Raises :class:`TierFullError` when the framed object could never fit ``capacity_bytes``.
+        Runs anywhere; costs one allocation of ``nbytes``.
+        """
+        self._check_fits(nbytes)
+        now = self._clock()
+        self._expire(now)
+        buffer = bytearray(nbytes)
+        token = next(self._tokens)
+        expires_at = now + self.config.reservation_ttl_s
+        with self._lock:
+            self._reservations[token] = _Reservation(key, buffer, expires_at)
+        return WriteHandle(key, nbytes, memoryview(buffer), token, expires_at)
+
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        """Upload the reserved buffer as one framed object; blocks until S3 has it.
+
+        Called from the engine's background write threads. Costs one PUT (plus DeleteObjects when the
+        capacity bound needs room). Raises :class:`ReservationError` for an unknown, finished or
+        expired reservation, :class:`CircuitOpenError` while the breaker is open and
+        :class:`S3TierError` when the upload fails after retries.
+        """
+        with self._lock:
+            res = self._reservations.pop(handle.token, None)
+        if res is None or res.key != handle.key:
+            raise ReservationError(
+                f"reservation {handle.token} for {handle.key} is unknown or already finished"
+            )
+        if self._clock() >= res.expires_at:
+            self.stats.add("expired_reservations")
+            raise ReservationError(
+                f"reservation {handle.token} for {handle.key} expired after "
+                f"{self.config.reservation_ttl_s:g} s; reserve again"
+            )
+        self._upload(res.key, memoryview(res.buffer), owed)
+
+    def abort(self, handle: WriteHandle) -> None:
+        """Drop a reservation (nothing was uploaded). Harmless if finished or expired."""
+        with self._lock:
+            self._reservations.pop(handle.token, None)
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        """Frame ``data`` and upload it with one PUT, without the reservation's extra copy.
+
+        Blocks until uploaded; same errors and costs as :meth:`commit`.
+        """
+        view = memoryview(data).cast("B")
+        self._check_fits(view.nbytes)
+        self._upload(key, view, owed)
+
+    def _check_fits(self, nbytes: int) -> None:
+        if nbytes + HEADER_BYTES > self.config.capacity_bytes:
+            raise TierFullError(
+                f"an object of {nbytes} bytes cannot fit the S3 capacity of "
+                f"{self.config.capacity_bytes} bytes; raise the S3 capacity"
+            )
+
+    def _upload(self, key: ObjectKey, payload: memoryview, owed: bool) -> None:
+        body = encode_frame(key, payload, compress=self.config.compress)
+        name = self.object_name(key)
+        self._call(
+            "PUT",
+            lambda c: c.put_object(Bucket=self.config.bucket, Key=name, Body=body),
+        )
+        self.stats.add("puts")
+        self.stats.add("bytes_written", len(body))
+        with self._lock:
+            self._index_set(key, len(body))
+            if owed:
+                self._owed.add(key)
+            else:
+                self._owed.discard(key)
+        self._remember(key, True)
+        self._enforce_capacity(keep=key)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is believed present: the existence cache, else one HEAD request.
+
+        Never raises: an S3 failure or an open breaker answers ``False`` (counted). Does not verify.
+        """
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        try:
+            return self._head(key)
+        except S3TierError:
+            return False
+
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        """GET and verify ``key``; the payload is held in memory until :meth:`release`.
+
+        Costs one GET of the whole object (none when the key is known to be missing). A frame that
+        fails verification is deleted and counted (``verify_failures``, eviction ``corrupt``); any S3
+        failure is a counted miss. Never raises on S3 failures, never returns wrong bytes.
+        """
+        now = self._clock()
+        self._expire(now)
+        if self._cached(key) is False:
+            self.stats.add("misses")
+            return None
+        name = self.object_name(key)
+        try:
+            body = self._call(
+                "GET",
+                lambda c: c.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+            )
+        except _NotFound:
+            self._remember(key, False)
+            self._forget(key)
+            self.stats.add("misses")
+            return None
+        except S3TierError:
+            self.stats.add("misses")
+            return None
+        self.stats.add("bytes_read", len(body))
+        try:
+            payload = decode_frame(key, body)
+        except FrameVersionError as exc:
+            # Written by a build with another frame format (e.g. a newer node sharing the bucket
+            # during a rolling upgrade): not ours to delete, not ours to read.
+            log.warning("S3 object %s has an unreadable frame format: %s", name, exc)
+            self.stats.add("verify_failures")
+            self.stats.add("misses")
+            return None
+        except FrameError as exc:
+            log.warning("S3 object %s failed verification (%s); deleting it", name, exc)
+            self.stats.add("verify_failures")
+            self.stats.add("misses")
+            self._drop_corrupt(key)
+            return None
+        self.stats.add("hits")
+        self._remember(key, True)
+        token = next(self._tokens)
+        expires_at = now + self.config.lease_ttl_s
+        with self._lock:
+            self._leases[token] = _Lease(key, expires_at)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            if key in self._index:
+                self._index.move_to_end(key)  # a read makes it young again (LRU-ish)
+        return ReadHandle(key, memoryview(payload), token, expires_at)
+
+    def release(self, handle: ReadHandle) -> None:
+        """End a pin; harmless twice or after expiry. No request."""
+        with self._lock:
+            lease = self._leases.pop(handle.token, None)
+            if lease is not None:
+                self._unpin(lease.key)
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading ``keys`` are present, in O(log n) existence checks.
+
+        Uses the prefix property (chunk i present ⇒ earlier chunks usually present): probe the first
+        and last key, then binary-search the boundary with cache-aware HEADs — at most
+        ``2 + ceil(log2 n)`` requests (11 for 512 keys), none for answers still in the existence
+        cache. A hole *below* the boundary (an evicted middle chunk) is not seen here; it shows up as
+        a miss when that chunk is pinned, and the engine then restores a shorter prefix. That is safe:
+        a hole can only shorten what is loaded, never produce wrong bytes. Never raises.
+        """
+        n = len(keys)
+        if n == 0 or not self.contains(keys[0]):
+            return 0
+        if self.contains(keys[n - 1]):
+            return n
+        lo, hi = 0, n - 1  # keys[lo] present, keys[hi] absent
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.contains(keys[mid]):
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    # -- management -----------------------------------------------------------------------------
+    def delete(self, key: ObjectKey) -> bool:
+        """Delete ``key``; ``True`` if it was there. One DELETE, plus a HEAD for keys not indexed.
+
+        A pinned payload stays readable (it is a private copy) until released. Raises
+        :class:`S3TierError` / :class:`CircuitOpenError` if S3 cannot be reached.
+        """
+        with self._lock:
+            known = key in self._index
+        present = known or self._head(key)
+        if not present:
+            return False
+        name = self.object_name(key)
+        self._call("DELETE", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name))
+        self._forget(key)
+        self._remember(key, False)
+        self.stats.evicted(EvictionReason.DELETED)
+        return True
+
+    def usage(self) -> TierUsage:
+        """Bytes (framed object sizes) and objects under the prefix, from the in-memory index.
+
+        No request. Waits (at most ``read_timeout_s``) for the start-up listing so a fresh tier does
+        not report an empty bucket; after that it is instant.
+        """
+        self._indexed.wait(self.config.read_timeout_s)
+        with self._lock:
+            return TierUsage(self._bytes_used, self.config.capacity_bytes, len(self._index))
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Block until the start-up listing has been merged into the index; ``True`` if it has."""
+        return self._indexed.wait(timeout)
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """Every chunk object under the prefix, by listing the bucket (one request per 1000 keys).
+
+        Names that are not object keys (manifests, foreign objects) are skipped. Raises
+        :class:`S3TierError` if the listing fails.
+        """
+        for name, _size, _mtime in self._list():
+            key = self._parse_name(name)
+            if key is not None:
+                yield key
+
+    def settle(self, key: ObjectKey) -> None:
+        """Nothing below S3 owes ``key`` anymore: it may be evicted by the capacity bound."""
+        with self._lock:
+            self._owed.discard(key)
+
+    def close(self) -> None:
+        """Stop the index thread and close the client's connections. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._scanner.join(timeout=self.config.read_timeout_s + self.config.connect_timeout_s)
+        with self._client_lock:
+            client, self._client_obj = self._client_obj, None
+        if client is not None:
+            client.close()
+
+    # -- manifests ------------------------------------------------------------------------------
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        """Store the layout manifest of ``fingerprint`` (canonical JSON); one PUT.
+
+        Manifests are not counted against the capacity. Raises :class:`S3TierError` /
+        :class:`CircuitOpenError` on failure.
+        """
+        name = self.manifest_name(fingerprint)
+        self._call(
+            "PUT manifest",
+            lambda c: c.put_object(
+                Bucket=self.config.bucket, Key=name, Body=data, ContentType="application/json"
+            ),
+        )
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        """The stored manifest of ``fingerprint``, or ``None`` if absent or S3 is unreachable. One GET."""
+        name = self.manifest_name(fingerprint)
+        try:
+            return self._call(
+                "GET manifest",
+                lambda c: c.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+            )
+        except (_NotFound, S3TierError):
+            return None
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        """Every stored ``(fingerprint, manifest JSON)``: one LIST per 1000 manifests plus one GET each.
+
+        Meant for ``tiercache inspect``, not the request path. Raises :class:`S3TierError` if the
+        listing fails; a manifest deleted meanwhile is skipped.
+        """
+        prefix = f"{self._list_prefix}manifests/"
+        for name, _size, _mtime in self._list(prefix):
+            stem = name[len(prefix) :]
+            if not stem.endswith(".json"):
+                continue
+            try:
+                fp = Fingerprint.from_hex(stem[: -len(".json")])
+            except ValueError:
+                continue
+            data = self.get_manifest(fp)
+            if data is not None:
+                yield fp, data
+
+    # -- capacity index -------------------------------------------------------------------------
+    def _list(self, prefix: str | None = None) -> Iterator[tuple[str, int, float]]:
+        """``(name, size, last-modified epoch)`` of every object under ``prefix``, page by page."""
+        prefix = self._list_prefix if prefix is None else prefix
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                page = self._call("LIST", lambda c, kw=kwargs: c.list_objects_v2(**kw))
+            except _NotFound as exc:
+                raise S3TierError(f"S3 {self._where} disappeared while listing") from exc
+            for obj in page.get("Contents", ()):
+                yield obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp()
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def _scan_prefix(self) -> None:
+        """Background thread: list the prefix once and merge it into the index, oldest first."""
+        try:
+            listed: list[tuple[float, ObjectKey, int]] = []
+            try:
+                for name, size, mtime in self._list():
+                    if self._closed.is_set():
+                        return
+                    key = self._parse_name(name)
+                    if key is not None:
+                        listed.append((mtime, key, size))
+            except S3TierError as exc:
+                log.warning(
+                    "could not list S3 %s to build the capacity index (%s); only objects written "
+                    "by this process count against the S3 capacity until the next start",
+                    self._where,
+                    exc,
+                )
+                listed = []
+            self._merge_listing(listed)
+            if not self._closed.is_set():
+                # Objects from earlier runs (or other nodes) may already exceed the capacity.
+                self._enforce_capacity(keep=None)
+        except Exception:  # a bug here must not leave usage() waiting on an index forever
+            log.exception("building the S3 capacity index failed")
+        finally:
+            self._indexed.set()
+
+    def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
+        listed.sort(key=lambda t: t[0])
+        with self._lock:
+            touched = self._scan_touched or set()
+            merged: OrderedDict[ObjectKey, int] = OrderedDict()
+            for _mtime, key, size in listed:
+                if key not in touched:
+                    merged[key] = size
+            # Our own puts during the scan are newer than anything listed.
+            for key, size in self._index.items():
+                merged.pop(key, None)
+                merged[key] = size
+            self._index = merged
+            self._bytes_used = sum(merged.values())
+            self._scan_touched = None
+
+    def _index_set(self, key: ObjectKey, size: int) -> None:
+        # caller holds _lock
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._bytes_used -= old
+        self._index[key] = size
+        self._bytes_used += size
+        if self._scan_touched is not None:
+            self._scan_touched.add(key)
+
+    def _forget(self, key: ObjectKey) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._bytes_used -= old
+            self._owed.discard(key)
+            if self._scan_touched is not None:
+                self._scan_touched.add(key)
+
+    def _enforce_capacity(self, keep: ObjectKey | None) -> None:
+        """Delete the oldest objects until the index fits ``capacity_bytes``.
+
+        Victims are chosen and removed from the index under the lock (so concurrent callers never
+        pick the same one), then deleted outside it with DeleteObjects in batches of 1000. Pinned,
+        owed and just-written objects are skipped.
+        """
+        self._expire(self._clock())
+        victims: list[tuple[ObjectKey, int]] = []
+        with self._lock:
+            excess = self._bytes_used - self.config.capacity_bytes
+            if excess <= 0:
+                return
+            for key, size in self._index.items():
+                if excess <= 0:
+                    break
+                if key == keep or key in self._owed or self._pins.get(key):
+                    continue
+                victims.append((key, size))
+                excess -= size
+            for key, size in victims:
+                del self._index[key]
+                self._bytes_used -= size
+                if self._scan_touched is not None:
+                    self._scan_touched.add(key)
+        for start in range(0, len(victims), DELETE_BATCH):
+            batch = victims[start : start + DELETE_BATCH]
+            self._delete_batch(batch)
+
+    def _delete_batch(self, batch: list[tuple[ObjectKey, int]]) -> None:
+        objects = [{"Key": self.object_name(key)} for key, _ in batch]
+        try:
+            reply = self._call(
+                "DeleteObjects",
+                lambda c: c.delete_objects(
+                    Bucket=self.config.bucket, Delete={"Objects": objects, "Quiet": True}
+                ),
+            )
+            failed = {e.get("Key") for e in reply.get("Errors", ())}
+        except (S3TierError, _NotFound) as exc:
+            log.warning("S3 capacity eviction of %d objects failed: %s", len(batch), exc)
+            failed = {o["Key"] for o in objects}
+        gone = 0
+        with self._lock:
+            for key, size in batch:
+                if self.object_name(key) in failed:
+                    # Still stored: put it back as the oldest so the next eviction retries it.
+                    if key not in self._index:
+                        self._index[key] = size
+                        self._index.move_to_end(key, last=False)
+                        self._bytes_used += size
+                else:
+                    gone += 1
+                    self._exists[key] = (False, self._clock() + self.config.missing_ttl_s)
+        if gone:
+            self.stats.evicted(EvictionReason.CAPACITY, gone)
+
+    def _drop_corrupt(self, key: ObjectKey) -> None:
+        name = self.object_name(key)
+        try:
+            self._call(
+                "DELETE corrupt", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name)
+            )
+        except (S3TierError, _NotFound):
+            pass  # still a miss; the next read verifies (and tries to delete) again
+        self._forget(key)
+        self._remember(key, False)
+        self.stats.evicted(EvictionReason.CORRUPT)
+
+    # -- expiry ---------------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        """Drop expired reservations and leases (a crashed caller cannot pin objects forever)."""
+        with self._lock:
+            dead_res = [t for t, r in self._reservations.items() if r.expires_at <= now]
+            for token in dead_res:
+                del self._reservations[token]
+            dead_leases = [t for t, lease in self._leases.items() if lease.expires_at <= now]
+            for token in dead_leases:
+                self._unpin(self._leases.pop(token).key)
+        if dead_res:
+            self.stats.add("expired_reservations", len(dead_res))
+        if dead_leases:
+            self.stats.add("expired_leases", len(dead_leases))
+
+    def _unpin(self, key: ObjectKey) -> None:
+        # caller holds _lock
+        count = self._pins.get(key, 0) - 1
+        if count > 0:
+            self._pins[key] = count
+        else:
+            self._pins.pop(key, None)
+
+
+def _printable_endpoint(url: str | None) -> str:
+    """The endpoint for messages and logs, without any ``user:password@`` someone put in the URL."""
+    if not url:
+        return "the AWS default endpoint"
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", "Unknown"))
