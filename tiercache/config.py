@@ -8,7 +8,7 @@ the fix.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.errors import ConfigError
@@ -159,7 +159,6 @@ class EngineConfig:
     write_queue_depth: int = 256
     promote_workers: int = 4
     write_workers: int = 2
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.write_queue_depth < 1:

@@ -24,9 +24,10 @@ import enum
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 
 
@@ -119,6 +120,9 @@ class Tier(ABC):
 
     #: Short name used in stats, logs and the CLI ("l1", "disk", "s3").
     name: str = "tier"
+    #: True when every lookup costs a network round trip (S3): the engine then asks
+    #: :meth:`lookup_prefix` for whole runs of keys instead of :meth:`contains` per key.
+    remote: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -202,6 +206,26 @@ class Tier(ABC):
             if not self.contains(key):
                 return i
         return len(keys)
+
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        """Keep a layout manifest (canonical JSON) beside the data. No-op on tiers that do not persist."""
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        """The manifest stored for ``fingerprint``, or ``None``."""
+        return None
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        """Every stored ``(fingerprint, manifest JSON)``."""
+        return iter(())
+
+    def set_eviction_listener(
+        self, listener: Callable[[ObjectKey, memoryview], None] | None
+    ) -> None:
+        """Have ``listener(key, payload)`` called before each capacity eviction (write-back uses it).
+
+        The payload view is only valid during the call. Default: ignored, for tiers whose evictions
+        need no write-back.
+        """
 
     def settle(self, key: ObjectKey) -> None:
         """A lower tier now holds ``key``: it may be evicted here. No-op on tiers that never owe."""

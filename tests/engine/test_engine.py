@@ -1,0 +1,265 @@
+"""The tiered engine: longest restorable prefix, promotion, write-through and write-back."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from tests.conftest import S3Endpoint, payload_for
+from tests.engine.conftest import MiB, EngineFactory, disk_tier, l1_tier, s3_tier
+from tiercache.config import L3WritePolicy
+from tiercache.engine import GroupSpec, TicketState
+from tiercache.keys import Fingerprint, GroupKind, chunk_hashes
+from tiercache.wrappers import FaultInjectingTier, FaultPlan
+
+CHUNK_BYTES = 64 * 1024
+FP = Fingerprint(b"A" * 16)
+FULL = GroupSpec(0, GroupKind.FULL_ATTENTION, FP)
+
+
+def prompt(n_chunks: int, salt: int = 0) -> list[bytes]:
+    return chunk_hashes([salt * 100_000 + t for t in range(n_chunks * 16)], 16)
+
+
+def store(engine, groups, hashes, chunks=None, only=None) -> None:  # type: ignore[no-untyped-def]
+    """Store every group's object for the given chunk indices (default: all)."""
+    for i in range(len(hashes)) if chunks is None else chunks:
+        for g in groups:
+            if only is not None and g is not only:
+                continue
+            key = g.key(hashes[i])
+            assert engine.put(key, payload_for(key, CHUNK_BYTES))
+
+
+def load_all(engine, ticket) -> None:  # type: ignore[no-untyped-def]
+    """Every pinned object holds exactly the bytes stored under its key."""
+    for key, handle in ticket.handles.items():
+        assert bytes(handle.buffer) == payload_for(key, CHUNK_BYTES)
+
+
+# -- lookup -------------------------------------------------------------------------------------
+def test_lookup_finds_the_longest_stored_prefix_in_l1(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(8)
+    store(engine, [FULL], hashes, chunks=range(5))
+    result = engine.lookup(hashes, [FULL])
+    assert result.chunks == 5
+    assert result.per_tier == {"l1": 5}
+
+
+def test_a_hole_ends_the_prefix(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(6)
+    store(engine, [FULL], hashes, chunks=[0, 1, 3, 4])
+    assert engine.lookup(hashes, [FULL]).chunks == 2
+
+
+def test_other_fingerprints_never_hit(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(4)
+    store(engine, [FULL], hashes)
+    other = GroupSpec(0, GroupKind.FULL_ATTENTION, Fingerprint(b"B" * 16))
+    assert engine.lookup(hashes, [other]).chunks == 0
+
+
+# -- hybrid models ------------------------------------------------------------------------------
+SW = GroupSpec.sliding(1, FP, window_tokens=32, chunk_size=16)  # needs the 2 trailing chunks
+REC = GroupSpec(2, GroupKind.RECURRENT, FP)
+
+
+def test_sliding_window_needs_only_its_trailing_chunks(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(6)
+    store(engine, [FULL], hashes)
+    store(engine, [SW], hashes, chunks=[4, 5])  # chunks 0..3 of the window group are gone
+    assert engine.lookup(hashes, [FULL, SW]).chunks == 6
+
+
+def test_sliding_window_with_a_hole_inside_the_window_falls_back(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(6)
+    store(engine, [FULL], hashes)
+    store(engine, [SW], hashes, chunks=[0, 1, 2, 3, 5])  # chunk 4 missing: boundaries 5, 6 fail
+    assert engine.lookup(hashes, [FULL, SW]).chunks == 4
+
+
+def test_recurrent_state_is_needed_exactly_at_the_boundary(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(6)
+    store(engine, [FULL], hashes)
+    store(engine, [REC], hashes, chunks=[1, 3])  # states after chunk 2 and after chunk 4
+    result = engine.lookup(hashes, [FULL, REC])
+    assert result.chunks == 4
+    assert result.per_tier == {"l1": 5}  # 4 full-attention chunks + 1 state
+
+
+def test_a_missing_group_means_no_hit_at_all(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(4)
+    store(engine, [FULL], hashes)
+    assert engine.lookup(hashes, [FULL, REC]).chunks == 0
+
+
+def test_prefetch_pins_exactly_what_the_boundary_needs(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(6)
+    groups = [FULL, SW, REC]
+    store(engine, groups, hashes)
+    ticket = engine.prefetch(hashes, groups, 4)
+    assert engine.poll(ticket) is TicketState.READY
+    assert ticket.chunks == 4
+    assert set(ticket.handles) == {FULL.key(h) for h in hashes[:4]} | {
+        SW.key(hashes[2]),
+        SW.key(hashes[3]),
+        REC.key(hashes[3]),
+    }
+    load_all(engine, ticket)
+    engine.release_ticket(ticket)
+
+
+# -- lower tiers ---------------------------------------------------------------------------------
+def test_a_restart_finds_chunks_on_disk_and_promotes_them(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    hashes = prompt(8)
+    first = make_engine(l1_tier(), disk_tier(tmp_path))
+    store(first, [FULL], hashes)
+    assert first.flush(timeout=30)
+    first.close()
+
+    second = make_engine(l1_tier(), disk_tier(tmp_path))
+    result = second.lookup(hashes, [FULL])
+    assert result.chunks == 8
+    assert result.per_tier == {"disk": 8}
+    ticket = second.prefetch(hashes, [FULL], result.chunks)
+    assert second.wait(ticket, timeout=30) is TicketState.READY
+    assert ticket.chunks == 8
+    load_all(second, ticket)
+    second.release_ticket(ticket)
+    # Promoted chunks are now L1 hits.
+    assert second.lookup(hashes, [FULL]).per_tier == {"l1": 8}
+
+
+def test_a_second_node_reads_through_s3(
+    tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory
+) -> None:
+    hashes = prompt(6)
+    node_a = make_engine(l1_tier(), disk_tier(tmp_path / "a"), s3_tier(s3))
+    store(node_a, [FULL], hashes)
+    assert node_a.flush(timeout=30)
+    assert node_a.stats()["engine"]["l3_writes"] == 6  # type: ignore[index]
+
+    node_b = make_engine(l1_tier(), disk_tier(tmp_path / "b"), s3_tier(s3))
+    result = node_b.lookup(hashes, [FULL])
+    assert result.chunks == 6
+    assert result.per_tier == {"s3": 6}
+    ticket = node_b.prefetch(hashes, [FULL], 6)
+    assert node_b.wait(ticket, timeout=30) is TicketState.READY
+    load_all(node_b, ticket)
+    node_b.release_ticket(ticket)
+
+
+def test_write_back_sends_chunks_to_s3_when_disk_evicts_them(
+    tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory
+) -> None:
+    l2 = disk_tier(tmp_path, budget=8 * CHUNK_BYTES)
+    l3 = s3_tier(s3)
+    engine = make_engine(l1_tier(32 * MiB), l2, l3, l3_write_policy=L3WritePolicy.BACK)
+    hashes = prompt(32)
+    store(engine, [FULL], hashes)
+    assert engine.flush(timeout=60)
+    assert engine.flush(timeout=60)  # evictions during the first drain queue more S3 writes
+    assert engine.stats()["engine"]["l3_writes"] > 0  # type: ignore[index]
+    on_s3 = set(l3.iter_keys())
+    on_disk = set(l2.iter_keys())
+    # Every chunk is still somewhere below L1, and S3 got only what the disk let go.
+    assert {FULL.key(h) for h in hashes} <= on_s3 | on_disk
+    assert on_s3 and len(on_s3) < len(hashes)
+
+
+def flip_byte_in_file(path: Path, needle: bytes) -> None:
+    """Flip one byte of the first occurrence of ``needle`` in a file (bit rot on disk)."""
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    assert at >= 0, "payload not found in the file"
+    data[at + len(needle) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_disk_object_is_a_counted_miss_never_wrong_bytes(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    hashes = prompt(4)
+    first = make_engine(l1_tier(), disk_tier(tmp_path))
+    store(first, [FULL], hashes)
+    assert first.flush(timeout=30)
+    first.close()
+    victim = FULL.key(hashes[2])
+    flip_byte_in_file(tmp_path / "data.mdb", payload_for(victim, CHUNK_BYTES)[:4096])
+
+    second = make_engine(l1_tier(), disk_tier(tmp_path))
+    ticket = second.prefetch(hashes, [FULL], 4)
+    assert second.wait(ticket, timeout=30) is TicketState.READY
+    assert ticket.chunks == 2  # chunk 2 failed verification, so chunk 3 is not restorable either
+    load_all(second, ticket)
+    second.release_ticket(ticket)
+    disk_stats = second.stats()["tiers"]["disk"]  # type: ignore[index]
+    assert disk_stats["verify_failures"] == 1
+    assert second.lookup(hashes, [FULL]).chunks == 2  # the corrupt object was deleted
+
+
+# -- bounded queues and owed copies -------------------------------------------------------------
+def test_l1_never_evicts_a_chunk_still_owed_to_disk(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    gate = threading.Event()
+    slow_disk = FaultInjectingTier(disk_tier(tmp_path), FaultPlan(write_gate=gate))
+    engine = make_engine(l1_tier(4 * CHUNK_BYTES), slow_disk, write_queue_depth=64)
+    hashes = prompt(8)
+    stored = [engine.put(FULL.key(h), payload_for(FULL.key(h), CHUNK_BYTES)) for h in hashes]
+    # L1 holds 4 chunks; with the disk stalled none may be evicted, so later stores are dropped.
+    assert stored[:4] == [True] * 4
+    assert not any(stored[4:])
+    assert engine.stats()["engine"]["stores_dropped"] == 4  # type: ignore[index]
+    gate.set()
+    assert engine.flush(timeout=30)
+    # Once written through, L1 may evict them again and new stores succeed.
+    assert engine.put(FULL.key(prompt(1, salt=9)[0]), b"x" * CHUNK_BYTES)
+    assert engine.lookup(hashes[:4], [FULL]).chunks == 4
+
+
+def test_a_full_write_queue_drops_and_counts(tmp_path: Path, make_engine: EngineFactory) -> None:
+    gate = threading.Event()
+    slow_disk = FaultInjectingTier(disk_tier(tmp_path), FaultPlan(write_gate=gate))
+    engine = make_engine(l1_tier(), slow_disk, write_queue_depth=2, write_workers=1)
+    hashes = prompt(10)
+    store(engine, [FULL], hashes)  # never blocks even though the disk is stalled
+    drops = engine.stats()["engine"]["l2_queue_drops"]  # type: ignore[index]
+    assert drops >= 10 - 2 - 1  # queue depth 2 plus the one the writer holds
+    gate.set()
+    assert engine.flush(timeout=30)
+
+
+def test_a_failing_disk_is_counted_and_reads_still_come_from_l1(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    broken = FaultInjectingTier(disk_tier(tmp_path), FaultPlan(fail_writes=True))
+    engine = make_engine(l1_tier(), broken)
+    hashes = prompt(3)
+    store(engine, [FULL], hashes)
+    assert engine.flush(timeout=30)
+    assert engine.stats()["engine"]["write_failures"] == 3  # type: ignore[index]
+    assert engine.lookup(hashes, [FULL]).chunks == 3
+
+
+def test_manifests_are_kept_on_disk_for_inspection(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    from tests.keys.test_object_key import manifest
+
+    m = manifest()
+    engine = make_engine(l1_tier(), disk_tier(tmp_path))
+    fp = engine.register_manifest(m)
+    engine.close()
+    again = make_engine(l1_tier(), disk_tier(tmp_path))
+    assert again.manifest(fp) == m

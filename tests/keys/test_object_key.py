@@ -1,0 +1,95 @@
+"""ObjectKey has one byte form and one text form, and they round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiercache.errors import KeyFormatError
+from tiercache.keys import Fingerprint, GroupKind, LayoutManifest, ObjectKey
+
+keys_st = st.builds(
+    ObjectKey,
+    st.binary(min_size=16, max_size=16).map(Fingerprint),
+    st.integers(min_value=0, max_value=0xFFFF),
+    st.binary(min_size=16, max_size=16),
+)
+
+
+def manifest(**changes: object) -> LayoutManifest:
+    base = LayoutManifest(
+        model_id="tiny-llama",
+        model_revision="sha256:abc",
+        kv_dtype="bfloat16",
+        attention_backend="CPU_ATTN",
+        kv_layout="LBHNC",
+        kernel_block_size=32,
+        manager_block_size=32,
+        page_bytes=8192,
+        page_bytes_unpadded=8192,
+        group_kind=GroupKind.FULL_ATTENTION,
+        chunk_size=256,
+        num_layers=4,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@given(keys_st)
+def test_bytes_round_trip(key: ObjectKey) -> None:
+    assert ObjectKey.from_bytes(key.to_bytes()) == key
+    assert len(key.to_bytes()) == 35
+
+
+@given(keys_st)
+def test_text_round_trip(key: ObjectKey) -> None:
+    assert ObjectKey.parse(key.text()) == key
+    assert str(key) == key.text()
+
+
+@pytest.mark.parametrize(
+    "text", ["", "zz/g0/zz", "a" * 32 + "/g70000/" + "b" * 32, "a" * 32 + "/0/" + "b" * 32]
+)
+def test_malformed_text_is_rejected_with_the_expected_form(text: str) -> None:
+    with pytest.raises(KeyFormatError):
+        ObjectKey.parse(text)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x01" * 34, b"\x02" + b"\x00" * 34])
+def test_malformed_bytes_are_rejected(raw: bytes) -> None:
+    with pytest.raises(KeyFormatError):
+        ObjectKey.from_bytes(raw)
+
+
+def test_fingerprint_is_stable_and_manifest_round_trips() -> None:
+    m = manifest()
+    assert m.fingerprint() == manifest().fingerprint()
+    assert LayoutManifest.from_dict(m.to_dict()) == m
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_revision": "sha256:other-weights"},
+        {"kv_dtype": "float16"},
+        {"attention_backend": "FLASH_ATTN"},
+        {"kv_layout": "NHD"},
+        {"kernel_block_size": 64},
+        {"manager_block_size": 64},
+        {"page_bytes": 16384},
+        {"group_kind": GroupKind.SLIDING_WINDOW, "sliding_window": 64},
+        {"state_shapes": ((4, 128),)},
+        {"tp_size": 2},
+        {"tp_rank": 1},
+        {"extra": (("isa", "avx512"),)},
+    ],
+)
+def test_any_layout_difference_changes_the_fingerprint(change: dict[str, object]) -> None:
+    assert manifest(**change).fingerprint() != manifest().fingerprint()
+
+
+def test_a_garbage_manifest_is_a_key_format_error() -> None:
+    with pytest.raises(KeyFormatError):
+        LayoutManifest.from_dict({"model_id": "x"})

@@ -1,0 +1,247 @@
+"""Tier throughput against raw baselines measured in the same run (``tiercache bench``).
+
+For each chunk size, each tier's put and get throughput is measured next to the raw operation it is
+built on, on the same bytes, on the same machine, interleaved round by round:
+
+* L1 (shared arena): reserve → copy → commit / pin → copy out → release, vs a numpy copy into / out of
+  a preallocated buffer of the same size (raw memcpy).
+* L2 (LMDB): ``DiskTier.put`` / pin → copy → release, vs raw ``lmdb`` puts and ``get(buffers=True)``
+  copies with the same environment settings, one transaction per value.
+* L3 (S3): ``S3Tier.put`` / ``get``, vs raw boto3 ``put_object`` / ``get_object`` against the same
+  endpoint with the same client settings and the same number of threads.
+
+Each figure is the median of ``rounds`` timed rounds after one warm-up round; the ratio is what
+matters (these machines are shared and noisy). Results go to stdout as a table and optionally JSON.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tiercache.config import DiskConfig, L1Config, S3Config
+from tiercache.keys import Fingerprint, ObjectKey
+
+KiB = 1 << 10
+MiB = 1 << 20
+DEFAULT_SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    """One line of the result: a tier, an operation and a chunk size, with its baseline."""
+
+    tier: str
+    op: str
+    chunk_bytes: int
+    tier_gbps: float
+    raw_gbps: float
+    baseline: str
+
+    @property
+    def ratio(self) -> float:
+        return self.tier_gbps / self.raw_gbps if self.raw_gbps else float("nan")
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "ratio": round(self.ratio, 3)}
+
+
+def _keys(n: int, size: int) -> list[ObjectKey]:
+    fp = Fingerprint(b"bench-fingerprnt")
+    return [ObjectKey(fp, size % 0xFFFF, i.to_bytes(16, "big")) for i in range(n)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _median_pair(
+    tier_fn: Callable[[], None], raw_fn: Callable[[], None], nbytes: int, rounds: int
+) -> tuple[float, float]:
+    """Warm both up once, then alternate timed rounds; medians in GB/s."""
+    tier_fn()
+    raw_fn()
+    tier_t: list[float] = []
+    raw_t: list[float] = []
+    for _ in range(rounds):
+        for fn, out in ((tier_fn, tier_t), (raw_fn, raw_t)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return _gbps(nbytes, statistics.median(tier_t)), _gbps(nbytes, statistics.median(raw_t))
+
+
+def bench_l1(sizes: Sequence[int], total_bytes: int, rounds: int) -> list[BenchRow]:
+    """L1 put/get vs numpy memcpy into/out of a preallocated buffer."""
+    from tiercache.l1 import L1Tier
+
+    rows: list[BenchRow] = []
+    for size in sizes:
+        n = max(1, total_bytes // size)
+        keys = _keys(n, size)
+        src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        dst = np.empty(size, dtype=np.uint8)
+        raw_arena = np.zeros(n * size, dtype=np.uint8)
+        tier = L1Tier(L1Config(size_bytes=n * size + 64 * MiB, name=f"tc-bench-{uuid.uuid4().hex[:8]}"))
+        try:
+
+            def tier_put() -> None:
+                for key in keys:
+                    handle = tier.reserve(key, size)
+                    np.copyto(np.frombuffer(handle.buffer, np.uint8), src)
+                    tier.commit(handle)
+
+            def raw_put() -> None:
+                for i in range(n):
+                    np.copyto(raw_arena[i * size : (i + 1) * size], src)
+
+            def tier_get() -> None:
+                for key in keys:
+                    handle = tier.pin(key)
+                    assert handle is not None
+                    np.copyto(dst, np.frombuffer(handle.buffer, np.uint8))
+                    tier.release(handle)
+
+            def raw_get() -> None:
+                for i in range(n):
+                    np.copyto(dst, raw_arena[i * size : (i + 1) * size])
+
+            put = _median_pair(tier_put, raw_put, n * size, rounds)
+            get = _median_pair(tier_get, raw_get, n * size, rounds)
+        finally:
+            tier.close()
+        rows.append(BenchRow("l1", "put", size, *put, "numpy memcpy"))
+        rows.append(BenchRow("l1", "get", size, *get, "numpy memcpy"))
+    return rows
+
+
+def bench_disk(
+    sizes: Sequence[int], total_bytes: int, rounds: int, path: Path | None = None
+) -> list[BenchRow]:
+    """L2 put/get vs raw lmdb on the same filesystem with the same environment settings."""
+    import lmdb
+
+    from tiercache.l2_disk import DiskTier
+
+    rows: list[BenchRow] = []
+    base = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=path))
+    try:
+        for size in sizes:
+            n = max(1, total_bytes // size)
+            keys = _keys(n, size)
+            raw_keys = [k.to_bytes() for k in keys]
+            src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+            dst = np.empty(size, dtype=np.uint8)
+            budget = 4 * n * size
+            tier = DiskTier(DiskConfig(path=base / f"tier-{size}", budget_bytes=budget))
+            env = lmdb.open(
+                str(base / f"raw-{size}"),
+                map_size=int(budget * 1.5) + 64 * MiB,
+                sync=False,
+                metasync=False,
+                writemap=False,
+                readahead=True,
+            )
+            try:
+
+                def tier_put() -> None:
+                    for key in keys:
+                        tier.put(key, src)
+
+                def raw_put() -> None:
+                    for k in raw_keys:
+                        with env.begin(write=True) as txn:
+                            txn.put(k, src)
+
+                def tier_get() -> None:
+                    for key in keys:
+                        handle = tier.pin(key)
+                        assert handle is not None
+                        np.copyto(dst, np.frombuffer(handle.buffer, np.uint8))
+                        tier.release(handle)
+
+                def raw_get() -> None:
+                    for k in raw_keys:
+                        with env.begin(buffers=True) as txn:
+                            np.copyto(dst, np.frombuffer(txn.get(k), np.uint8))
+
+                put = _median_pair(tier_put, raw_put, n * size, rounds)
+                get = _median_pair(tier_get, raw_get, n * size, rounds)
+            finally:
+                tier.close()
+                env.close()
+            rows.append(BenchRow("disk", "put", size, *put, "raw lmdb"))
+            rows.append(BenchRow("disk", "get", size, *get, "raw lmdb"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+def bench_s3(
+    sizes: Sequence[int], total_bytes: int, rounds: int, config: S3Config
+) -> list[BenchRow]:
+    """L3 put/get vs raw boto3 on the same endpoint, same client settings, same thread count."""
+    from tiercache.l3_s3 import S3Tier
+
+    rows: list[BenchRow] = []
+    tier = S3Tier(config)
+    client = tier.raw_client()
+    threads = config.max_concurrency
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="tiercache-bench") as pool:
+            for size in sizes:
+                n = max(threads, total_bytes // size)
+                keys = _keys(n, size)
+                names = [f"{config.prefix}/bench-raw/{k.text()}" for k in keys]
+                body = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).tobytes()
+
+                def run(fn: Callable[[int], object]) -> Callable[[], None]:
+                    return lambda: list(pool.map(fn, range(n)))
+
+                def raw_get_one(i: int) -> None:
+                    client.get_object(Bucket=config.bucket, Key=names[i])["Body"].read()
+
+                def tier_get_one(i: int) -> None:
+                    assert tier.get(keys[i]) is not None
+
+                put = _median_pair(
+                    run(lambda i: tier.put(keys[i], body)),
+                    run(lambda i: client.put_object(Bucket=config.bucket, Key=names[i], Body=body)),
+                    n * size,
+                    rounds,
+                )
+                get = _median_pair(run(tier_get_one), run(raw_get_one), n * size, rounds)
+                rows.append(BenchRow("s3", "put", size, *put, "raw boto3"))
+                rows.append(BenchRow("s3", "get", size, *get, "raw boto3"))
+    finally:
+        tier.close()
+    return rows
+
+
+def render(rows: Sequence[BenchRow]) -> str:
+    """A plain-text table (also what docs/benchmarks.md shows)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tiercache tiers vs raw baselines (GB/s, median of rounds)")
+    for col in ("tier", "op", "chunk", "tier GB/s", "raw GB/s", "ratio", "baseline"):
+        table.add_column(col, justify="right" if "GB/s" in col or col == "ratio" else "left")
+    for r in rows:
+        chunk = f"{r.chunk_bytes // MiB} MiB" if r.chunk_bytes >= MiB else f"{r.chunk_bytes // KiB} KiB"
+        table.add_row(
+            r.tier, r.op, chunk, f"{r.tier_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}x", r.baseline
+        )
+    out = StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()

@@ -1,0 +1,145 @@
+"""The ``tiercache`` command line. The only place that maps errors to exit codes.
+
+Subcommands so far: ``bench`` (tier throughput against raw baselines on this machine) and ``version``.
+``server`` and ``inspect`` arrive with the server (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tiercache import __version__
+from tiercache.errors import ConfigError, TierCacheError
+
+KNOWN_TIERS = ("l1", "disk", "s3")
+
+
+def default_data_dir() -> Path:
+    """The per-user data directory: ``$XDG_DATA_HOME/tiercache`` or ``~/.local/share/tiercache``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tiercache"
+
+
+def parse_tiers(text: str) -> list[str]:
+    """``"l1,disk"`` → ``["l1", "disk"]``; every name known, no repeats, not empty."""
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tiers if t not in KNOWN_TIERS]
+    if not tiers or unknown or len(set(tiers)) != len(tiers):
+        raise ConfigError(
+            f"--tiers {text!r} is not valid; use a comma-separated subset of {','.join(KNOWN_TIERS)}, "
+            "e.g. l1,disk"
+        )
+    return tiers
+
+
+def parse_size(text: str) -> int:
+    """``"256k"``, ``"4m"``, ``"1048576"`` → bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError as exc:
+        raise ConfigError(f"{text!r} is not a size; use e.g. 256k, 1m or 4m") from exc
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tiercache import bench
+    from tiercache.config import S3Config
+
+    tiers = parse_tiers(args.tiers)
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(bench.DEFAULT_SIZES)
+    total = args.total_mb << 20
+    if total <= 0 or args.rounds < 1:
+        raise ConfigError("--total-mb and --rounds must be positive")
+    rows: list[bench.BenchRow] = []
+    err = sys.stderr
+    if "l1" in tiers:
+        print("measuring L1 (shared arena) against memcpy …", file=err)
+        rows += bench.bench_l1(sizes, total, args.rounds)
+    if "disk" in tiers:
+        disk_path = Path(args.disk_path)
+        disk_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        print(f"measuring L2 (LMDB under {disk_path}) against raw lmdb …", file=err)
+        rows += bench.bench_disk(sizes, total, args.rounds, disk_path)
+    if "s3" in tiers:
+        if not args.s3_bucket:
+            raise ConfigError("--tiers includes s3: give --s3-bucket (and --s3-endpoint-url if not AWS)")
+        cfg = S3Config(
+            bucket=args.s3_bucket,
+            prefix=args.s3_prefix,
+            endpoint_url=args.s3_endpoint_url,
+            region=args.s3_region,
+            path_style=args.s3_path_style,
+            create_bucket=args.s3_create_bucket,
+        )
+        print(f"measuring L3 (s3://{cfg.bucket}/{cfg.prefix}) against raw boto3 …", file=err)
+        rows += bench.bench_s3(sizes, max(total // 4, 1 << 20), args.rounds, cfg)
+    print(bench.render(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(f"wrote {args.json}", file=err)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed so docs and tests can inspect the flags)."""
+    parser = argparse.ArgumentParser(
+        prog="tiercache",
+        description="Tiered KV-cache storage for LLM serving: L1 host memory, L2 LMDB disk, L3 S3.",
+    )
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser(
+        "bench",
+        help="measure each tier against its raw baseline on this machine",
+        description=(
+            "Measure put/get throughput of each tier and, in the same run, of the raw operation it is "
+            "built on (memcpy for L1, lmdb for L2, boto3 for L3). Prints GB/s and the ratio."
+        ),
+    )
+    b.add_argument("--tiers", default="l1,disk", help="tiers to measure (default: l1,disk)")
+    b.add_argument("--sizes", default="", help="chunk sizes, e.g. 256k,1m,4m (default)")
+    b.add_argument("--total-mb", type=int, default=256, help="bytes per case in MiB (default 256)")
+    b.add_argument("--rounds", type=int, default=3, help="timed rounds per case (median; default 3)")
+    b.add_argument(
+        "--disk-path",
+        default=str(default_data_dir() / "bench"),
+        help="where the LMDB benchmark writes (default: the per-user data dir); removed afterwards",
+    )
+    b.add_argument("--s3-bucket", help="bucket for the s3 tier")
+    b.add_argument("--s3-prefix", default="tiercache-bench", help="key prefix (default tiercache-bench)")
+    b.add_argument("--s3-endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    b.add_argument("--s3-region", help="S3 region")
+    b.add_argument("--s3-path-style", action="store_true", help="path-style addressing")
+    b.add_argument("--s3-create-bucket", action="store_true", help="create the bucket if missing")
+    b.add_argument("--json", help="also write the rows as JSON to this file")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tiercache`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"tiercache: error: {exc}", file=sys.stderr)
+        return 2
+    except TierCacheError as exc:
+        print(f"tiercache: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

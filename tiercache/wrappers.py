@@ -1,0 +1,149 @@
+"""Cross-cutting behaviour as tier wrappers, not as flags inside every tier.
+
+:class:`WrapperTier` forwards every call to an inner tier; subclasses override what they change.
+:class:`FaultInjectingTier` is how tests (and, for testing only, a server started with fault injection)
+break a tier on purpose: errors, latency, a gate that holds writes, "disk full". It is never enabled by
+default.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tiercache.errors import TierError, TierFullError
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier import ReadHandle, Tier, TierStats, TierUsage, WriteHandle
+
+
+class WrapperTier(Tier):
+    """A tier that forwards everything to ``inner``; shares its name, stats and flags."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.remote = inner.remote
+
+    @property
+    def stats(self) -> TierStats:  # type: ignore[override]
+        return self.inner.stats
+
+    @stats.setter
+    def stats(self, value: TierStats) -> None:  # Tier.__init__ compatibility; inner owns stats
+        pass
+
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        return self.inner.reserve(key, nbytes)
+
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        self.inner.commit(handle, owed=owed)
+
+    def abort(self, handle: WriteHandle) -> None:
+        self.inner.abort(handle)
+
+    def contains(self, key: ObjectKey) -> bool:
+        return self.inner.contains(key)
+
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        return self.inner.pin(key)
+
+    def release(self, handle: ReadHandle) -> None:
+        self.inner.release(handle)
+
+    def delete(self, key: ObjectKey) -> bool:
+        return self.inner.delete(key)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        return self.inner.iter_keys()
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        self.inner.put(key, data, owed=owed)
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        return self.inner.lookup_prefix(keys)
+
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        self.inner.put_manifest(fingerprint, data)
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        return self.inner.get_manifest(fingerprint)
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        return self.inner.iter_manifests()
+
+    def settle(self, key: ObjectKey) -> None:
+        self.inner.settle(key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self.inner.flush(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class FaultPlan:
+    """What a :class:`FaultInjectingTier` does to the calls it forwards. Change it at any time.
+
+    ``write_gate`` (when set) holds every write until the event is set — a stalled disk.
+    ``fail_writes`` / ``fail_reads`` make calls raise :class:`TierError` (reads then miss).
+    ``full`` makes reservations raise :class:`TierFullError`. ``latency_s`` delays every call.
+    """
+
+    fail_writes: bool = False
+    fail_reads: bool = False
+    full: bool = False
+    latency_s: float = 0.0
+    write_gate: threading.Event | None = None
+    injected: int = field(default=0)
+
+
+class FaultInjectingTier(WrapperTier):
+    """Wraps a tier and injects the faults its :class:`FaultPlan` describes (tests only)."""
+
+    def __init__(self, inner: Tier, plan: FaultPlan | None = None) -> None:
+        super().__init__(inner)
+        self.plan = plan or FaultPlan()
+
+    def _delay(self) -> None:
+        if self.plan.latency_s:
+            time.sleep(self.plan.latency_s)
+
+    def _write_fault(self) -> None:
+        self._delay()
+        if self.plan.write_gate is not None:
+            self.plan.write_gate.wait()
+        if self.plan.full:
+            self.plan.injected += 1
+            raise TierFullError(f"{self.name}: injected 'tier full'")
+        if self.plan.fail_writes:
+            self.plan.injected += 1
+            raise TierError(f"{self.name}: injected write failure")
+
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        self._write_fault()
+        return super().reserve(key, nbytes)
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        self._write_fault()
+        super().put(key, data, owed=owed)
+
+    def pin(self, key: ObjectKey) -> ReadHandle | None:
+        self._delay()
+        if self.plan.fail_reads:
+            self.plan.injected += 1
+            self.inner.stats.add("errors")
+            return None
+        return super().pin(key)
+
+    def contains(self, key: ObjectKey) -> bool:
+        self._delay()
+        if self.plan.fail_reads:
+            return False
+        return super().contains(key)
