@@ -129,6 +129,25 @@ class TierContract:
         with pytest.raises(TierFullError):
             tier.reserve(make_key(1), BUDGET + 1)
 
+    def test_batches_reserve_commit_pin_and_release_many_objects(self, tier: Tier) -> None:
+        keys = [make_key(i) for i in range(4)]
+        handles = tier.reserve_many([(key, 100 + i) for i, key in enumerate(keys)])
+        for i, handle in enumerate(handles):
+            handle.buffer[:] = payload_for(keys[i], 100 + i)
+        tier.commit_many(handles)
+        pinned = tier.pin_many([*keys, make_key(99)])
+        assert pinned[-1] is None
+        assert [bytes(h.buffer) for h in pinned[:-1] if h] == [
+            payload_for(k, 100 + i) for i, k in enumerate(keys)
+        ]
+        tier.release_many([h for h in pinned if h])
+
+    def test_a_batch_that_does_not_fit_reserves_nothing(self, tier: Tier) -> None:
+        before = tier.usage().bytes_used
+        with pytest.raises(TierFullError):
+            tier.reserve_many([(make_key(1), 100), (make_key(2), BUDGET + 1)])
+        assert tier.usage().bytes_used == before
+
     # -- reads and eviction -------------------------------------------------------------------
     def test_pinned_buffer_holds_the_payload_until_release(self, tier: Tier) -> None:
         key = make_key(1)

@@ -43,7 +43,7 @@ class FrameFlags(enum.IntFlag):
     ZSTD = 1
 
 
-_KNOWN_FLAGS = FrameFlags.ZSTD
+_ZSTD = int(FrameFlags.ZSTD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class FrameHeader:
     """The parsed, checked header of one frame."""
 
     key: ObjectKey
-    flags: FrameFlags
+    flags: int  # FrameFlags bits; a plain int because this is parsed on every read
     payload_len: int
     stored_len: int
     checksum: int
@@ -88,11 +88,11 @@ class FrameHeader:
             raise FrameVersionError(
                 f"frame format {version} is not supported by this build (reads {FRAME_VERSION})"
             )
-        if flags & ~int(_KNOWN_FLAGS):
+        if flags & ~_ZSTD:
             raise FrameVersionError(f"unknown frame flags {flags:#x}")
         if key_raw != expected_key.to_bytes():
             raise FrameError("frame belongs to another key")
-        return cls(expected_key, FrameFlags(flags), payload_len, stored_len, checksum)
+        return cls(expected_key, flags, payload_len, stored_len, checksum)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -136,7 +136,7 @@ def verify_payload(
         raise FrameError(f"payload truncated: {len(stored)} of {header.stored_len} bytes")
     if checksum(stored) != header.checksum:
         raise FrameError("payload checksum mismatch")
-    if header.flags & FrameFlags.ZSTD:
+    if header.flags & _ZSTD:
         import zstandard
 
         try:

@@ -92,6 +92,18 @@ class TierStats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
+    def hit(self, nbytes: int) -> None:
+        """Count one hit of ``nbytes`` (one lock round trip; hits are the hot path)."""
+        with self._lock:
+            self.hits += 1
+            self.bytes_read += nbytes
+
+    def put(self, nbytes: int) -> None:
+        """Count one committed write of ``nbytes``."""
+        with self._lock:
+            self.puts += 1
+            self.bytes_written += nbytes
+
     def evicted(self, reason: EvictionReason, n: int = 1) -> None:
         """Count ``n`` evictions for ``reason``."""
         with self._lock:
@@ -189,6 +201,35 @@ class Tier(ABC):
             self.abort(handle)
             raise
         self.commit(handle, owed=owed)
+
+    def reserve_many(self, items: Sequence[tuple[ObjectKey, int]]) -> list[WriteHandle]:
+        """Reserve for each ``(key, nbytes)``, all or nothing (a request storing many chunks).
+
+        Tiers whose per-call overhead matters (L1) override this to take their lock once.
+        """
+        handles: list[WriteHandle] = []
+        try:
+            for key, nbytes in items:
+                handles.append(self.reserve(key, nbytes))
+        except BaseException:
+            for handle in handles:
+                self.abort(handle)
+            raise
+        return handles
+
+    def commit_many(self, handles: Sequence[WriteHandle], *, owed: bool = False) -> None:
+        """Commit each reservation in order; stops at the first that is not open (raising)."""
+        for handle in handles:
+            self.commit(handle, owed=owed)
+
+    def pin_many(self, keys: Sequence[ObjectKey]) -> list[ReadHandle | None]:
+        """Pin each key; ``None`` for each miss."""
+        return [self.pin(key) for key in keys]
+
+    def release_many(self, handles: Sequence[ReadHandle]) -> None:
+        """Release each lease."""
+        for handle in handles:
+            self.release(handle)
 
     def get(self, key: ObjectKey) -> bytes | None:
         """A verified copy of the payload of ``key``, or ``None`` on a miss."""

@@ -51,9 +51,27 @@ def test_best_fit_keeps_large_extents_whole() -> None:
     alloc.free(slots[1].offset)  # a 1-unit hole
     for s in slots[4:]:
         alloc.free(s.offset)  # a 4-unit hole at the end
-    small = alloc.allocate(A)
+    assert alloc.extents() == [Extent(slots[1].offset, A), Extent(4 * A, 4 * A)]  # merged
+    small = alloc.allocate(2000)
     assert small == Extent(slots[1].offset, A)
     assert alloc.largest_free() == 4 * A
+
+
+def test_a_freed_slot_is_reused_for_the_same_size_at_once() -> None:
+    alloc = SlotAllocator(8 * A, A)
+    slots = [alloc.allocate(2 * A) for _ in range(4)]
+    alloc.free(slots[2].offset)
+    assert alloc.free_bytes() == 2 * A
+    assert alloc.allocate(2 * A) == slots[2]
+
+
+def test_fragmented_quick_lists_are_merged_before_an_allocation_fails() -> None:
+    alloc = SlotAllocator(8 * A, A)
+    slots = [alloc.allocate(A) for _ in range(8)]
+    for s in slots[2:6]:
+        alloc.free(s.offset)  # four 1-unit slots, adjacent once merged
+    assert alloc.allocate(4 * A) == Extent(2 * A, 4 * A)
+    assert alloc.allocate(A) is None
 
 
 def test_double_free_is_refused() -> None:

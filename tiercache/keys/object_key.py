@@ -13,7 +13,7 @@ lists them. Text form: ``<fingerprint hex>/g<group>/<prefix hash hex>`` — used
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercache.errors import KeyFormatError
 from tiercache.keys.fingerprint import FINGERPRINT_BYTES, Fingerprint
@@ -32,6 +32,12 @@ class ObjectKey:
     fingerprint: Fingerprint
     object_group: int
     prefix_hash: bytes
+    # Keys are hashed and encoded on every index, lease and frame operation: compute both once.
+    _hash: int = field(init=False, repr=False, compare=False)
+    _raw: bytes = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
         if not 0 <= self.object_group <= MAX_OBJECT_GROUP:
@@ -42,15 +48,18 @@ class ObjectKey:
             raise KeyFormatError(
                 f"a prefix hash is {HASH_BYTES} bytes, got {len(self.prefix_hash)}"
             )
-
-    def to_bytes(self) -> bytes:
-        """The 35-byte binary form used as the LMDB key and inside object frames."""
-        return (
+        raw = (
             bytes((KEY_VERSION,))
             + self.fingerprint.raw
             + self.object_group.to_bytes(2, "big")
             + self.prefix_hash
         )
+        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_hash", hash(raw))
+
+    def to_bytes(self) -> bytes:
+        """The 35-byte binary form used as the LMDB key and inside object frames."""
+        return self._raw
 
     @classmethod
     def from_bytes(cls, raw: bytes | memoryview) -> ObjectKey:

@@ -165,37 +165,57 @@ class L1Tier(Tier):
     def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
         """Allocate a slot for ``key``, evicting by policy if needed. Request loop; never blocks.
 
-        Cost: O(log n) for the allocation plus O(1) per eviction. Raises :class:`TierFullError` when
-        the object is larger than the arena or everything evictable is gone and it still does not fit.
+        Cost: O(1) for a size freed before (quick lists), else O(log n), plus O(1) per eviction.
+        Raises :class:`TierFullError` when the object is larger than the arena or everything
+        evictable is gone and it still does not fit.
         """
-        if nbytes < 0:
-            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+        return self.reserve_many([(key, nbytes)])[0]
+
+    def reserve_many(self, items: Sequence[tuple[ObjectKey, int]]) -> list[WriteHandle]:
+        """Reserve a slot for each ``(key, nbytes)`` under one lock acquisition, all or nothing.
+
+        What a store request of many chunks uses; raises :class:`TierFullError` (reserving none)
+        if any does not fit.
+        """
+        handles: list[WriteHandle] = []
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            capacity = self._allocator.capacity
-            if self._allocator.slot_size(nbytes) > capacity:
+            try:
+                for key, nbytes in items:
+                    handles.append(self._reserve_locked(key, nbytes, now))
+            except BaseException:
+                for handle in handles:
+                    self._free(self._reservations.pop(handle.token).slot)
+                raise
+        return handles
+
+    def _reserve_locked(self, key: ObjectKey, nbytes: int, now: float) -> WriteHandle:
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+        capacity = self._allocator.capacity
+        if self._allocator.slot_size(nbytes) > capacity:
+            self.stats.add("skipped")
+            raise TierFullError(
+                f"object {key} of {nbytes} bytes is larger than the L1 arena ({capacity} usable "
+                "bytes); raise --l1-size-gb or use a smaller --chunk-size"
+            )
+        extent = self._allocator.allocate(nbytes)
+        while extent is None:
+            victim = self._policy.evict_one(self._can_evict)
+            if victim is None:
                 self.stats.add("skipped")
-                raise TierFullError(
-                    f"object {key} of {nbytes} bytes is larger than the L1 arena ({capacity} usable "
-                    "bytes); raise --l1-size-gb or use a smaller --chunk-size"
-                )
+                raise TierFullError(self._full_message(key, nbytes))
+            self._evict(victim)
             extent = self._allocator.allocate(nbytes)
-            while extent is None:
-                victim = self._policy.evict_one(self._can_evict)
-                if victim is None:
-                    self.stats.add("skipped")
-                    raise TierFullError(self._full_message(key, nbytes))
-                self._evict(victim)
-                extent = self._allocator.allocate(nbytes)
-            slot = _Slot(key, extent.offset, nbytes)
-            self._bytes_held += nbytes
-            token = next(self._tokens)
-            expires_at = now + self._config.reservation_ttl_s
-            self._reservations[token] = _Ticket(slot, expires_at)
-            heapq.heappush(self._reservation_deadlines, (expires_at, token))
-            buffer = self._arena.view(slot.offset, nbytes)
+        slot = _Slot(key, extent.offset, nbytes)
+        self._bytes_held += nbytes
+        token = next(self._tokens)
+        expires_at = now + self._config.reservation_ttl_s
+        self._reservations[token] = _Ticket(slot, expires_at)
+        heapq.heappush(self._reservation_deadlines, (expires_at, token))
+        buffer = self._arena.view(slot.offset, nbytes)
         return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
 
     def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
@@ -205,24 +225,35 @@ class L1Tier(Tier):
         object from eviction until :meth:`settle`. Raises :class:`ReservationError` if the reservation
         is unknown, already finished or expired.
         """
+        self.commit_many([handle], owed=owed)
+
+    def commit_many(self, handles: Sequence[WriteHandle], *, owed: bool = False) -> None:
+        """Commit several reservations under one lock acquisition.
+
+        Raises :class:`ReservationError` at the first one that is not open; those before it are
+        committed.
+        """
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            ticket = self._reservations.get(handle.token)
-            if ticket is None or ticket.slot.key != handle.key:
-                raise ReservationError(self._reservation_gone(handle))
-            del self._reservations[handle.token]
-            slot = ticket.slot
-            slot.owed = owed
-            slot.visible = True
-            old = self._objects.get(slot.key)
-            if old is not None:
-                self._policy.on_remove(slot.key)
-                self._hide(old)
-            self._objects[slot.key] = slot
-            self._policy.on_insert(slot.key)
-            self.stats.add("puts")
-            self.stats.add("bytes_written", slot.nbytes)
+            for handle in handles:
+                self._commit_locked(handle, owed)
+
+    def _commit_locked(self, handle: WriteHandle, owed: bool) -> None:
+        ticket = self._reservations.get(handle.token)
+        if ticket is None or ticket.slot.key != handle.key:
+            raise ReservationError(self._reservation_gone(handle))
+        del self._reservations[handle.token]
+        slot = ticket.slot
+        slot.owed = owed
+        slot.visible = True
+        old = self._objects.get(slot.key)
+        if old is not None:
+            self._policy.on_remove(slot.key)
+            self._hide(old)
+        self._objects[slot.key] = slot
+        self._policy.on_insert(slot.key)
+        self.stats.put(slot.nbytes)
 
     def abort(self, handle: WriteHandle) -> None:
         """Free a reservation; a no-op if it already expired or finished. Request loop; O(log n)."""
@@ -257,35 +288,46 @@ class L1Tier(Tier):
         Arena memory is never corrupted by storage, so L1 trusts its bytes: verification happens when
         they arrive from L2/L3. Returns ``None`` (a counted miss) if ``key`` is not committed.
         """
+        return self.pin_many([key])[0]
+
+    def pin_many(self, keys: Sequence[ObjectKey]) -> list[ReadHandle | None]:
+        """Pin several keys under one lock acquisition (what a load request of many chunks uses)."""
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            slot = self._objects.get(key)
-            if slot is None:
-                self.stats.add("misses")
-                return None
-            slot.pins += 1
-            token = next(self._tokens)
-            expires_at = now + self._config.lease_ttl_s
-            self._leases[token] = _Ticket(slot, expires_at)
-            heapq.heappush(self._lease_deadlines, (expires_at, token))
-            self._policy.on_access(key)
-            self.stats.add("hits")
-            self.stats.add("bytes_read", slot.nbytes)
-            buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
+            return [self._pin_locked(key, now) for key in keys]
+
+    def _pin_locked(self, key: ObjectKey, now: float) -> ReadHandle | None:
+        slot = self._objects.get(key)
+        if slot is None:
+            self.stats.add("misses")
+            return None
+        slot.pins += 1
+        token = next(self._tokens)
+        expires_at = now + self._config.lease_ttl_s
+        self._leases[token] = _Ticket(slot, expires_at)
+        heapq.heappush(self._lease_deadlines, (expires_at, token))
+        self._policy.on_access(key)
+        self.stats.hit(slot.nbytes)
+        buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
         return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
 
     def release(self, handle: ReadHandle) -> None:
         """End a lease. Releasing twice, after expiry or after close is harmless. O(log n)."""
+        self.release_many([handle])
+
+    def release_many(self, handles: Sequence[ReadHandle]) -> None:
+        """End several leases under one lock acquisition."""
         with self._lock:
             if self._closed:
                 return
             self._sweep(self._clock())
-            ticket = self._leases.get(handle.token)
-            if ticket is not None and ticket.slot.key == handle.key:
-                del self._leases[handle.token]
-                self._unpin(ticket.slot)
+            for handle in handles:
+                ticket = self._leases.get(handle.token)
+                if ticket is not None and ticket.slot.key == handle.key:
+                    del self._leases[handle.token]
+                    self._unpin(ticket.slot)
 
     # -- management ----------------------------------------------------------------------------
     def delete(self, key: ObjectKey) -> bool:

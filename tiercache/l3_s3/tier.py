@@ -434,8 +434,7 @@ class S3Tier(Tier):
             "PUT",
             lambda c: c.put_object(Bucket=self.config.bucket, Key=name, Body=body),
         )
-        self.stats.add("puts")
-        self.stats.add("bytes_written", len(body))
+        self.stats.put(len(body))
         with self._lock:
             self._index_set(key, len(body))
             if owed:
