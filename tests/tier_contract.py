@@ -129,6 +129,22 @@ class TierContract:
         with pytest.raises(TierFullError):
             tier.reserve(make_key(1), BUDGET + 1)
 
+    def test_read_into_copies_the_payload_into_the_callers_buffer(self, tier: Tier) -> None:
+        key = make_key(1)
+        tier.put(key, payload_for(key, 3000))
+        out = bytearray(5000)
+        sizes: list[int] = []
+
+        def alloc(n: int) -> memoryview:
+            sizes.append(n)
+            return memoryview(out)[:n]
+
+        assert tier.read_into(key, alloc) is True
+        assert sizes == [3000]
+        assert bytes(out[:3000]) == payload_for(key, 3000)
+        assert tier.read_into(make_key(2), alloc) is False
+        assert sizes == [3000]  # a miss never asks for a buffer
+
     def test_batches_reserve_commit_pin_and_release_many_objects(self, tier: Tier) -> None:
         keys = [make_key(i) for i in range(4)]
         handles = tier.reserve_many([(key, 100 + i) for i, key in enumerate(keys)])

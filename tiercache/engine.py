@@ -473,29 +473,33 @@ class TieredEngine:
         return ticket
 
     def _promote(self, ticket: PrefetchTicket, key: ObjectKey) -> bool:
-        """Copy ``key`` from the fastest lower tier holding it into L1, and pin it for ``ticket``."""
+        """Copy ``key`` from the fastest lower tier holding it into L1, and pin it for ``ticket``.
+
+        The bytes land in an invisible L1 reservation and are verified there by the lower tier
+        (``read_into``); only a verified copy is committed.
+        """
         for tier in self.lower:
-            src = tier.pin(key)
-            if src is None:
-                continue
+            dst: list[WriteHandle] = []
+
+            def alloc(nbytes: int) -> memoryview:
+                dst.append(self.l1.reserve(key, nbytes))  # TierFullError: L1 has no room
+                return dst[0].buffer
+
             try:
-                dst = self.l1.reserve(key, src.buffer.nbytes)
-                try:
-                    dst.buffer[:] = src.buffer
-                except BaseException:
-                    self.l1.abort(dst)
-                    raise
-                self.l1.commit(dst)
+                found = tier.read_into(key, alloc)
             except TierError as exc:
                 log.debug("promotion of %s from %s failed: %s", key, tier.name, exc)
-                self.counters.add("promotion_failures")
-                return False
-            finally:
-                tier.release(src)
+                if dst:
+                    self.l1.abort(dst[0])
+                break  # L1 is full or the tier failed: recompute rather than wait
+            if not found:  # a miss, or corrupt here (then dst held unverified bytes)
+                if dst:
+                    self.l1.abort(dst[0])
+                continue  # a lower tier may still have it
+            self.l1.commit(dst[0])
             pinned = self.l1.pin(key)
             if pinned is None:
-                self.counters.add("promotion_failures")
-                return False
+                break
             with self._lock:
                 late = ticket.released
                 if not late:

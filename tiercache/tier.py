@@ -241,6 +241,23 @@ class Tier(ABC):
         finally:
             self.release(handle)
 
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+        """Copy the verified payload of ``key`` into ``alloc(payload length)``; ``False`` on a miss.
+
+        For moving an object into a buffer the caller owns (promotion into an L1 reservation). A
+        tier may copy first and verify the destination; so after a ``False`` for which ``alloc``
+        was called the destination holds unverified bytes and must be discarded. Default: pin,
+        copy, release.
+        """
+        handle = self.pin(key)
+        if handle is None:
+            return False
+        try:
+            alloc(handle.buffer.nbytes)[:] = handle.buffer
+        finally:
+            self.release(handle)
+        return True
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are present. Tiers with costly lookups override this."""
         for i, key in enumerate(keys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.errors import TierError, TierFullError
@@ -64,6 +64,9 @@ class WrapperTier(Tier):
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         self.inner.put(key, data, owed=owed)
+
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+        return self.inner.read_into(key, alloc)
 
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         return self.inner.lookup_prefix(keys)
@@ -141,6 +144,14 @@ class FaultInjectingTier(WrapperTier):
             self.inner.stats.add("errors")
             return None
         return super().pin(key)
+
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+        self._delay()
+        if self.plan.fail_reads:
+            self.plan.injected += 1
+            self.inner.stats.add("errors")
+            return False
+        return super().read_into(key, alloc)
 
     def contains(self, key: ObjectKey) -> bool:
         self._delay()

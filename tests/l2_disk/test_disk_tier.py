@@ -149,6 +149,34 @@ def test_a_flipped_payload_byte_in_data_mdb_is_a_counted_miss_and_is_deleted(
         assert tier.get(other) == payload_for(other, 5000)
 
 
+def test_read_into_verifies_what_it_copied_and_reports_corruption_as_a_miss(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "l2"
+    victim = make_key(1)
+    payload = random_payload(7, 3 * 4096 + 100)
+    with open_tier(path, clock) as tier:
+        tier.put(victim, payload)
+    at = find_once(path / "data.mdb", payload)
+    patch_file(path / "data.mdb", at + 700, bytes([payload[700] ^ 0x80]))
+    out = bytearray(len(payload))
+    with open_tier(path, clock) as tier:
+        assert tier.read_into(victim, lambda n: memoryview(out)[:n]) is False
+        assert tier.stats.snapshot()["verify_failures"] == 1
+        assert not tier.contains(victim)
+
+
+def test_read_into_decompresses_compressed_objects(tmp_path: Path, clock: FakeClock) -> None:
+    key = make_key(1)
+    payload = half_compressible(3)
+    out = bytearray(len(payload))
+    with open_tier(tmp_path / "l2", clock, compress=True) as tier:
+        tier.put(key, payload)
+        assert tier.usage().bytes_used < len(payload)  # really stored compressed
+        assert tier.read_into(key, lambda n: memoryview(out)[:n]) is True
+    assert bytes(out) == payload
+
+
 def test_a_torn_payload_in_data_mdb_is_a_miss(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "l2"
     key = make_key(1)
