@@ -71,3 +71,10 @@ def test_incremental_hashing_equals_hashing_all_at_once(tokens: list[int], steps
 def test_a_chunk_size_of_zero_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="chunk size"):
         PrefixHasher(0)
+
+
+def test_token_ids_outside_uint32_are_rejected() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        chunk_hashes([0, 1, 2, -1], C)
+    with pytest.raises(ValueError, match="token ids"):
+        chunk_hashes(np.array([0, 1, 2, 2**40]), C)

@@ -6,13 +6,15 @@ Two requests share ``h_i`` only if they share every token up to the end of chunk
 key, so tenants and adapters never collide. Tokens are hashed as little-endian uint32 so the value does
 not depend on the platform or on how the caller stored them.
 
-Cost (measured, see docs/benchmarks.md): hashing is ~1 µs per 256-token chunk; turning a Python list of
-ints into an array is the expensive part (~14 ns per token). :class:`PrefixHasher` therefore converts and
-hashes each token once per request, however often the scheduler asks.
+Cost (measured, see docs/benchmarks.md): hashing is well under 1 µs per 256-token chunk; turning a
+Python list of ints into bytes is the expensive part (~6 ns per token). :class:`PrefixHasher` therefore
+converts and hashes each token once per request, however often the scheduler asks.
 """
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,12 +51,22 @@ class ExtraKeys:
         return h.digest()
 
 
+_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
 def _as_u32_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """Tokens as little-endian uint32 bytes. From a list, ``array.array`` is the fastest path
+    (measured 0.8 ms for 128k tokens vs 1.9 ms with ``np.fromiter``)."""
     if isinstance(tokens, np.ndarray):
-        arr = np.ascontiguousarray(tokens, dtype="<u4")
-    else:
-        arr = np.fromiter(tokens, dtype="<u4", count=len(tokens))
-    return memoryview(arr).cast("B")
+        if tokens.dtype != np.uint32 and tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+            raise ValueError("token ids must be in 0..2**32-1")
+        return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+    if _NATIVE_U32:
+        try:
+            return memoryview(array.array("I", tokens)).cast("B")
+        except OverflowError as exc:
+            raise ValueError(f"token ids must be in 0..2**32-1: {exc}") from exc
+    return memoryview(np.fromiter(tokens, dtype="<u4", count=len(tokens))).cast("B")
 
 
 def chunk_hashes(
