@@ -165,3 +165,61 @@ class EngineConfig:
             raise ConfigError(f"write queue depth must be >= 1, got {self.write_queue_depth}")
         if self.promote_workers < 1 or self.write_workers < 1:
             raise ConfigError("engine worker counts must be >= 1")
+
+
+def default_runtime_dir() -> Path:
+    """Per-user runtime directory for sockets: ``$XDG_RUNTIME_DIR/tiercache`` or ``/tmp/tiercache-<uid>``."""
+    import os
+
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "tiercache"
+    return Path(f"/tmp/tiercache-{os.getuid()}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How the server listens and treats clients (the tiers have their own configs).
+
+    ``listen`` is a ZMQ endpoint: ``ipc://PATH`` (default: a socket in the per-user runtime directory,
+    owner-only) or ``tcp://HOST:PORT``, which requires ``auth_secret`` or ``curve_secret_key_file``.
+    ``chunk_size`` is in tokens; every connector must use the server's value. A client that sends
+    nothing for ``heartbeat_timeout_s`` loses its reservations and read leases. ``io_workers`` bounds
+    the executor that runs L2/L3 calls off the request loop. ``max_message_bytes`` bounds any single
+    message (a put over the socket included).
+    """
+
+    listen: str = ""
+    chunk_size: int = 256
+    separate_object_groups: bool = True
+    auth_secret: str | None = None
+    curve_secret_key_file: Path | None = None
+    heartbeat_timeout_s: float = 15.0
+    io_workers: int = 4
+    max_message_bytes: int = 64 * MiB
+    drain_timeout_s: float = 10.0
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            object.__setattr__(self, "listen", f"ipc://{default_runtime_dir() / 'server.sock'}")
+        if not (self.listen.startswith("ipc://") or self.listen.startswith("tcp://")):
+            raise ConfigError(
+                f"--listen {self.listen!r} is not supported; use ipc:///path/to/socket or "
+                "tcp://HOST:PORT"
+            )
+        if self.listen.startswith("tcp://") and not (self.auth_secret or self.curve_secret_key_file):
+            raise ConfigError(
+                f"--listen {self.listen} is TCP, which needs authentication: set --auth-secret "
+                "(or TIERCACHE_AUTH_SECRET) or --curve-secret-key-file"
+            )
+        if self.chunk_size <= 0:
+            raise ConfigError(f"--chunk-size must be a positive number of tokens, got {self.chunk_size}")
+        _positive("heartbeat timeout", self.heartbeat_timeout_s, " s")
+        _positive("drain timeout", self.drain_timeout_s, " s")
+        if self.io_workers < 1:
+            raise ConfigError(f"io workers must be >= 1, got {self.io_workers}")
+        if self.max_message_bytes < 1 * MiB:
+            raise ConfigError(f"max message bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a port number (0-65535)")
