@@ -8,7 +8,7 @@ the fix.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.errors import ConfigError
@@ -192,7 +192,7 @@ class ServerOptions:
     listen: str = ""
     chunk_size: int = 256
     separate_object_groups: bool = True
-    auth_secret: str | None = None
+    auth_secret: str | None = field(default=None, repr=False)  # never printed or logged
     curve_secret_key_file: Path | None = None
     heartbeat_timeout_s: float = 15.0
     io_workers: int = 4
