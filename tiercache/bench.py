@@ -147,7 +147,6 @@ def bench_l1(sizes: Sequence[int], total_bytes: int, rounds: int) -> list[BenchR
             get = _median_pair(tier_get, raw_get, n * size, rounds)
         finally:
             tier.close()
-            del raw_arena
             raw_shm.close()
             raw_shm.unlink()
         rows.append(BenchRow("l1", f"put x{BATCH}", size, *put, "memcpy into /dev/shm"))

@@ -15,7 +15,11 @@ The tree::
     │   ├── DiskTierError               LMDB failed (translated from lmdb.Error)
     │   └── S3TierError                 S3 failed after retries (translated from botocore errors)
     │       └── CircuitOpenError        S3 is considered unhealthy; the call was not attempted
-    └── CopyBackendError                the copy back-end cannot run here (e.g. CUDA without a GPU)
+    ├── CopyBackendError                the copy back-end cannot run here (e.g. CUDA without a GPU)
+    ├── ServerError                     the server answered a request with an error (``.code`` says which)
+    │   ├── ProtocolError               malformed / unknown / out-of-version message (either side)
+    │   └── AuthenticationError         the server requires a shared secret or CURVE key we lack
+    └── ServerUnavailableError          no server answered within the timeout (not running, wrong path)
 
 Back-end exceptions are translated at the tier boundary with ``raise ... from exc`` so callers
 never need to import lmdb or botocore to handle failures.
@@ -78,3 +82,23 @@ class CircuitOpenError(S3TierError):
 
 class CopyBackendError(TierCacheError):
     """The requested copy back-end cannot run on this host."""
+
+
+class ServerError(TierCacheError):
+    """The server refused a request. ``code`` is the protocol's error code (``tier_full``, ...)."""
+
+    def __init__(self, message: str, code: str = "internal") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProtocolError(ServerError):
+    """A message did not follow the protocol: malformed, unknown op, or another protocol version."""
+
+
+class AuthenticationError(ServerError):
+    """The server requires authentication (shared secret or CURVE) that this client did not give."""
+
+
+class ServerUnavailableError(TierCacheError):
+    """No tiercache server answered in time; check that it runs and that the endpoint matches."""

@@ -21,12 +21,14 @@ caller's buffer, L3's :meth:`lookup_prefix` searches instead of asking once per 
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from tiercache.errors import ReservationError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 
@@ -85,6 +87,12 @@ class TierStats:
     expired_reservations: int = 0
     expired_leases: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
+    #: Called as ``listener(key, reason)`` for each evicted key a tier names (the server keeps a
+    #: bounded record of recent evictions for ``explain``). Runs under the tier's locks: it must be
+    #: cheap and must never call back into a tier.
+    listener: Callable[[ObjectKey, EvictionReason], None] | None = field(
+        default=None, repr=False, compare=False
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -104,10 +112,16 @@ class TierStats:
             self.puts += 1
             self.bytes_written += nbytes
 
-    def evicted(self, reason: EvictionReason, n: int = 1) -> None:
-        """Count ``n`` evictions for ``reason``."""
+    def evicted(
+        self, reason: EvictionReason, n: int = 1, keys: Sequence[ObjectKey] = ()
+    ) -> None:
+        """Count ``n`` evictions for ``reason``; tell the :attr:`listener` which ``keys`` went."""
         with self._lock:
             self.evictions[reason.value] = self.evictions.get(reason.value, 0) + n
+        listener = self.listener
+        if listener is not None:
+            for key in keys:
+                listener(key, reason)
 
     def snapshot(self) -> dict[str, object]:
         """A consistent plain-dict copy of every counter."""
@@ -299,6 +313,77 @@ class Tier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(slots=True)
+class _Staged:
+    key: ObjectKey
+    buffer: bytearray
+    expires_at: float
+
+
+class StagedWrites:
+    """Reservations held as private buffers until commit, for tiers whose storage cannot hand out
+    a writable region to fill in place (LMDB, S3): ``reserve`` allocates, ``take`` hands the filled
+    buffer to the tier's commit, ``drop`` aborts, ``expire`` sweeps. Thread-safe; counts expiries in
+    ``stats.expired_reservations``.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float], stats: TierStats) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._stats = stats
+        self._tokens = itertools.count(1)
+        self._lock = threading.Lock()
+        self._open: dict[int, _Staged] = {}  # guarded by _lock
+
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """A zeroed private buffer of ``nbytes`` for ``key``. One allocation."""
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+        buffer = bytearray(nbytes)
+        expires_at = self._clock() + self._ttl_s
+        with self._lock:
+            token = next(self._tokens)
+            self._open[token] = _Staged(key, buffer, expires_at)
+        return WriteHandle(key, nbytes, memoryview(buffer), token, expires_at)
+
+    def take(self, handle: WriteHandle) -> bytearray:
+        """End the reservation and return its filled buffer, or raise :class:`ReservationError`."""
+        with self._lock:
+            staged = self._open.pop(handle.token, None)
+        if staged is None or staged.key != handle.key:
+            raise ReservationError(
+                f"reservation {handle.token} for {handle.key} is unknown or already finished; "
+                "reserve again"
+            )
+        if self._clock() >= staged.expires_at:
+            self._stats.add("expired_reservations")
+            raise ReservationError(
+                f"reservation {handle.token} for {handle.key} expired after {self._ttl_s:g} s; "
+                "reserve again"
+            )
+        return staged.buffer
+
+    def drop(self, handle: WriteHandle) -> None:
+        """Abort a reservation; harmless if it is already gone."""
+        with self._lock:
+            self._open.pop(handle.token, None)
+
+    def expire(self) -> None:
+        """Drop every reservation whose time is up."""
+        now = self._clock()
+        with self._lock:
+            dead = [t for t, staged in self._open.items() if staged.expires_at <= now]
+            for token in dead:
+                del self._open[token]
+        if dead:
+            self._stats.add("expired_reservations", len(dead))
+
+    def clear(self) -> None:
+        """Forget every reservation (the tier is closing)."""
+        with self._lock:
+            self._open.clear()
 
 
 def deadline(seconds: float) -> float:

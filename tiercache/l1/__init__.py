@@ -30,4 +30,5 @@ __all__ = [
     "SharedArena",
     "SlotAllocator",
     "default_arena_name",
+    "make_policy",
 ]

@@ -340,7 +340,7 @@ class L1Tier(Tier):
                 return False
             self._policy.on_remove(key)
             self._hide(slot)
-            self.stats.evicted(EvictionReason.DELETED)
+            self.stats.evicted(EvictionReason.DELETED, keys=(key,))
             return True
 
     def settle(self, key: ObjectKey) -> None:
@@ -415,7 +415,7 @@ class L1Tier(Tier):
         slot = self._objects.pop(key)
         slot.visible = False
         self._free(slot)
-        self.stats.evicted(EvictionReason.CAPACITY)
+        self.stats.evicted(EvictionReason.CAPACITY, keys=(key,))
 
     def _hide(self, slot: _Slot) -> None:
         """Take a version out of the index's view; free it unless a reader still holds it."""

@@ -53,8 +53,6 @@ from tiercache.config import DiskConfig
 from tiercache.errors import (
     DiskTierError,
     FrameError,
-    KeyFormatError,
-    ReservationError,
     TierFullError,
 )
 from tiercache.frames import (
@@ -67,7 +65,14 @@ from tiercache.frames import (
 )
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier import (
+    EvictionReason,
+    ReadHandle,
+    StagedWrites,
+    Tier,
+    TierUsage,
+    WriteHandle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +118,6 @@ def _meta_stored_len(meta: bytes | memoryview) -> int | None:
 
 
 @dataclass(slots=True)
-class _Reservation:
-    key: ObjectKey
-    buffer: bytearray
-    expires_at: float
-
-
-@dataclass(slots=True)
 class _Lease:
     key_bytes: bytes
     txn: lmdb.Transaction | None  # None when the payload was decompressed into our own memory
@@ -156,8 +154,8 @@ class DiskTier(Tier):
         self._budget = config.budget_bytes
         self._map_size = int(config.map_headroom * config.budget_bytes) + 64 * MiB
         self._write_lock = threading.Lock()  # guards: this process's write transactions
-        self._state_lock = threading.Lock()  # guards: the four tables below and _next_token
-        self._reservations: dict[int, _Reservation] = {}
+        self._state_lock = threading.Lock()  # guards: the three tables below and _next_token
+        self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
         self._leases: dict[int, _Lease] = {}
         self._pins: Counter[bytes] = Counter()
         self._touched: dict[bytes, None] = {}
@@ -274,7 +272,6 @@ class DiskTier(Tier):
         self._leases.clear()
         self._pins.clear()
         self._touched.clear()
-        self._reservations.clear()
         try:
             self._env.close()
         except lmdb.Error:
@@ -325,8 +322,7 @@ class DiskTier(Tier):
             leases = list(self._leases.values())
             self._leases.clear()
             self._pins.clear()
-            self._reservations.clear()
-        self._closed = True
+            self._closed = True
         if forked:
             return  # the parent's handle: never touch it from here (see _after_fork)
         with self._write_lock:
@@ -361,12 +357,10 @@ class DiskTier(Tier):
 
     def _sweep(self) -> None:
         """Expire reservations and leases whose time is up (aborting the leases' read txns)."""
+        self._staged.expire()
         now = self._clock()
         expired: list[_Lease] = []
         with self._state_lock:
-            for token in [t for t, r in self._reservations.items() if r.expires_at <= now]:
-                del self._reservations[token]
-                self.stats.add("expired_reservations")
             for token in [t for t, lease in self._leases.items() if lease.expires_at <= now]:
                 lease = self._leases.pop(token)
                 self._unpin(lease.key_bytes)
@@ -446,8 +440,6 @@ class DiskTier(Tier):
         Cheap (one allocation). Raises :class:`TierFullError` if ``nbytes`` exceeds the budget.
         """
         self._env_here()
-        if nbytes < 0:
-            raise ValueError(f"cannot reserve {nbytes} bytes")
         if nbytes > self._budget:
             self.stats.add("skipped")
             raise TierFullError(
@@ -455,12 +447,7 @@ class DiskTier(Tier):
                 "bytes; raise --disk-size-gb or use smaller chunks"
             )
         self._sweep()
-        buf = bytearray(nbytes)
-        expires_at = self._clock() + self.config.reservation_ttl_s
-        with self._state_lock:
-            token = self._token()
-            self._reservations[token] = _Reservation(key, buf, expires_at)
-        return WriteHandle(key, nbytes, memoryview(buf), token, expires_at)
+        return self._staged.reserve(key, nbytes)
 
     def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
         """Write the reserved buffer as one atomic LMDB transaction (evicting first if needed).
@@ -471,19 +458,11 @@ class DiskTier(Tier):
         """
         self._env_here()
         self._sweep()
-        with self._state_lock:
-            res = self._reservations.pop(handle.token, None)
-        if res is None or res.key != handle.key:
-            raise ReservationError(
-                f"reservation {handle.token} for {handle.key} is unknown, expired or already "
-                "finished; reserve again"
-            )
-        self.put(res.key, res.buffer, owed=owed)
+        self.put(handle.key, self._staged.take(handle), owed=owed)
 
     def abort(self, handle: WriteHandle) -> None:
         """Drop a reservation; a no-op if it is already gone. Cheap."""
-        with self._state_lock:
-            self._reservations.pop(handle.token, None)
+        self._staged.drop(handle)
 
     def put(
         self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False
@@ -671,10 +650,16 @@ class DiskTier(Tier):
         for kb in corrupt:
             self._delete_in(txn, kb)
         if victims:
-            self.stats.evicted(EvictionReason.CAPACITY, len(victims))
+            self.stats.evicted(
+                EvictionReason.CAPACITY,
+                len(victims),
+                keys=[ObjectKey.from_bytes(kb) for kb, _ in victims] if self.stats.listener else (),
+            )
         if corrupt:
             self.stats.add("verify_failures", len(corrupt))
-            self.stats.evicted(EvictionReason.CORRUPT, len(corrupt))
+            self.stats.evicted(
+                EvictionReason.CORRUPT, len(corrupt), keys=[ObjectKey.from_bytes(kb) for kb in corrupt]
+            )
         return before - after, len(victims) + len(corrupt)
 
     def _nudge(self) -> None:
@@ -841,7 +826,7 @@ class DiskTier(Tier):
                     self._set_used(txn, used)
         except lmdb.Error as exc:
             raise self._translate(exc, "delete of a corrupt object") from exc
-        self.stats.evicted(EvictionReason.CORRUPT)
+        self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
 
     def release(self, handle: ReadHandle) -> None:
         """End a pin and its read txn. Harmless twice or after expiry. Cheap."""
@@ -866,7 +851,7 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             raise self._translate(exc, "delete") from exc
         if present:
-            self.stats.evicted(EvictionReason.DELETED)
+            self.stats.evicted(EvictionReason.DELETED, keys=(key,))
         return present
 
     def settle(self, key: ObjectKey) -> None:

@@ -45,7 +45,6 @@ from tiercache.errors import (
     CircuitOpenError,
     FrameError,
     FrameVersionError,
-    ReservationError,
     S3TierError,
     TierFullError,
 )
@@ -53,7 +52,14 @@ from tiercache.frames import HEADER_BYTES, decode_frame, encode_frame
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l3_s3.breaker import BreakerState, CircuitBreaker
-from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier import (
+    EvictionReason,
+    ReadHandle,
+    StagedWrites,
+    Tier,
+    TierUsage,
+    WriteHandle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +87,6 @@ _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 class _NotFound(Exception):
     """Internal: the object does not exist (the service answered; not a failure)."""
-
-
-@dataclass(slots=True)
-class _Reservation:
-    key: ObjectKey
-    buffer: bytearray
-    expires_at: float
 
 
 @dataclass(slots=True)
@@ -128,7 +127,7 @@ class S3Tier(Tier):
 
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._reservations: dict[int, _Reservation] = {}
+        self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
         self._leases: dict[int, _Lease] = {}
         self._pins: dict[ObjectKey, int] = {}
         self._owed: set[ObjectKey] = set()
@@ -375,14 +374,8 @@ class S3Tier(Tier):
         Runs anywhere; costs one allocation of ``nbytes``.
         """
         self._check_fits(nbytes)
-        now = self._clock()
-        self._expire(now)
-        buffer = bytearray(nbytes)
-        token = next(self._tokens)
-        expires_at = now + self.config.reservation_ttl_s
-        with self._lock:
-            self._reservations[token] = _Reservation(key, buffer, expires_at)
-        return WriteHandle(key, nbytes, memoryview(buffer), token, expires_at)
+        self._expire(self._clock())
+        return self._staged.reserve(key, nbytes)
 
     def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
         """Upload the reserved buffer as one framed object; blocks until S3 has it.
@@ -392,24 +385,11 @@ class S3Tier(Tier):
         expired reservation, :class:`CircuitOpenError` while the breaker is open and
         :class:`S3TierError` when the upload fails after retries.
         """
-        with self._lock:
-            res = self._reservations.pop(handle.token, None)
-        if res is None or res.key != handle.key:
-            raise ReservationError(
-                f"reservation {handle.token} for {handle.key} is unknown or already finished"
-            )
-        if self._clock() >= res.expires_at:
-            self.stats.add("expired_reservations")
-            raise ReservationError(
-                f"reservation {handle.token} for {handle.key} expired after "
-                f"{self.config.reservation_ttl_s:g} s; reserve again"
-            )
-        self._upload(res.key, memoryview(res.buffer), owed)
+        self._upload(handle.key, memoryview(self._staged.take(handle)), owed)
 
     def abort(self, handle: WriteHandle) -> None:
         """Drop a reservation (nothing was uploaded). Harmless if finished or expired."""
-        with self._lock:
-            self._reservations.pop(handle.token, None)
+        self._staged.drop(handle)
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         """Frame ``data`` and upload it with one PUT, without the reservation's extra copy.
@@ -558,7 +538,7 @@ class S3Tier(Tier):
         self._call("DELETE", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name))
         self._forget(key)
         self._remember(key, False)
-        self.stats.evicted(EvictionReason.DELETED)
+        self.stats.evicted(EvictionReason.DELETED, keys=(key,))
         return True
 
     def usage(self) -> TierUsage:
@@ -771,7 +751,7 @@ class S3Tier(Tier):
         except (S3TierError, _NotFound) as exc:
             log.warning("S3 capacity eviction of %d objects failed: %s", len(batch), exc)
             failed = {o["Key"] for o in objects}
-        gone = 0
+        gone: list[ObjectKey] = []
         with self._lock:
             for key, size in batch:
                 if self.object_name(key) in failed:
@@ -781,10 +761,10 @@ class S3Tier(Tier):
                         self._index.move_to_end(key, last=False)
                         self._bytes_used += size
                 else:
-                    gone += 1
+                    gone.append(key)
                     self._exists[key] = (False, self._clock() + self.config.missing_ttl_s)
         if gone:
-            self.stats.evicted(EvictionReason.CAPACITY, gone)
+            self.stats.evicted(EvictionReason.CAPACITY, len(gone), keys=gone)
 
     def _drop_corrupt(self, key: ObjectKey) -> None:
         name = self.object_name(key)
@@ -796,20 +776,16 @@ class S3Tier(Tier):
             pass  # still a miss; the next read verifies (and tries to delete) again
         self._forget(key)
         self._remember(key, False)
-        self.stats.evicted(EvictionReason.CORRUPT)
+        self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
 
     # -- expiry ---------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
         """Drop expired reservations and leases (a crashed caller cannot pin objects forever)."""
+        self._staged.expire()
         with self._lock:
-            dead_res = [t for t, r in self._reservations.items() if r.expires_at <= now]
-            for token in dead_res:
-                del self._reservations[token]
             dead_leases = [t for t, lease in self._leases.items() if lease.expires_at <= now]
             for token in dead_leases:
                 self._unpin(self._leases.pop(token).key)
-        if dead_res:
-            self.stats.add("expired_reservations", len(dead_res))
         if dead_leases:
             self.stats.add("expired_leases", len(dead_leases))
 
