@@ -1,0 +1,187 @@
+"""Benchmark the server protocol: lookup latency per tier and the arena data path (not run in CI).
+
+* lookup p50/p99 of a 128k-token prompt (512 chunks of 256 tokens) when every chunk is in L1, in L2
+  (LMDB, after a server restart) and in L3 (moto's S3 server on 127.0.0.1, after a restart);
+* store and load throughput through the arena (this process → server process: reserve, copy, commit;
+  pin, copy, release) against a raw shared-memory copy of the same bytes in the same run.
+
+The server runs in its own process over an ipc socket, as in production. Usage::
+
+    python benchmarks/protocol.py [--chunk-kb 2048] [--chunks 64] [--rounds 5] [--lookups 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.client import Client
+from tiercache.keys import (
+    Fingerprint,
+    GroupKind,
+    LayoutManifest,
+    ObjectKey,
+    chunk_hashes,
+)
+from tiercache.l1.arena import SharedArena
+from tiercache.protocol import GroupRef
+
+MiB = 1 << 20
+CHUNK_TOKENS = 256
+MANIFEST = LayoutManifest(
+    model_id="bench", model_revision="r1", kv_dtype="bfloat16", attention_backend="TORCH_SDPA",
+    kv_layout="NHD", kernel_block_size=16, manager_block_size=16, page_bytes=4096,
+    page_bytes_unpadded=4096, group_kind=GroupKind.FULL_ATTENTION, chunk_size=CHUNK_TOKENS, num_layers=2,
+)
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def lookup_latency(client: Client, hashes: list[bytes], group: GroupRef, n: int) -> tuple[float, float, int]:
+    client.lookup(hashes, [group], prefetch=False)  # warm: the S3 tier caches existence answers
+    samples = []
+    chunks = 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        chunks = client.lookup(hashes, [group], prefetch=False).chunks
+        samples.append(time.perf_counter() - t0)
+    return pct(samples, 0.5) * 1e3, pct(samples, 0.99) * 1e3, chunks
+
+
+def store_small(client: Client, group: GroupRef, hashes: list[bytes], nbytes: int) -> None:
+    fp = Fingerprint(group.fingerprint)
+    keys = [ObjectKey(fp, 0, h) for h in hashes]
+    for i in range(0, len(keys), 64):
+        client.store_chunks(keys[i : i + 64], [os.urandom(nbytes)] * len(keys[i : i + 64]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunk-kb", type=int, default=2048, help="chunk size for the throughput rows")
+    ap.add_argument("--chunks", type=int, default=64, help="chunks per throughput round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--lookups", type=int, default=200)
+    ap.add_argument("--no-s3", action="store_true")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="tc-bench-"))
+    hashes = chunk_hashes(list(range(512 * CHUNK_TOKENS)), CHUNK_TOKENS)
+    rows: list[tuple[str, str, str, str]] = []
+    procs: list[ServerProcess] = []
+
+    def start(**kw: object) -> ServerProcess:
+        spec = ServerSpec(listen=f"ipc://{tmp}/s{len(procs)}/server.sock", options={"chunk_size": CHUNK_TOKENS}, **kw)  # type: ignore[arg-type]
+        proc = ServerProcess(spec)
+        procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    moto = None
+    try:
+        # -- lookup latency: L1, then L2 after a restart ------------------------------------------
+        disk = str(tmp / "lmdb")
+        srv = start(disk_path=disk, l1_bytes=64 * MiB, disk_budget=256 * MiB)
+        with srv.client(timeout=60) as c:
+            [group] = c.register([(0, MANIFEST)])
+            store_small(c, group, hashes, 16 * 1024)
+            p50, p99, n = lookup_latency(c, hashes, group, args.lookups)
+            rows.append(("lookup 512 chunks, L1 hits", f"{p50:.3f} ms", f"{p99:.3f} ms", f"{n} chunks"))
+        srv.stop()
+        srv = start(disk_path=disk, l1_bytes=64 * MiB, disk_budget=256 * MiB)
+        with srv.client(timeout=60) as c:
+            p50, p99, n = lookup_latency(c, hashes, group, args.lookups)
+            rows.append(("lookup 512 chunks, L2 hits", f"{p50:.3f} ms", f"{p99:.3f} ms", f"{n} chunks"))
+        srv.stop()
+        if not args.no_s3:
+            import logging
+
+            from moto.server import ThreadedMotoServer
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"), ("AWS_DEFAULT_REGION", "us-east-1")):
+                os.environ.setdefault(k, v)
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            moto.start()
+            host, port = moto.get_host_and_port()
+            url = f"http://{host}:{port}"
+            srv = start(s3_url=url, l1_bytes=64 * MiB)
+            with srv.client(timeout=120) as c:
+                c.register([(0, MANIFEST)])
+                store_small(c, group, hashes, 16 * 1024)
+            srv.stop()
+            srv = start(s3_url=url, l1_bytes=64 * MiB)
+            with srv.client(timeout=120) as c:
+                p50, p99, n = lookup_latency(c, hashes, group, args.lookups)
+                rows.append(("lookup 512 chunks, L3 hits (warm existence cache)", f"{p50:.3f} ms", f"{p99:.3f} ms", f"{n} chunks"))
+            srv.stop()
+
+        # -- throughput: arena path vs raw shared-memory copy -------------------------------------
+        nbytes = args.chunk_kb * 1024
+        total = nbytes * args.chunks
+        payloads = [os.urandom(nbytes) for _ in range(args.chunks)]
+        srv = start(l1_bytes=total * 2 + 64 * MiB)
+        with srv.client(timeout=60) as c:
+            [group] = c.register([(0, MANIFEST)])
+            fp = Fingerprint(group.fingerprint)
+            keys = [ObjectKey(fp, 0, h) for h in hashes[: args.chunks]]
+            c.store_chunks(keys[:1], payloads[:1])  # attach the arena outside the timing
+            store_t, load_t = [], []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                c.store_chunks(keys, payloads)
+                store_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                out = c.load_chunks(keys)
+                load_t.append(time.perf_counter() - t0)
+                assert out[0] == payloads[0]
+        srv.stop()
+        raw_store, raw_load = [], []
+        with SharedArena.create(f"tc-bench-{uuid.uuid4().hex[:8]}", total) as arena:
+            views = [arena.view(i * nbytes, nbytes) for i in range(args.chunks)]
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                for v, data in zip(views, payloads):
+                    v[:] = data
+                raw_store.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                out = [bytes(v) for v in views]
+                raw_load.append(time.perf_counter() - t0)
+            del views, out
+        gbs = lambda ts: total / statistics.median(ts) / 1e9
+        for name, ours, raw in (("store", store_t, raw_store), ("load", load_t, raw_load)):
+            rows.append(
+                (
+                    f"{name} {args.chunks} x {args.chunk_kb} KiB via arena",
+                    f"{gbs(ours):.2f} GB/s",
+                    f"raw shm {gbs(raw):.2f} GB/s",
+                    f"ratio {gbs(ours) / gbs(raw):.2f}x",
+                )
+            )
+    finally:
+        for proc in procs:
+            proc.stop()
+        if moto is not None:
+            moto.stop()
+
+    print(f"# cpus={os.cpu_count()} python={sys.version.split()[0]}")
+    print(f"| {'case':<52} | {'p50 / ours':>12} | {'p99 / baseline':>20} | {'note':>14} |")
+    print(f"|{'-' * 54}|{'-' * 14}|{'-' * 22}|{'-' * 16}|")
+    for r in rows:
+        print(f"| {r[0]:<52} | {r[1]:>12} | {r[2]:>20} | {r[3]:>14} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

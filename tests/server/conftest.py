@@ -1,0 +1,57 @@
+"""Fixtures: real server processes on ipc sockets in a temp dir, and engine layouts to register."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.keys import GroupKind, LayoutManifest
+
+CHUNK = 256
+
+
+def manifest(**changes: object) -> LayoutManifest:
+    """A full-attention layout of a tiny model with the server's chunk size."""
+    base = LayoutManifest(
+        model_id="tiny-llama",
+        model_revision="r1",
+        kv_dtype="bfloat16",
+        attention_backend="TORCH_SDPA",
+        kv_layout="NHD",
+        kernel_block_size=16,
+        manager_block_size=16,
+        page_bytes=4096,
+        page_bytes_unpadded=4096,
+        group_kind=GroupKind.FULL_ATTENTION,
+        chunk_size=CHUNK,
+        num_layers=2,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+StartServer = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[StartServer]:
+    """Start servers (own processes) on ipc sockets under ``tmp_path``; all stopped at the end."""
+    started: list[ServerProcess] = []
+    count = iter(range(1000))
+
+    def start(wait: bool = True, listen: str | None = None, client_kw: dict[str, object] | None = None, **kw: object) -> ServerProcess:
+        options = dict(kw.pop("options", {}) or {})  # type: ignore[call-overload]
+        options.setdefault("chunk_size", CHUNK)
+        spec = ServerSpec(listen=listen or f"ipc://{tmp_path}/sock-{next(count)}/server.sock", options=options, **kw)  # type: ignore[arg-type]
+        proc = ServerProcess(spec)
+        started.append(proc)
+        if wait:
+            proc.wait_ready(**(client_kw or {}))
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

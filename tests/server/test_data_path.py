@@ -1,0 +1,118 @@
+"""Specification: chunks stored through the shared arena come back identical, from every tier."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.conftest import S3Endpoint
+from tests.server.conftest import StartServer, manifest
+from tiercache.client import Client
+from tiercache.keys import ObjectKey, chunk_hashes
+from tiercache.protocol import GroupRef, TicketStateName
+
+KiB = 1 << 10
+
+
+def prompt_hashes(n_chunks: int, seed: int = 0) -> list[bytes]:
+    tokens = [(seed * 7919 + i) % 32000 for i in range(n_chunks * 256)]
+    return chunk_hashes(tokens, 256)
+
+
+def store_prompt(client: Client, group: GroupRef, hashes: list[bytes], nbytes: int = 64 * KiB) -> dict[ObjectKey, bytes]:
+    from tiercache.keys import Fingerprint
+
+    fp = Fingerprint(group.fingerprint)
+    keys = [ObjectKey(fp, group.object_group, h) for h in hashes]
+    data = {k: os.urandom(nbytes) for k in keys}
+    assert client.store_chunks(keys, [data[k] for k in keys]) == len(keys)
+    return data
+
+
+def test_register_store_lookup_load_returns_identical_bytes(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        info = client.server
+        assert info.chunk_size == 256 and info.arena_size > 0 and info.arena_name
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(8)
+        stored = store_prompt(client, group, hashes)
+
+        found = client.lookup(hashes, [group])
+        assert found.chunks == 8
+        assert found.per_tier == {"l1": 8}
+        assert found.state is TicketStateName.READY
+        assert client.read_ticket(found) == stored
+
+        keys = list(stored)
+        assert client.load_chunks(keys) == [stored[k] for k in keys]
+
+
+def test_lookup_of_a_longer_prompt_reports_the_stored_prefix(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(6)
+        store_prompt(client, group, hashes[:4])
+        found = client.lookup(hashes, [group], prefetch=False)
+        assert (found.chunks, found.state) == (4, TicketStateName.NONE)
+
+
+def test_async_lookup_lets_the_scheduler_poll_without_waiting(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(client, group, hashes)
+        req = client.lookup_async(hashes, [group], prefetch=False)
+        result = None
+        while result is None:
+            result = client.poll(req)
+        assert result.chunks == 4
+
+
+def restart_and_load(start_server: StartServer, stored: dict[ObjectKey, bytes], hashes: list[bytes], group: GroupRef, tier: str, **kw: object) -> None:
+    server = start_server(**kw)
+    with server.client() as client:
+        found = client.lookup(hashes, [group])
+        assert found.chunks == len(hashes)
+        assert found.per_tier == {tier: len(hashes)}
+        assert found.state in (TicketStateName.PENDING, TicketStateName.READY)
+        ready = client.wait_ticket(found.ticket) if found.pending else found
+        assert ready.state is TicketStateName.READY and ready.ready_chunks == len(hashes)
+        assert client.read_ticket(ready) == stored
+        assert client.lookup(hashes, [group], prefetch=False).per_tier == {"l1": len(hashes)}
+
+
+def test_lookup_promotes_from_disk_after_a_restart(start_server: StartServer, tmp_path: Path) -> None:
+    disk = str(tmp_path / "lmdb")
+    first = start_server(disk_path=disk)
+    with first.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(16)
+        stored = store_prompt(client, group, hashes)
+    assert first.stop() == 0  # a clean stop flushes the write-through queue to disk
+    restart_and_load(start_server, stored, hashes, group, "disk", disk_path=disk)
+
+
+def test_lookup_promotes_from_s3_after_a_restart(start_server: StartServer, s3: S3Endpoint) -> None:
+    first = start_server(s3_url=s3.url)
+    with first.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(8)
+        stored = store_prompt(client, group, hashes)
+    assert first.stop() == 0
+    restart_and_load(start_server, stored, hashes, group, "s3", s3_url=s3.url)
+
+
+def test_put_and_get_through_the_socket(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        from tiercache.keys import Fingerprint
+
+        key = ObjectKey(Fingerprint(group.fingerprint), 0, prompt_hashes(1)[0])
+        assert client.put(key, b"kv" * 1000)
+        assert client.get(key) == b"kv" * 1000
+        assert client.delete(key) == 1
+        assert client.get(key) is None

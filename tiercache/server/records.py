@@ -1,0 +1,66 @@
+"""A bounded record of recent evictions, so ``explain`` can say *why* a chunk is gone.
+
+Every tier reports evicted keys through :attr:`TierStats.listener`; the server points each tier's
+listener at one :class:`EvictionRecord`. It keeps the last ``capacity`` keys (an LRU: a key evicted
+again moves to the front) with the tier, the reason and the time. ~100k entries cost ~20 MiB.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier import EvictionReason
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionNote:
+    """Where ``key`` was last evicted from, why, and when (``time.monotonic``)."""
+
+    tier: str
+    reason: str
+    at: float
+
+
+class EvictionRecord:
+    """Thread-safe bounded LRU of :class:`EvictionNote` by key.
+
+    :meth:`listener` runs under the tiers' own locks (see ``TierStats.listener``): it is one dict
+    operation under a private lock and never calls into a tier.
+    """
+
+    def __init__(self, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self._capacity = capacity
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._notes: OrderedDict[ObjectKey, EvictionNote] = OrderedDict()  # guarded by _lock
+
+    def listener(self, tier: str) -> Callable[[ObjectKey, EvictionReason], None]:
+        """The callback to install as ``tier.stats.listener`` for the tier named ``tier``."""
+
+        def note(key: ObjectKey, reason: EvictionReason) -> None:
+            entry = EvictionNote(tier, reason.value, self._clock())
+            with self._lock:
+                self._notes[key] = entry
+                self._notes.move_to_end(key)
+                if len(self._notes) > self._capacity:
+                    self._notes.popitem(last=False)
+
+        return note
+
+    def get(self, key: ObjectKey) -> EvictionNote | None:
+        """The last eviction of ``key`` still remembered, if any."""
+        with self._lock:
+            return self._notes.get(key)
+
+    def age(self, note: EvictionNote) -> float:
+        """Seconds since ``note`` was taken."""
+        return max(0.0, self._clock() - note.at)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._notes)

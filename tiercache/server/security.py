@@ -1,0 +1,113 @@
+"""Transport security: owner-only ipc sockets, ZMQ CURVE, and the shared-secret proof.
+
+* **ipc** (default): the socket lives in the per-user runtime directory, created ``0700``; the socket
+  file is ``chmod 0600`` right after bind. Only the server's user can connect.
+* **tcp + shared secret**: each connection asks for a single-use random nonce (:class:`Challenge`)
+  and proves the secret with ``HMAC-SHA256(secret, nonce)`` in its :class:`Hello`. The secret never
+  crosses the wire and a recorded proof cannot be replayed. It authenticates but does not encrypt:
+  on an untrusted network use CURVE.
+* **tcp + CURVE**: the server's secret key file (``zmq.auth`` format) encrypts every connection;
+  clients are admitted only if their public key is in ``authorized_clients/`` beside that file
+  (checked by ZAP in the libzmq handshake, so a stranger never reaches the request loop).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import os
+import socket
+import stat
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from tiercache.config import ServerOptions, default_runtime_dir
+from tiercache.errors import ConfigError, ServerError
+
+
+def auth_proof(secret: str, nonce: bytes) -> bytes:
+    """What a client sends in ``Hello.auth``: HMAC-SHA256 of the server's nonce under the secret."""
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+
+
+def check_proof(secret: str, nonce: bytes, proof: bytes) -> bool:
+    """Constant-time comparison of a client's proof."""
+    return hmac.compare_digest(auth_proof(secret, nonce), proof)
+
+
+def ipc_path(endpoint: str) -> Path:
+    """The socket path of an ``ipc://`` endpoint."""
+    return Path(endpoint[len("ipc://") :])
+
+
+def prepare_ipc(path: Path) -> None:
+    """Create the socket's directory owner-only and clear a stale socket file.
+
+    Raises :class:`ServerError` if another server already listens at ``path``.
+    """
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(parent, 0o700)
+    elif parent == default_runtime_dir():
+        os.chmod(parent, 0o700)  # our directory: keep it owner-only even if someone loosened it
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ServerError(f"{path} exists and is not a socket; choose another --listen path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise ServerError(f"cannot check the socket {path}: {exc}") from exc
+            path.unlink(missing_ok=True)  # a crashed server left it behind
+        else:
+            raise ServerError(
+                f"another tiercache server is already listening on ipc://{path}; stop it or use "
+                "another --listen path"
+            )
+        finally:
+            probe.close()
+
+
+def secure_ipc(path: Path) -> None:
+    """Make the bound socket owner-only (``0600``)."""
+    os.chmod(path, 0o600)
+
+
+def setup_curve(
+    ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], options: ServerOptions
+) -> ThreadAuthenticator | None:
+    """Turn ``sock`` into a CURVE server with ZAP admission, if the options ask for CURVE."""
+    key_file = options.curve_secret_key_file
+    if key_file is None:
+        return None
+    key_file = Path(key_file)
+    try:
+        public, secret = zmq.auth.load_certificate(key_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot read the CURVE secret key file {key_file}: {exc}; create one with "
+            "zmq.auth.create_certificates()"
+        ) from exc
+    if not secret:
+        raise ConfigError(
+            f"{key_file} holds no secret key (is it the .key instead of the .key_secret file?)"
+        )
+    allowed = key_file.parent / "authorized_clients"
+    if not allowed.is_dir():
+        raise ConfigError(
+            f"CURVE needs the public keys of admitted clients in {allowed}/ (one zmq.auth .key file "
+            "each); create it"
+        )
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(allowed))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return auth
