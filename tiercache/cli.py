@@ -1,28 +1,69 @@
 """The ``tiercache`` command line. The only place that maps errors to exit codes.
 
-Subcommands so far: ``bench`` (tier throughput against raw baselines on this machine) and ``version``.
-``server`` and ``inspect`` arrive with the server (see docs/architecture.md).
+Subcommands: ``server`` (run a server; its flags come from the option table in
+:mod:`tiercache.settings`), ``config docs`` (the configuration reference, generated from that table)
+and ``bench`` (tier throughput against raw baselines on this machine).
+
+Exit codes: 0 success; 2 a usage or configuration error (bad flag, environment variable or config
+file; one line ``tiercache: error: ...``); 1 a start-up or run-time failure (unwritable directory,
+unreachable bucket, ``/dev/shm`` too small); 130 interrupted, or forced exit on a second signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from tiercache import __version__
 from tiercache.errors import ConfigError, TierCacheError
+from tiercache.settings import (
+    CONFIG_ENV,
+    ServerConfig,
+    add_server_arguments,
+    default_data_dir,
+    flags_from_namespace,
+    render_docs,
+)
 
 KNOWN_TIERS = ("l1", "disk", "s3")
 
+__all__ = ["build_parser", "default_data_dir", "main"]
 
-def default_data_dir() -> Path:
-    """The per-user data directory: ``$XDG_DATA_HOME/tiercache`` or ``~/.local/share/tiercache``."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "tiercache"
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, ``tiercache: error: ...``, exit status 2.
+
+    argparse would print the whole usage block first; for a server with fifty flags that buries the
+    one line that matters. ``--help`` still shows everything.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            message += self._suggest(message.split(":", 1)[1].split())
+        self.exit(2, f"tiercache: error: {message} (see {self.prog} --help)\n")
+
+    def _suggest(self, words: list[str]) -> str:
+        flags = [s for a in self._all_actions() for s in a.option_strings]
+        for word in words:
+            close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
+
+    def _all_actions(self) -> list[argparse.Action]:
+        actions = list(self._actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    actions.extend(sub._actions)
+        return actions
 
 
 def parse_tiers(text: str) -> list[str]:
@@ -88,14 +129,74 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(args: argparse.Namespace) -> int:
+    from tiercache.serve import run
+
+    config = ServerConfig.load(flags_from_namespace(args), os.environ, args.config)
+    logging.basicConfig(
+        level=config.log_level.value.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        run(config)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("tiercache.server"):
+            raise
+        print("tiercache: error: this build has no server (tiercache.server is missing)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config_docs(args: argparse.Namespace) -> int:
+    text = render_docs()
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed so docs and tests can inspect the flags)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tiercache",
         description="Tiered KV-cache storage for LLM serving: L1 host memory, L2 LMDB disk, L3 S3.",
     )
     parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    srv = sub.add_parser(
+        "server",
+        help="run a tiercache server (the default: l1 + disk under the per-user data dir)",
+        description=(
+            "Run a tiercache server on this node. Every setting can also come from a TIERCACHE_* "
+            "environment variable or a TOML file (--config); flags win over the environment, which "
+            "wins over the file. Sizes take decimals (--l1-size-gb 0.5). First SIGINT/SIGTERM drains "
+            "and stops; a second forces exit. Reference: docs/configuration.md."
+        ),
+        allow_abbrev=False,  # a later flag must not change what an abbreviation in a script means
+    )
+    srv.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"TOML config file with top-level keys and [server] [l1] [disk] [s3] [engine] tables "
+        f"(default: none; env {CONFIG_ENV})",
+    )
+    add_server_arguments(srv)
+    srv.set_defaults(func=_server)
+
+    cfg = sub.add_parser("config", help="configuration helpers", description="Configuration helpers.")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    docs = cfg_sub.add_parser(
+        "docs",
+        help="print the configuration reference (docs/configuration.md) generated from the options",
+        description="Print the configuration reference generated from the option table.",
+    )
+    docs.add_argument("--output", metavar="FILE", help="write it to FILE instead of stdout")
+    docs.set_defaults(func=_config_docs)
 
     b = sub.add_parser(
         "bench",
@@ -125,17 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tiercache`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed in one line
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"tiercache: error: {exc}", file=sys.stderr)
+        print(f"tiercache: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except TierCacheError as exc:
-        print(f"tiercache: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"tiercache: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

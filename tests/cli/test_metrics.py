@@ -1,0 +1,79 @@
+"""Prometheus metrics of a real engine, scraped over HTTP from the metrics server."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import make_key
+from tiercache.engine import TieredEngine
+from tiercache.metrics import MetricsServer, render
+from tiercache.settings import ServerConfig
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[TieredEngine]:
+    config = ServerConfig.load(
+        {"l1.size_gb": "0.01", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {}
+    )
+    engine = config.build_engine()
+    yield engine
+    engine.close()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in an exposition, parsed by prometheus_client's own parser."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    raise AssertionError(f"no sample {name}{labels} in:\n{text}")
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+def test_a_scrape_shows_per_tier_usage_and_counters(engine: TieredEngine) -> None:
+    for i in range(3):
+        assert engine.put(make_key(i), b"x" * 4096)
+    engine.flush(10)
+    assert engine.get(make_key(0)) is not None
+    with MetricsServer(engine.stats) as metrics:
+        assert metrics.url.startswith("http://127.0.0.1:")
+        text = scrape(metrics.url)
+    assert sample(text, "tiercache_tier_bytes", tier="l1") == 3 * 4096
+    assert sample(text, "tiercache_tier_bytes", tier="disk") == 3 * 4096
+    assert sample(text, "tiercache_tier_objects", tier="disk") == 3
+    assert sample(text, "tiercache_tier_budget_bytes", tier="l1") == engine.l1.usage().bytes_budget
+    assert sample(text, "tiercache_tier_puts_total", tier="l1") == 3
+    hits = engine.stats()["tiers"]["l1"]["hits"]  # type: ignore[index]
+    assert sample(text, "tiercache_tier_hits_total", tier="l1") == hits >= 1
+    assert sample(text, "tiercache_tier_written_bytes_total", tier="disk") == 3 * 4096
+    assert "# TYPE tiercache_tier_hits_total counter" in text
+    assert sample(text, "tiercache_engine_stores_total") == 3
+    assert sample(text, "tiercache_engine_queue_depth", queue="l2") == 0
+
+
+def test_evictions_are_counted_by_tier_and_reason() -> None:
+    stats = {"engine": {}, "tiers": {"l1": {"evictions": {"capacity": 4, "expired": 1}}}}
+    text = render(stats)
+    assert sample(text, "tiercache_tier_evictions_total", tier="l1", reason="capacity") == 4
+    assert sample(text, "tiercache_tier_evictions_total", tier="l1", reason="expired") == 1
+
+
+def test_the_metrics_server_binds_to_loopback_by_default_and_stops_cleanly(engine: TieredEngine) -> None:
+    metrics = MetricsServer(engine.stats)
+    metrics.start()
+    port = metrics.port
+    metrics.stop()
+    metrics.stop()  # idempotent
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

@@ -1,0 +1,154 @@
+"""Prometheus metrics for a running engine: a collector over ``engine.stats()`` and a small HTTP server.
+
+Names follow Prometheus conventions (base units, ``_total`` for counters, one metric per quantity
+with the tier as a label)::
+
+    tiercache_tier_bytes{tier="l1"}                      bytes held now            (gauge)
+    tiercache_tier_budget_bytes{tier="l1"}               byte budget               (gauge)
+    tiercache_tier_objects{tier="l1"}                    objects held now          (gauge)
+    tiercache_tier_hits_total{tier="disk"}               and misses, puts, errors, skipped,
+                                                         verify_failures, expired_reservations,
+                                                         expired_leases            (counters)
+    tiercache_tier_written_bytes_total{tier="s3"}        and read_bytes            (counters)
+    tiercache_tier_evictions_total{tier="l1",reason="capacity"}                    (counter)
+    tiercache_engine_lookups_total                       one per engine counter    (counters)
+    tiercache_engine_queue_depth{queue="l2"}             write-through backlog     (gauge)
+
+The collector reads ``stats()`` at scrape time, so nothing is kept in between and a scrape costs one
+snapshot of the counters. The HTTP server binds to 127.0.0.1 unless told otherwise: metrics are not
+secret, but nothing is exposed beyond the host by default.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+StatsSource = Callable[[], Mapping[str, Any]]
+
+# Tier counters whose name is not already a Prometheus name (bytes go last: ``*_bytes_total``).
+_TIER_RENAMES = {"bytes_written": "written_bytes", "bytes_read": "read_bytes"}
+# Tier usage fields exported as gauges, with their help.
+_TIER_GAUGES = {
+    "bytes_used": ("tier_bytes", "Payload bytes held by the tier now."),
+    "bytes_budget": ("tier_budget_bytes", "Byte budget of the tier."),
+    "objects": ("tier_objects", "Objects held by the tier now."),
+}
+
+
+class EngineCollector(Collector):
+    """Turns ``stats()`` (the shape of :meth:`TieredEngine.stats`) into Prometheus metrics.
+
+    Unknown counters are exported too (as ``tiercache_engine_<name>_total`` or
+    ``tiercache_tier_<name>_total``), so a counter added to the engine or a tier shows up without a
+    change here. Called on the metrics server's thread at each scrape.
+    """
+
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        engine: Mapping[str, Any] = stats.get("engine", {})
+        depth = GaugeMetricFamily(
+            "tiercache_engine_queue_depth", "Writes waiting in a write-through queue.", labels=["queue"]
+        )
+        for name, value in sorted(engine.items()):
+            if name.endswith("_queue_depth"):
+                depth.add_metric([name.removesuffix("_queue_depth")], value)
+            else:
+                yield CounterMetricFamily(
+                    f"tiercache_engine_{name}", f"Engine counter {name}.", value=value
+                )
+        yield depth
+
+        tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
+        gauges = {
+            field: GaugeMetricFamily(f"tiercache_{name}", help_text, labels=["tier"])
+            for field, (name, help_text) in _TIER_GAUGES.items()
+        }
+        counters: dict[str, CounterMetricFamily] = {}
+        evictions = CounterMetricFamily(
+            "tiercache_tier_evictions", "Objects evicted, by reason.", labels=["tier", "reason"]
+        )
+        for tier, values in tiers.items():
+            for field, value in values.items():
+                if field in gauges:
+                    gauges[field].add_metric([tier], value)
+                elif field == "evictions":
+                    for reason, n in sorted(value.items()):
+                        evictions.add_metric([tier, reason], n)
+                elif isinstance(value, int | float):
+                    name = _TIER_RENAMES.get(field, field)
+                    family = counters.get(name)
+                    if family is None:
+                        family = counters[name] = CounterMetricFamily(
+                            f"tiercache_tier_{name}", f"Tier counter {field}.", labels=["tier"]
+                        )
+                    family.add_metric([tier], value)
+        yield from gauges.values()
+        yield from counters.values()
+        yield evictions
+
+
+def render(stats: Mapping[str, Any]) -> str:
+    """The Prometheus text exposition of one ``stats()`` snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(lambda: stats))
+    return generate_latest(registry).decode()
+
+
+class MetricsServer:
+    """Serves ``/metrics`` for ``stats`` over HTTP on a daemon thread.
+
+    ``port=0`` picks a free port; :attr:`port` tells which after :meth:`start`. Each server has its
+    own registry, so several engines in one process (tests) never share metrics.
+    """
+
+    def __init__(self, stats: StatsSource, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(EngineCollector(stats))
+        self._host = host
+        self._port = port
+        self._httpd: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind and serve; raises :class:`OSError` if the port is taken."""
+        self._httpd, self._thread = start_http_server(self._port, self._host, self._registry)
+        self._thread.name = "tiercache-metrics"
+
+    @property
+    def port(self) -> int:
+        """The bound port (only after :meth:`start`)."""
+        if self._httpd is None:
+            raise RuntimeError("MetricsServer.port is known only after start()")
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and close the socket. Idempotent."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
