@@ -145,6 +145,13 @@ class TierContract:
         assert tier.read_into(make_key(2), alloc) is False
         assert sizes == [3000]  # a miss never asks for a buffer
 
+    def test_contains_many_answers_for_each_key(self, tier: Tier) -> None:
+        keys = [make_key(i) for i in range(5)]
+        for key in keys[1:4:2]:
+            tier.put(key, b"c" * 32)
+        assert tier.contains_many(keys) == [False, True, False, True, False]
+        assert tier.contains_many([]) == []
+
     def test_batches_reserve_commit_pin_and_release_many_objects(self, tier: Tier) -> None:
         keys = [make_key(i) for i in range(4)]
         handles = tier.reserve_many([(key, 100 + i) for i, key in enumerate(keys)])

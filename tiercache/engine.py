@@ -384,70 +384,82 @@ class TieredEngine:
         self._enqueue_l3((key, bytes(payload)))
 
     # -- read path -------------------------------------------------------------------------------
-    def _where(self, key: ObjectKey) -> Tier | None:
-        """The fastest tier holding ``key`` (remote tiers answer from their existence cache first)."""
+    def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> None:
+        """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier
+        (one lock on L1, one read transaction on LMDB)."""
+        pending = [k for k in dict.fromkeys(keys) if k not in where]
         for tier in self.tiers:
-            if tier.contains(key):
-                return tier
-        return None
+            if not pending or tier.remote:
+                continue
+            found = tier.contains_many(pending)
+            for key, hit in zip(pending, found, strict=True):
+                if hit:
+                    where[key] = tier.name
+            pending = [k for k, hit in zip(pending, found, strict=True) if not hit]
 
-    def _present_prefix(self, keys: Sequence[ObjectKey]) -> tuple[int, dict[str, int]]:
-        """Leading keys present in some tier, and how many of them each tier holds."""
-        per_tier: dict[str, int] = {}
-        local = [t for t in self.tiers if not t.remote]
+    def _present_prefix(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> int:
+        """How many leading ``keys`` some tier holds; fills ``where`` (remote finds included)."""
+        self._locate(keys, where)
         remote = [t for t in self.tiers if t.remote]
         i = 0
         while i < len(keys):
-            tier = next((t for t in local if t.contains(keys[i])), None)
-            if tier is not None:
-                per_tier[tier.name] = per_tier.get(tier.name, 0) + 1
+            if keys[i] in where:
                 i += 1
                 continue
             # A remote tier answers a whole run with a search instead of one request per chunk.
-            run, name = 0, ""
+            run = 0
             for tier in remote:
-                run, name = tier.lookup_prefix(keys[i:]), tier.name
+                run = tier.lookup_prefix(keys[i:])
                 if run:
+                    for key in keys[i : i + run]:
+                        where.setdefault(key, tier.name)
                     break
             if run == 0:
                 break
-            per_tier[name] = per_tier.get(name, 0) + run
             i += run
-        return i, per_tier
+        return i
+
+    def _present(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> bool:
+        """Whether every key is held by some tier (asking remote tiers key by key, cached)."""
+        self._locate(keys, where)
+        for key in keys:
+            if key in where:
+                continue
+            tier = next((t for t in self.tiers if t.remote and t.contains(key)), None)
+            if tier is None:
+                return False
+            where[key] = tier.name
+        return True
 
     def lookup(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult:
         """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing).
 
         Blocking when lower tiers must be asked (LMDB lookups; a few S3 requests for a long prompt);
-        run it on a worker, not on a request loop.
+        run it on a worker, not on a request loop. Local tiers are asked in batches (one call per
+        tier for all of a group's chunks), remote tiers by search.
         """
         self.counters.add("lookups")
         if not groups or not hashes:
             return LookupResult(0, {})
-        per_tier: dict[str, int] = {}
-        limit = len(hashes)
+        where: dict[ObjectKey, str] = {}
+        boundary = len(hashes)
+        full: list[list[ObjectKey]] = []
         for g in groups:
             if g.kind is GroupKind.FULL_ATTENTION:
-                n, where = self._present_prefix(g.needed(hashes, limit))
-                limit = min(limit, n)
-                for name, count in where.items():
-                    per_tier[name] = per_tier.get(name, 0) + count
+                full.append(g.needed(hashes, boundary))
+                boundary = self._present_prefix(full[-1], where)
         partial = [g for g in groups if g.kind is not GroupKind.FULL_ATTENTION]
-        boundary = limit
+        partial_keys: list[ObjectKey] = []
         while boundary > 0 and partial:
-            if all(self._where(k) is not None for g in partial for k in g.needed(hashes, boundary)):
+            partial_keys = [k for g in partial for k in g.needed(hashes, boundary)]
+            if self._present(partial_keys, where):
                 break
             boundary -= 1
         if boundary == 0:
             return LookupResult(0, {})
-        # Count per tier for the chosen boundary (full groups may have counted beyond it). Keys that
-        # no local tier holds were found by a remote tier's search.
-        local = [t for t in self.tiers if not t.remote]
-        remote_name = next((t.name for t in self.tiers if t.remote), self.tiers[-1].name)
         counts: dict[str, int] = {}
-        for key in needed_keys(groups, hashes, boundary):
-            name = next((t.name for t in local if t.contains(key)), remote_name)
-            counts[name] = counts.get(name, 0) + 1
+        for key in [k for keys in full for k in keys[:boundary]] + partial_keys:
+            counts[where[key]] = counts.get(where[key], 0) + 1
         self.counters.add("lookup_chunks_hit", boundary)
         return LookupResult(boundary, counts)
 

@@ -272,6 +272,10 @@ class Tier(ABC):
             self.release(handle)
         return True
 
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """:meth:`contains` for each key; tiers override it to answer in one lock or transaction."""
+        return [self.contains(key) for key in keys]
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are present. Tiers with costly lookups override this."""
         for i, key in enumerate(keys):

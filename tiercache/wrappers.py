@@ -68,6 +68,9 @@ class WrapperTier(Tier):
     def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
         return self.inner.read_into(key, alloc)
 
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         return self.inner.lookup_prefix(keys)
 
@@ -158,3 +161,9 @@ class FaultInjectingTier(WrapperTier):
         if self.plan.fail_reads:
             return False
         return super().contains(key)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        self._delay()
+        if self.plan.fail_reads:
+            return [False] * len(keys)
+        return super().contains_many(keys)

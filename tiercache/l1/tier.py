@@ -273,6 +273,13 @@ class L1Tier(Tier):
             self._check_open()
             return key in self._objects
 
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Presence of each key under one lock acquisition. O(len(keys))."""
+        with self._lock:
+            self._check_open()
+            objects = self._objects
+            return [key in objects for key in keys]
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are committed here, under one lock acquisition. O(len(keys))."""
         with self._lock:

@@ -678,6 +678,16 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             raise self._translate(exc, "lookup") from exc
 
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Presence of each key, in one read txn (no verification)."""
+        env = self._env_here()
+        meta_db = self._dbs["meta"]
+        try:
+            with env.begin(db=meta_db) as txn:
+                return [txn.get(key.to_bytes(), db=meta_db) is not None for key in keys]
+        except lmdb.Error as exc:
+            raise self._translate(exc, "lookup") from exc
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are present, in one read txn (no verification)."""
         env = self._env_here()
