@@ -100,6 +100,9 @@ def _signal_handlers(server: Any, drain_timeout_s: float) -> Iterator[None]:
         name = signal.Signals(signum).name
         if stopping.is_set():
             log.warning("%s again: forcing exit without draining", name)
+            arena = getattr(getattr(server.engine, "l1", None), "arena", None)
+            if arena is not None and getattr(arena, "owner", False):
+                arena.unlink()  # os._exit skips cleanup: do not leak the arena's /dev/shm memory
             logging.shutdown()
             os._exit(FORCED_EXIT_STATUS)
         stopping.set()

@@ -174,3 +174,29 @@ def test_a_child_exiting_does_not_remove_the_arena(
     spawn_pool.submit(_child_read, tier.arena_name, 0, 1).result(60)
     spawn_pool.shutdown(wait=True)
     assert (SHM_DIR / tier.arena_name).exists()
+
+
+def test_arenas_of_dead_servers_are_reclaimed_and_live_ones_kept() -> None:
+    import multiprocessing
+    import os
+    import secrets
+
+    from tiercache.l1.arena import SHM_DIR, reclaim_stale_arenas
+
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=int)
+    dead.start()
+    dead.join()
+    stale = SharedArena.create(f"tiercache-{dead.pid}-{secrets.token_hex(6)}", 4096)
+    live = SharedArena.create(f"tiercache-{os.getpid()}-{secrets.token_hex(6)}", 4096)
+    other = SharedArena.create(f"not-tiercache-{dead.pid}", 4096)
+    try:
+        removed = reclaim_stale_arenas()
+        assert stale.name in removed
+        assert not (SHM_DIR / stale.name).exists()
+        assert (SHM_DIR / live.name).exists()
+        assert (SHM_DIR / other.name).exists()
+    finally:
+        for arena in (stale, live, other):
+            arena.close()
+            arena.unlink()

@@ -36,6 +36,40 @@ def default_arena_name() -> str:
     return f"tiercache-{os.getpid()}-{secrets.token_hex(6)}"
 
 
+_DEFAULT_NAME = re.compile(r"^tiercache-(\d+)-[0-9a-f]{12}$")
+
+
+def reclaim_stale_arenas() -> list[str]:
+    """Remove default-named arenas (``tiercache-<pid>-…``) of this user whose server process is gone.
+
+    A server killed with SIGKILL (or forced out by a second signal) cannot unlink its arena, and a
+    leaked arena keeps its whole size of ``/dev/shm`` memory. Only arenas whose pid no longer exists
+    are removed; a live pid, even if reused by another program, is left alone. Returns the names.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        m = _DEFAULT_NAME.match(entry.name)
+        if m is None:
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            os.kill(int(m.group(1)), 0)
+            continue  # the process exists: not ours to judge
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # e.g. EPERM: a live process of another user
+        _unlink_quietly(Path(entry.path))
+        removed.append(entry.name)
+    return removed
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ArenaError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,9 +39,11 @@ from tiercache.errors import (
 )
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.allocator import SlotAllocator
-from tiercache.l1.arena import ArenaSlot, SharedArena
+from tiercache.l1.arena import ArenaSlot, SharedArena, reclaim_stale_arenas
 from tiercache.l1.policy import EvictionPolicy, make_policy
 from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +92,14 @@ class L1Tier(Tier):
                 "raise --l1-size-gb"
             )
         if arena is None:
+            if config.name is None:
+                removed = reclaim_stale_arenas()
+                if removed:
+                    log.warning(
+                        "removed %d L1 arena(s) left in /dev/shm by servers that died: %s",
+                        len(removed),
+                        ", ".join(removed),
+                    )
             self._arena = SharedArena.create(config.name, config.size_bytes)
             self._owns_arena = True
         else:
