@@ -1,12 +1,14 @@
 """The ``tiercache`` command line. The only place that maps errors to exit codes.
 
 Subcommands: ``server`` (run a server; its flags come from the option table in
-:mod:`tiercache.settings`), ``config docs`` (the configuration reference, generated from that table)
-and ``bench`` (tier throughput against raw baselines on this machine).
+:mod:`tiercache.settings`), ``config docs`` (the configuration reference, generated from that table),
+``bench`` (tier throughput against raw baselines on this machine) and ``inspect`` (what the cache
+holds and why, from a live server or read-only from a disk path / S3 prefix; see
+:mod:`tiercache.cli_inspect`).
 
 Exit codes: 0 success; 2 a usage or configuration error (bad flag, environment variable or config
 file; one line ``tiercache: error: ...``); 1 a start-up or run-time failure (unwritable directory,
-unreachable bucket, ``/dev/shm`` too small); 130 interrupted, or forced exit on a second signal.
+unreachable bucket or server, ``/dev/shm`` too small); 130 interrupted, or forced exit on a second signal.
 """
 
 from __future__ import annotations
@@ -223,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--s3-create-bucket", action="store_true", help="create the bucket if missing")
     b.add_argument("--json", help="also write the rows as JSON to this file")
     b.set_defaults(func=_bench)
+
+    from tiercache.cli_inspect import add_inspect_parser
+
+    add_inspect_parser(sub, _Parser)
     return parser
 
 
