@@ -34,7 +34,7 @@ from tiercache.l2_disk.tier import (
 )
 from tiercache.tier import TierUsage
 
-_DBS = ("data", "meta", "recency", "info", "manifests")
+_DBS = ("data", "meta", "manifests")  # recency and info records live in meta (see tier.py)
 
 
 class DiskReader:
@@ -71,7 +71,7 @@ class DiskReader:
             ) from exc
         try:
             self._dbs: dict[str, Any] = {name: self._env.open_db(name.encode(), create=False) for name in _DBS}
-            found = self._get("info", _INFO_FORMAT)
+            found = self._get("meta", _INFO_FORMAT)
         except lmdb.Error as exc:
             self._env.close()
             raise DiskTierError(
@@ -79,8 +79,9 @@ class DiskReader:
             ) from exc
         if _u64(found) != DISK_FORMAT_VERSION:
             self._env.close()
+            version = _u64(found) if found is not None else "1 or older"
             raise DiskTierError(
-                f"the disk tier at {self.path} has layout version {_u64(found)}, this build reads "
+                f"the disk tier at {self.path} has layout version {version}, this build reads "
                 f"{DISK_FORMAT_VERSION}; inspect it with the matching tiercache version"
             )
 
@@ -102,8 +103,8 @@ class DiskReader:
         """Stored bytes and object count as the tier persisted them (budget unknown: 0)."""
         try:
             with self._env.begin() as txn:
-                used = _u64(txn.get(_INFO_USED, db=self._dbs["info"]))
-                objects = txn.stat(self._dbs["meta"])["entries"]
+                used = _u64(txn.get(_INFO_USED, db=self._dbs["meta"]))
+                objects = txn.stat(self._dbs["data"])["entries"]
         except lmdb.Error as exc:
             raise DiskTierError(f"cannot read the disk tier at {self.path}: {exc}") from exc
         return TierUsage(used, 0, objects)
