@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tiercache.config import EngineConfig, L3WritePolicy
-from tiercache.errors import TierCacheError, TierError
+from tiercache.errors import CircuitOpenError, TierCacheError, TierError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier import ReadHandle, Tier, WriteHandle
@@ -339,6 +339,10 @@ class TieredEngine:
         try:
             self._l2.put(key, pinned.buffer)
             self.counters.add("l2_writes")
+        except CircuitOpenError as exc:  # tiers l1,s3: see _write_l3
+            self.counters.add("write_failures")
+            log.debug("write of %s to %s skipped: %s", key, self._l2.name, exc)
+            return
         except TierCacheError as exc:
             self.counters.add("write_failures")
             log.warning("write of %s to %s failed: %s", key, self._l2.name, exc)
@@ -369,6 +373,11 @@ class TieredEngine:
         try:
             self._l3.put(key, payload)
             self.counters.add("l3_writes")
+        except CircuitOpenError as exc:
+            # Not attempted: the tier already failed and said so. Counted, but not one warning per
+            # chunk, which during an outage would flood the log at the write rate.
+            self.counters.add("write_failures")
+            log.debug("write of %s to %s skipped: %s", key, self._l3.name, exc)
         except TierCacheError as exc:
             self.counters.add("write_failures")
             log.warning("write of %s to %s failed: %s", key, self._l3.name, exc)

@@ -8,6 +8,7 @@ default.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -100,6 +101,12 @@ class FaultPlan:
     ``write_gate`` (when set) holds every write until the event is set — a stalled disk.
     ``fail_writes`` / ``fail_reads`` make calls raise :class:`TierError` (reads then miss).
     ``full`` makes reservations raise :class:`TierFullError`. ``latency_s`` delays every call.
+    ``error_rate`` (0..1) fails that fraction of reads and writes at random (a flaky device; ``seed``
+    makes the sequence repeatable). ``injected`` counts every fault injected.
+
+    Bit flips and truncations are *not* injected here on purpose: a wrapper sits above the tier's
+    verification, so bytes it damaged would bypass the very check under test. The reliability tests
+    damage the bytes at rest instead (the LMDB file, the S3 objects), below the frame check.
     """
 
     fail_writes: bool = False
@@ -107,7 +114,31 @@ class FaultPlan:
     full: bool = False
     latency_s: float = 0.0
     write_gate: threading.Event | None = None
+    error_rate: float = 0.0
+    seed: int | None = None
     injected: int = field(default=0)
+    _rng: random.Random = field(default_factory=random.Random, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.error_rate <= 1.0:
+            raise ValueError(f"error_rate must be within [0, 1], got {self.error_rate}")
+        if self.seed is not None:
+            self._rng.seed(self.seed)
+
+    def roll(self) -> bool:
+        """Whether this call draws a random fault (``error_rate``); counts it. Thread-safe."""
+        if not self.error_rate:
+            return False
+        with self._lock:
+            hit = self._rng.random() < self.error_rate
+            if hit:
+                self.injected += 1
+        return hit
+
+    def count(self) -> None:
+        with self._lock:
+            self.injected += 1
 
 
 class FaultInjectingTier(WrapperTier):
@@ -126,11 +157,23 @@ class FaultInjectingTier(WrapperTier):
         if self.plan.write_gate is not None:
             self.plan.write_gate.wait()
         if self.plan.full:
-            self.plan.injected += 1
+            self.plan.count()
             raise TierFullError(f"{self.name}: injected 'tier full'")
         if self.plan.fail_writes:
-            self.plan.injected += 1
+            self.plan.count()
             raise TierError(f"{self.name}: injected write failure")
+        if self.plan.roll():
+            raise TierError(f"{self.name}: injected random write failure")
+
+    def _read_fault(self) -> bool:
+        """Whether this read fails (delayed first); an injected read failure is a counted error."""
+        self._delay()
+        if self.plan.fail_reads:
+            self.plan.count()
+        elif not self.plan.roll():
+            return False
+        self.inner.stats.add("errors")
+        return True
 
     def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
         self._write_fault()
@@ -141,18 +184,12 @@ class FaultInjectingTier(WrapperTier):
         super().put(key, data, owed=owed)
 
     def pin(self, key: ObjectKey) -> ReadHandle | None:
-        self._delay()
-        if self.plan.fail_reads:
-            self.plan.injected += 1
-            self.inner.stats.add("errors")
+        if self._read_fault():
             return None
         return super().pin(key)
 
     def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
-        self._delay()
-        if self.plan.fail_reads:
-            self.plan.injected += 1
-            self.inner.stats.add("errors")
+        if self._read_fault():
             return False
         return super().read_into(key, alloc)
 

@@ -32,11 +32,18 @@ class ServerSpec:
     s3_bucket: str = "tiercache-server-test"
     options: dict[str, Any] = field(default_factory=dict)
     l1_lease_ttl_s: float = 60.0
+    #: Extra fields of DiskConfig / S3Config / EngineConfig (e.g. short S3 timeouts, a tiny budget).
+    disk_options: dict[str, Any] = field(default_factory=dict)
+    s3_options: dict[str, Any] = field(default_factory=dict)
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    #: TESTING ONLY: wrap lower tiers in a FaultInjectingTier, by tier name ("disk", "s3") → FaultPlan
+    #: fields. Exists only in this test harness; no CLI flag or setting enables it in a real server.
+    faults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     """Process entry: build the engine and server, serve until ``stop`` is set, then stop cleanly."""
-    from tiercache.config import DiskConfig, L1Config, S3Config, ServerOptions
+    from tiercache.config import DiskConfig, EngineConfig, L1Config, S3Config, ServerOptions
     from tiercache.engine import TieredEngine
     from tiercache.l1 import L1Tier
     from tiercache.server import Server
@@ -49,7 +56,9 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     if spec.disk_path is not None:
         from tiercache.l2_disk import DiskTier
 
-        lower.append(DiskTier(DiskConfig(path=Path(spec.disk_path), budget_bytes=spec.disk_budget)))
+        lower.append(
+            DiskTier(DiskConfig(path=Path(spec.disk_path), budget_bytes=spec.disk_budget, **spec.disk_options))
+        )
     if spec.s3_url is not None:
         from tiercache.l3_s3 import S3Tier
 
@@ -61,10 +70,19 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
                     region="us-east-1",
                     path_style=True,
                     create_bucket=True,
+                    **spec.s3_options,
                 )
             )
         )
-    server = Server(TieredEngine(l1, lower), ServerOptions(listen=spec.listen, **spec.options))
+    if spec.faults:
+        from tiercache.wrappers import FaultInjectingTier, FaultPlan
+
+        unknown = set(spec.faults) - {t.name for t in lower}
+        if unknown:
+            raise ValueError(f"faults for tiers this server does not have: {sorted(unknown)}")
+        lower = [FaultInjectingTier(t, FaultPlan(**spec.faults[t.name])) if t.name in spec.faults else t for t in lower]
+    engine = TieredEngine(l1, lower, EngineConfig(**spec.engine_options))
+    server = Server(engine, ServerOptions(listen=spec.listen, **spec.options))
     server.start()
     try:
         stop.wait()
@@ -105,7 +123,10 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """Ask for a clean stop and wait for the process to exit."""
-        self._stop.set()
+        if self.process.is_alive():
+            # Never set the event for a killed process: one killed inside ``stop.wait()`` leaves the
+            # event's condition counting a sleeper that never wakes, and ``set()`` would wait forever.
+            self._stop.set()
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()

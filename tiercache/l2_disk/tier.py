@@ -61,7 +61,7 @@ from tiercache.errors import (
 )
 from tiercache.frames import (
     HEADER_BYTES,
-    FrameFlags,
+    ZSTD_FLAG,
     FrameHeader,
     checksum,
     pack_payload,
@@ -834,7 +834,7 @@ class DiskTier(Tier):
         txn, header, data, seen_meta, size, problem = found
         try:
             if header is not None and problem is None:
-                if header.flags & FrameFlags.ZSTD:
+                if header.flags & ZSTD_FLAG:
                     payload = verify_payload(header, data)
                     alloc(len(payload))[:] = payload
                 elif len(data) != header.stored_len or header.payload_len != header.stored_len:
