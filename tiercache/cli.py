@@ -140,6 +140,10 @@ def _server(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The AWS SDK's own DEBUG output prints request headers, the Authorization header with the access
+    # key id included: credentials must never reach the log, so --log-level debug stops at tiercache.
+    for sdk in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(sdk).setLevel(max(logging.INFO, logging.getLogger().level))
     try:
         run(config)
     except ModuleNotFoundError as exc:
