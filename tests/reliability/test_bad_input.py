@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.reliability.common import figures, payload
-from tests.server.conftest import StartServer, manifest
+from tests.server.conftest import manifest
 from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
 from tests.server.test_errors import frames

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from tests.reliability.common import figures, payload, unlink_arena, wait_until
 from tests.server.conftest import StartServer, manifest
-from tiercache.errors import ServerError, ServerUnavailableError, TierCacheError
+from tiercache.errors import ServerError, TierCacheError
 from tiercache.keys import ObjectKey
-from tiercache.keys.fingerprint import Fingerprint
 
 KiB = 1 << 10
 MiB = 1 << 20

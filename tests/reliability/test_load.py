@@ -17,7 +17,7 @@ from tests.reliability.common import figures, payload, peak_rss_mib
 from tests.server.conftest import StartServer, manifest
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
-from tiercache.protocol import GroupRef, TicketStateName
+from tiercache.protocol import TicketStateName
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.synchronize
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,9 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     from tiercache.tier import Tier
 
     l1 = L1Tier(
-        L1Config(size_bytes=spec.l1_bytes, name=f"tc-srv-{uuid.uuid4().hex[:12]}", lease_ttl_s=spec.l1_lease_ttl_s)
+        # The default arena name carries the server's pid, so an arena left by a server a test
+        # killed with SIGKILL is reclaimed when the next server starts.
+        L1Config(size_bytes=spec.l1_bytes, name=None, lease_ttl_s=spec.l1_lease_ttl_s)
     )
     lower: list[Tier] = []
     if spec.disk_path is not None:
