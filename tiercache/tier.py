@@ -27,6 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tiercache.errors import ReservationError
 from tiercache.keys.fingerprint import Fingerprint
@@ -42,9 +43,12 @@ class EvictionReason(enum.StrEnum):
     EXPIRED = "expired"  # lifetime bound reached (L3 capacity on objects this deployment wrote)
 
 
-@dataclass(frozen=True, slots=True)
-class WriteHandle:
-    """A reservation: fill ``buffer`` (exactly ``nbytes``), then commit or abort it."""
+class WriteHandle(NamedTuple):
+    """A reservation: fill ``buffer`` (exactly ``nbytes``), then commit or abort it.
+
+    Handles are immutable tuples: one is made per chunk on the hottest path, and a tuple is built in
+    a third of the time of a frozen dataclass.
+    """
 
     key: ObjectKey
     nbytes: int
@@ -53,8 +57,7 @@ class WriteHandle:
     expires_at: float
 
 
-@dataclass(frozen=True, slots=True)
-class ReadHandle:
+class ReadHandle(NamedTuple):
     """A pinned, verified object: ``buffer`` is valid until the handle is released."""
 
     key: ObjectKey
@@ -106,10 +109,10 @@ class TierStats:
             self.hits += 1
             self.bytes_read += nbytes
 
-    def put(self, nbytes: int) -> None:
-        """Count one committed write of ``nbytes``."""
+    def put(self, nbytes: int, n: int = 1) -> None:
+        """Count ``n`` committed writes of ``nbytes`` in all."""
         with self._lock:
-            self.puts += 1
+            self.puts += n
             self.bytes_written += nbytes
 
     def evicted(

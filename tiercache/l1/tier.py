@@ -247,10 +247,16 @@ class L1Tier(Tier):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            for handle in handles:
-                self._commit_locked(handle, owed)
+            done = nbytes = 0
+            try:
+                for handle in handles:
+                    nbytes += self._commit_locked(handle, owed)
+                    done += 1
+            finally:
+                if done:  # one stats update per batch, also when a later handle was refused
+                    self.stats.put(nbytes, done)
 
-    def _commit_locked(self, handle: WriteHandle, owed: bool) -> None:
+    def _commit_locked(self, handle: WriteHandle, owed: bool) -> int:
         ticket = self._reservations.get(handle.token)
         if ticket is None or ticket.slot.key != handle.key:
             raise ReservationError(self._reservation_gone(handle))
@@ -264,7 +270,7 @@ class L1Tier(Tier):
             self._hide(old)
         self._objects[slot.key] = slot
         self._policy.on_insert(slot.key)
-        self.stats.put(slot.nbytes)
+        return slot.nbytes
 
     def abort(self, handle: WriteHandle) -> None:
         """Free a reservation; a no-op if it already expired or finished. Request loop; O(log n)."""
