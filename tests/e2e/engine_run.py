@@ -1,0 +1,135 @@
+"""Run one fresh vLLM CPU engine with the tiercache connector and write its outputs as JSON.
+
+Used by the e2e tests, one process per engine (a fresh engine = a fresh process)::
+
+    python -m tests.e2e.engine_run --model DIR --server ipc://... --prompts p.json --out o.json
+
+Writes ``{"tokens": [[...]], "logprobs": [[...]], "num_cached": [...]}``: greedy token ids, the
+log-probability of each chosen token, and vLLM's count of prompt tokens it did not compute
+(local prefix cache + tiercache; a fresh engine has no local cache of these prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def write_tiny_llama(directory: Path, seed: int) -> None:
+    """A tiny Llama checkpoint with seeded random weights, so outputs depend on the KV."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
+
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
+        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
+        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = mat(vocab, h, 8.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
+def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def run(model: str, server: str, prompts: list[list[int]], max_tokens: int) -> dict[str, list]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        load_format="safetensors",
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_model_len=1024,
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        enforce_eager=True,
+        block_size=32,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=64 * MiB,
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "TierCacheConnector",
+            "kv_connector_module_path": "tiercache.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"server": server, "timeout_s": 5.0},
+        },
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    # One prompt at a time: vLLM's CPU kernels are not batch-invariant (a request's logprobs move by
+    # ~1e-5 with what else is in its batch), and lookups make admission timing differ between a
+    # cold and a warm engine. Alone in its batch, a request's numbers depend only on its KV.
+    outs = [
+        llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts
+    ]
+    result: dict[str, list] = {"tokens": [], "logprobs": [], "num_cached": []}
+    for out in outs:
+        comp = out.outputs[0]
+        result["tokens"].append(list(comp.token_ids))
+        result["logprobs"].append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)])
+        result["num_cached"].append(out.num_cached_tokens or 0)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    prompts = json.loads(Path(args.prompts).read_text())
+    result = run(args.model, args.server, prompts, args.max_tokens)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""A dense Llama-style model on a real vLLM CPU engine, end to end through a real tiercache server.
+
+Each engine runs in its own process (``tests/e2e/engine_run.py``), so every run is a *fresh* engine
+with an empty local prefix cache: any cached prompt token it reports came from tiercache. The model
+has seeded random weights (not vLLM's dummy weights), so outputs depend on the KV; the corrupted-store
+and other-weights tests prove the comparison can fail.
+
+Prompt lengths 200, 150, 257, 130 with chunk 64 give 3+2+4+2 = 11 stored chunks; a fresh engine may
+load 3, 2, 4 and 2 chunks (it must compute at least one token itself: 257 = 4 chunks + 1 token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.keys import ObjectKey
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64
+LENGTHS = [200, 150, 257, 130]
+EXPECTED_CACHED = [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]  # [192, 128, 256, 128]
+STORED_CHUNKS = sum(n // CHUNK for n in LENGTHS)  # 11
+MiB = 1 << 20
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    num_cached: list[int]
+    log: str = ""
+
+    def max_logprob_diff(self, other: Run) -> float:
+        return max(abs(a - b) for p, q in zip(self.logprobs, other.logprobs) for a, b in zip(p, q))
+
+
+def run_engine(model: Path, server: str, prompts_file: Path, out: Path, *, multiprocess: bool = False) -> Run:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    cmd = [sys.executable, "-m", "tests.e2e.engine_run", "--model", str(model), "--server", server,
+           "--prompts", str(prompts_file), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    data = json.loads(out.read_text())
+    return Run(data["tokens"], data["logprobs"], data["num_cached"], proc.stderr)
+
+
+def engine_stats(server: ServerProcess) -> dict[str, int]:
+    with server.client() as c:
+        return c.stats()["engine"]
+
+
+def wait_for_stores(server: ServerProcess, at_least: int, deadline_s: float = 30.0) -> int:
+    """The last stores of a run may still be committing when its process exits: poll, don't sleep."""
+    end = time.monotonic() + deadline_s
+    while True:
+        stores = engine_stats(server)["stores"]
+        if stores >= at_least or time.monotonic() > end:
+            return stores
+        time.sleep(0.05)
+
+
+@dataclass
+class Setup:
+    tmp: Path
+    model: Path
+    prompts: Path
+    server: ServerProcess
+    cold: Run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    model = tmp / "model"
+    write_tiny_llama(model, seed=1234)
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(make_prompts(LENGTHS)))
+    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
+    try:
+        server.wait_ready()
+        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json")
+        yield Setup(tmp, model, prompts, server, cold)
+    finally:
+        server.stop()
+
+
+def test_cold_run_stores_every_full_prompt_chunk(setup: Setup) -> None:
+    assert setup.cold.num_cached == [0] * len(LENGTHS)
+    assert wait_for_stores(setup.server, STORED_CHUNKS) == STORED_CHUNKS
+    stats = engine_stats(setup.server)
+    assert stats["stores_dropped"] == 0
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multiprocess"])
+def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: bool) -> None:
+    wait_for_stores(setup.server, STORED_CHUNKS)
+    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
+    warm = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / f"warm-{multiprocess}.json", multiprocess=multiprocess)
+    hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
+    diff = warm.max_logprob_diff(setup.cold)
+    print(f"\n[e2e dense {'mp' if multiprocess else 'inproc'}] cached tokens {warm.num_cached} "
+          f"(server chunk hits {hits}), max |logprob diff| {diff:.3g}")
+    assert warm.num_cached == EXPECTED_CACHED
+    assert hits == sum(EXPECTED_CACHED) // CHUNK
+    assert warm.tokens == setup.cold.tokens
+    assert diff <= 1e-5
+
+
+def test_corrupted_store_changes_the_output(setup: Setup) -> None:
+    """Negative control: the comparison above can fail. Overwrite every stored chunk with noise of
+    the same size; the fresh engine loads it and its logprobs move far beyond the tolerance."""
+    wait_for_stores(setup.server, STORED_CHUNKS)
+    originals: dict[ObjectKey, bytes] = {}
+    rng = np.random.default_rng(0)
+    with setup.server.client() as c:
+        keys, _ = c.list_keys(tier="l1")
+        for listed in keys:
+            key = ObjectKey.from_bytes(listed.key)
+            data = c.get(key)
+            assert data is not None
+            originals[key] = data
+            c.delete(key)
+            assert c.put(key, rng.standard_normal(len(data) // 4).astype(np.float32).tobytes())
+    assert len(originals) == STORED_CHUNKS
+    try:
+        bad = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "corrupt.json")
+    finally:
+        with setup.server.client() as c:
+            for key, data in originals.items():
+                c.delete(key)
+                c.put(key, data)
+    diff = bad.max_logprob_diff(setup.cold)
+    print(f"\n[e2e dense corrupt] cached tokens {bad.num_cached}, max |logprob diff| {diff:.3g}")
+    assert bad.num_cached == EXPECTED_CACHED  # it did load the (corrupted) chunks
+    assert diff > 1e-2
+
+
+def test_other_weights_at_the_same_path_get_no_hits(setup: Setup) -> None:
+    """Replacing the checkpoint at the same path changes the weights identity in the fingerprint."""
+    model = setup.tmp / "swapped-model"
+    write_tiny_llama(model, seed=1)
+    first = run_engine(model, setup.server.endpoint, setup.prompts, setup.tmp / "swap-a.json")
+    assert first.num_cached == [0] * len(LENGTHS)
+    write_tiny_llama(model, seed=2)  # same path, same config, other weights
+    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
+    second = run_engine(model, setup.server.endpoint, setup.prompts, setup.tmp / "swap-b.json")
+    print(f"\n[e2e dense swapped weights] cached tokens {second.num_cached}")
+    assert second.num_cached == [0] * len(LENGTHS)
+    assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
+    assert second.max_logprob_diff(first) > 1e-2  # really other weights
+
+
+def test_engine_runs_without_a_server(setup: Setup) -> None:
+    """Server down: every request is a miss, the outputs are the cold run's, nothing hangs."""
+    start = time.monotonic()
+    run = run_engine(setup.model, f"ipc://{setup.tmp}/nobody-listens.sock", setup.prompts, setup.tmp / "down.json")
+    assert run.num_cached == [0] * len(LENGTHS)
+    assert run.tokens == setup.cold.tokens
+    assert run.max_logprob_diff(setup.cold) <= 1e-5
+    assert time.monotonic() - start < 120
+    assert "tiercache: server at" in run.log and "not reachable" in run.log  # the logged warning
+
+
+def test_chunk_size_not_a_multiple_of_the_block_size_fails_at_start(setup: Setup, tmp_path: Path) -> None:
+    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp_path}/s48.sock", l1_bytes=16 * MiB, options={"chunk_size": 48}))
+    try:
+        server.wait_ready()
+        with pytest.raises(AssertionError) as failed:
+            run_engine(setup.model, server.endpoint, setup.prompts, tmp_path / "never.json")
+    finally:
+        server.stop()
+    message = str(failed.value)
+    assert "--chunk-size 48 is not a multiple of the vLLM engine's block size 32" in message
+

@@ -1,0 +1,123 @@
+"""``TierCacheConnector``: the class vLLM instantiates, once per role.
+
+vLLM builds two independent instances: one with role SCHEDULER in the scheduler (EngineCore) process
+and one with role WORKER in each worker process. This class only routes each hook to the half for its
+role (:mod:`tiercache.connector.scheduler`, :mod:`tiercache.connector.worker`); they share nothing but
+the metadata vLLM pickles from the scheduler to the workers every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from tiercache.connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """tiercache as a vLLM v1 KV connector (settings: see docs/vllm.md)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config if transfer else None)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from tiercache.connector.scheduler import SchedulerHalf
+
+            if transfer is not None and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                log.warning(
+                    "tiercache: kv_load_failure_policy is %r: a chunk that fails to load fails its request. "
+                    "Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so vLLM "
+                    "recomputes instead.",
+                    transfer.kv_load_failure_policy,
+                )
+            self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
+        else:
+            from tiercache.connector.worker import WorkerHalf
+
+            self._worker = WorkerHalf(vllm_config, kv_cache_config, self.settings)
+
+    # A best-effort cache: a preempted request is simply recomputed.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete before the forward pass (start_load_kv is synchronous)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores are whole chunks of every layer, queued in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.wait_for_save(self._get_connector_metadata())  # type: ignore[arg-type]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)

@@ -1,0 +1,233 @@
+"""Layout discovery: from vLLM's config to tiercache object groups and their manifests.
+
+Both halves of the connector call :func:`derive_layout` with the same engine config, so the scheduler
+(which never sees a KV tensor) and the worker compute the same fingerprints without talking to each
+other. The worker then checks the derived facts against the tensors it was given and the attention
+backend its layers actually use (:func:`verify_kv_caches`), and refuses to start on a mismatch: a
+wrong fingerprint would let incompatible engines read each other's pages.
+
+Object groups: one per (vLLM KV-cache group, parallel rank): ``object_group = kv_group * world + rank``
+with ``world = tp * pp``. Each rank stores its own pages; a lookup asks for every rank's group, so a
+hit means every rank can load. An object (one chunk of one group) is the pages of every layer of that
+group for the ``chunk_size / block_size`` blocks covering the chunk, layer-major::
+
+    [layer 0: block 0 page, block 1 page, ...][layer 1: ...]...
+
+Phase 1 supports full-attention groups (dense models); anything else is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.connector.identity import weights_identity
+from tiercache.errors import ConfigError
+from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """One object group: which vLLM KV-cache group and rank it holds, and what its objects look like."""
+
+    object_group: int
+    kv_group: int
+    rank: int
+    layer_names: tuple[str, ...]
+    block_size: int
+    blocks_per_chunk: int
+    page_bytes: int
+    manifest: LayoutManifest
+
+    @property
+    def object_bytes(self) -> int:
+        return len(self.layer_names) * self.blocks_per_chunk * self.page_bytes
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.manifest.fingerprint()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """Every object group of one engine (all ranks), and the engine's scheduler block size."""
+
+    groups: tuple[GroupLayout, ...]
+    world_size: int
+    scheduler_block_size: int
+    chunk_size: int
+
+    def for_rank(self, rank: int) -> list[GroupLayout]:
+        return [g for g in self.groups if g.rank == rank]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_backend_name(vllm_config: Any, spec: Any) -> str:
+    """The attention backend vLLM picks for layers of ``spec``, resolved the way the layers do it.
+
+    Runs in the scheduler process too (which builds no model). Falls back to the configured backend
+    or ``"unresolved"``; the worker compares against what its layers really use.
+    """
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(
+                spec.head_size,
+                vllm_config.model_config.dtype,
+                vllm_config.cache_config.cache_dtype,
+                has_sliding_window=getattr(spec, "sliding_window", None) is not None,
+            )
+        return str(backend.get_name())
+    except Exception as exc:  # unknown selector signature: let the worker's check decide
+        log.debug("could not resolve the attention backend from the config: %s", exc)
+        configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        return str(getattr(configured, "name", configured) or "unresolved")
+
+
+def _platform_extras() -> tuple[tuple[str, str], ...]:
+    """Facts that change page bytes without showing in the spec: device kind, vLLM version, and on
+    CPU the kernel's ISA packing (on AVX2 the CPU backend stores K transposed)."""
+    extras: dict[str, str] = {}
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+
+        extras["vllm"] = str(getattr(vllm, "__version__", "?"))
+        extras["device"] = str(current_platform.device_type)
+        if current_platform.device_type == "cpu":
+            import torch
+
+            extras["cpu_isa"] = str(torch.backends.cpu.get_cpu_capability())
+    except Exception as exc:
+        log.debug("platform facts unavailable: %s", exc)
+    return tuple(sorted(extras.items()))
+
+
+def check_block_sizes(chunk_size: int, scheduler_block_size: int, group_block_sizes: list[int]) -> None:
+    """Raise :class:`ConfigError` unless ``chunk_size`` is a multiple of every block size."""
+    for what, block in [("scheduler", scheduler_block_size)] + [(f"KV-cache group {i}", b) for i, b in enumerate(group_block_sizes)]:
+        if block <= 0 or chunk_size % block:
+            raise ConfigError(
+                f"the tiercache server's --chunk-size {chunk_size} is not a multiple of the vLLM engine's "
+                f"block size {block} ({what}); restart the server with --chunk-size {block} or a multiple "
+                f"of it (e.g. {block * max(1, -(-chunk_size // block))}), or run vLLM with a --block-size "
+                f"that divides {chunk_size}"
+            )
+
+
+def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None) -> EngineLayout:
+    """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    world = tp * pp
+    scheduler_block = int(vllm_config.cache_config.block_size)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+            raise ConfigError(
+                f"KV-cache group {i} is {type(spec).__name__}: this tiercache connector (phase 1) supports "
+                "full-attention (dense) models only; hybrid, sliding-window and recurrent models come "
+                "later. Remove the tiercache kv-transfer-config for this model."
+            )
+    check_block_sizes(chunk_size, scheduler_block, [int(s.block_size) for s in specs])
+
+    revision = weights_identity(str(model_config.model), getattr(model_config, "revision", None), weights_id)
+    if revision == "unknown":
+        log.warning(
+            "tiercache: no weights identity for model %s (no --revision and no local checkpoint files); "
+            "KV is shared by model name only. Set kv_connector_extra_config weights_id to be safe.",
+            model_config.model,
+        )
+    layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unknown")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    extras = _platform_extras()
+    groups: list[GroupLayout] = []
+    for kv_group, group_spec in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group_spec.kv_cache_spec
+        backend = resolve_backend_name(vllm_config, spec)
+        page = int(spec.page_size_bytes)
+        unpadded = int(getattr(spec, "real_page_size_bytes", page))
+        block = int(spec.block_size)
+        layers = tuple(group_spec.layer_names)
+        for rank in range(world):
+            manifest = LayoutManifest(
+                model_id=str(model_config.model),
+                model_revision=revision,
+                kv_dtype=_dtype_name(spec.dtype),
+                attention_backend=backend,
+                kv_layout=layout_name,
+                kernel_block_size=block,
+                manager_block_size=block,
+                page_bytes=page,
+                page_bytes_unpadded=unpadded,
+                group_kind=GroupKind.FULL_ATTENTION,
+                chunk_size=chunk_size,
+                num_layers=len(layers),
+                kv_quantization="none" if cache_dtype == "auto" else cache_dtype,
+                tp_size=tp,
+                tp_rank=rank % tp,
+                pp_size=pp,
+                pp_rank=rank // tp,
+                dcp_size=dcp,
+                extra=extras
+                + (
+                    ("spec", type(spec).__name__),
+                    ("num_kv_heads", str(spec.num_kv_heads)),
+                    ("head_size", str(spec.head_size)),
+                    ("layers", ",".join(layers)),
+                ),
+            )
+            groups.append(
+                GroupLayout(
+                    object_group=kv_group * world + rank,
+                    kv_group=kv_group,
+                    rank=rank,
+                    layer_names=layers,
+                    block_size=block,
+                    blocks_per_chunk=chunk_size // block,
+                    page_bytes=page,
+                    manifest=manifest,
+                )
+            )
+    return EngineLayout(tuple(groups), world, scheduler_block, chunk_size)
+
+
+def verify_kv_caches(groups: list[GroupLayout], kv_caches: dict[str, Any], forward_context: dict[str, Any] | None) -> None:
+    """Check the derived layout against the worker's real tensors and layers; raise on mismatch.
+
+    Each layer's tensor must hold one contiguous page of ``page_bytes`` per block (true for vLLM's
+    layer-outermost layouts, which the CPU backend always uses).
+    """
+    for g in groups:
+        for name in g.layer_names:
+            t = kv_caches.get(name)
+            if t is None:
+                raise ConfigError(f"tiercache: layer {name} of KV-cache group {g.kv_group} has no KV tensor")
+            page = t[0].numel() * t.element_size()
+            if page != g.page_bytes or not t[0].is_contiguous():
+                raise ConfigError(
+                    f"tiercache: layer {name} has pages of {page} bytes (contiguous={t[0].is_contiguous()}, "
+                    f"shape {tuple(t.shape)}); the spec says {g.page_bytes}. This KV layout is not supported yet."
+                )
+            layer = (forward_context or {}).get(name)
+            if layer is not None and hasattr(layer, "get_attn_backend"):
+                actual = str(layer.get_attn_backend().get_name())
+                if actual != g.manifest.attention_backend:
+                    raise ConfigError(
+                        f"tiercache: layer {name} runs attention backend {actual} but the connector derived "
+                        f"{g.manifest.attention_backend} from the config; the fingerprint would be wrong, "
+                        "so the connector refuses to start. Please report this with your vLLM version."
+                    )

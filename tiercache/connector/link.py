@@ -1,0 +1,122 @@
+"""The connector's connection to the tiercache server: best effort, never a stall.
+
+:class:`ServerLink` owns one :class:`~tiercache.client.Client`. While the server answers, callers get
+the client from :meth:`ServerLink.client`. When a call fails (server down, slow, restarted), the caller
+reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
+thread (``tiercache-connector-reconnect``) tries to reconnect every ``retry_s`` seconds. While down,
+:meth:`client` returns ``None`` at once, so the engine sees misses and skipped stores instead of
+waiting on timeouts. On every (re)connect the ``on_connect`` callback runs (it re-registers the
+layout; a restarted server may have forgotten it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tiercache.client import Client
+from tiercache.connector.settings import ConnectorSettings
+from tiercache.errors import ConfigError, TierCacheError
+
+log = logging.getLogger(__name__)
+
+
+class ServerLink:
+    """A client that is either up (usable) or down (reconnecting in the background)."""
+
+    def __init__(self, settings: ConnectorSettings, name: str, on_connect: Callable[[Client], None]) -> None:
+        self.settings = settings
+        self._name = name
+        self._on_connect = on_connect
+        self._lock = threading.Lock()  # guards _client, _up
+        self._client: Client | None = None
+        self._up = False
+        self._disabled: str | None = None
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.settings.server or "the default ipc socket"
+
+    def start(self, *, raise_config_errors: bool = True) -> bool:
+        """Connect once, synchronously (at engine start-up). A :class:`ConfigError` from
+        ``on_connect`` (e.g. a chunk size that does not fit the engine) is raised; an unreachable
+        server is logged and retried in the background. Returns whether the link is up."""
+        try:
+            self._connect()
+        except ConfigError:
+            if raise_config_errors:
+                raise
+        except TierCacheError as exc:
+            log.warning(
+                "tiercache: server at %s is not reachable (%s); running without the cache (all misses) "
+                "and retrying every %g s",
+                self.endpoint, exc, self.settings.retry_s,
+            )
+        self._thread = threading.Thread(target=self._reconnect_loop, name="tiercache-connector-reconnect", daemon=True)
+        self._thread.start()
+        return self._up
+
+    def _connect(self) -> None:
+        s = self.settings
+        with self._lock:
+            if self._client is None:
+                self._client = Client(s.server, timeout=s.timeout_s, auth_secret=s.auth_secret, client_name=self._name)
+            client = self._client
+        try:
+            client.ping()
+            self._on_connect(client)
+        except ConfigError as exc:
+            self._disabled = str(exc)
+            raise
+        with self._lock:
+            self._up = True
+        log.info("tiercache: connected to %s (chunk size %d)", self.endpoint, client.server.chunk_size)
+
+    def _reconnect_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.settings.retry_s)
+            self._wake.clear()
+            if self._closed.is_set() or self._disabled is not None:
+                return
+            if self._up:
+                continue
+            try:
+                self._connect()
+            except ConfigError as exc:
+                log.error("tiercache: the connector is disabled: %s", exc)
+                return
+            except TierCacheError as exc:
+                log.debug("tiercache: server at %s still unreachable: %s", self.endpoint, exc)
+
+    def client(self) -> Client | None:
+        """The client while the server is up; ``None`` (at once) while it is down."""
+        return self._client if self._up else None
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Report a failed call: warn once per outage, go down, reconnect in the background."""
+        with self._lock:
+            was_up, self._up = self._up, False
+        if was_up:
+            log.warning(
+                "tiercache: %s failed (%s: %s); treating the cache as unavailable (misses, no stores) "
+                "and reconnecting to %s every %g s",
+                what, type(exc).__name__, exc, self.endpoint, self.settings.retry_s,
+            )
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.settings.timeout_s + 1)
+        with self._lock:
+            client, self._client, self._up = self._client, None, False
+        if client is not None:
+            client.close()

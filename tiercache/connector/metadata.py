@@ -1,0 +1,52 @@
+"""What the scheduler half tells the worker half each step (pickled by vLLM; small, plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(slots=True)
+class ChunkLoad:
+    """Copy one chunk's objects from the L1 arena into the request's blocks.
+
+    The scheduler's lookup ticket has promoted and pinned the objects; the worker pins them again by
+    key for the copy (so an expired ticket lease can never make it read a reused slot).
+    ``positions`` are the block positions inside the chunk to write (blocks the engine already had
+    locally are skipped) and ``block_ids[kv_group]`` the engine block each position goes to.
+    """
+
+    prefix_hash: bytes
+    positions: list[int]
+    block_ids: list[list[int]]
+
+
+@dataclass(slots=True)
+class RequestLoad:
+    req_id: str
+    chunks: list[ChunkLoad]
+
+
+@dataclass(slots=True)
+class ChunkSave:
+    """Store one newly computed full chunk: its prefix hash and, per KV group, its blocks in order."""
+
+    req_id: str
+    chunk_index: int
+    prefix_hash: bytes
+    block_ids: list[list[int]]
+
+
+@dataclass
+class TierCacheMetadata(KVConnectorMetadata):
+    """One step's work for the workers.
+
+    ``flush`` asks the workers to finish every queued save before the forward pass (requests were
+    preempted, so their blocks may be rewritten this step).
+    """
+
+    step: int = 0
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)
+    flush: bool = False

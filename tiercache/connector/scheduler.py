@@ -1,0 +1,343 @@
+"""The scheduler half: runs in vLLM's scheduler (EngineCore) process, on the engine loop.
+
+Nothing here may wait on the server: lookups go out with :meth:`Client.lookup_async` and are
+collected with :meth:`Client.poll`; while one is outstanding ``get_num_new_matched_tokens`` answers
+``None`` ("not known yet, ask again next step"). The short loop-side calls (release of a ticket,
+registration at start-up) are round trips bounded by ``timeout_s``; any failure makes the link go
+down, and while it is down every request is a miss.
+
+Per request this half hashes the prompt's full chunks (``PrefixHasher``, seeded with the cache salt
+and LoRA name), looks them up, keeps the lookup ticket (which pins the hit objects in the L1 arena)
+until the workers have copied them, and tells the workers which newly computed prompt chunks to
+store. Requests for which a store was scheduled are held (``request_finished`` returns True) until
+the workers report them in ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache import protocol as p
+from tiercache.client import Client, LookupResult
+from tiercache.connector.layout import EngineLayout, derive_layout
+from tiercache.connector.link import ServerLink
+from tiercache.connector.metadata import (
+    ChunkLoad,
+    ChunkSave,
+    RequestLoad,
+    TierCacheMetadata,
+)
+from tiercache.connector.settings import ConnectorSettings
+from tiercache.errors import TierCacheError
+from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
+
+log = logging.getLogger(__name__)
+
+
+class LookupState(enum.Enum):
+    NOT_SENT = "not_sent"
+    WAITING_REPLY = "waiting_reply"  # lookup (or ticket poll) sent; reply not collected yet
+    DONE = "done"  # ``hit_chunks`` is final (0 on a miss)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler half tracks per request; dropped at ``request_finished``."""
+
+    req_id: str
+    prompt: list[int]
+    extra: ExtraKeys
+    hasher: PrefixHasher | None = None
+    state: LookupState = LookupState.NOT_SENT
+    pending_id: int = 0  # the async request id while WAITING_REPLY
+    sent_at: float = 0.0
+    hit_chunks: int = 0
+    server_chunks: int = 0  # the server's restorable prefix (chunks below need no store)
+    ticket: int = 0  # held while the hit objects must stay pinned
+    slots: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # chunk → group → slot
+    local_tokens: int = 0  # the engine's own (block-aligned) hit at the last match
+    block_ids: list[list[int]] = field(default_factory=list)
+    saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
+    saves_scheduled: int = 0
+
+    def hashes(self, chunk_size: int) -> list[bytes]:
+        if self.hasher is None or self.hasher.chunk_size != chunk_size:
+            self.hasher = PrefixHasher(chunk_size, self.extra)
+        return self.hasher.update(self.prompt)
+
+
+def _extra_keys(request: Any) -> ExtraKeys:
+    lora = getattr(request, "lora_request", None)
+    return ExtraKeys(
+        cache_salt=getattr(request, "cache_salt", None) or "",
+        lora_name=(getattr(lora, "lora_name", None) or "") if lora is not None else "",
+    )
+
+
+class SchedulerHalf:
+    """See the module docstring. Every method runs on the engine loop thread."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._settings = settings
+        self.layout: EngineLayout | None = None
+        self._refs: list[p.GroupRef] = []
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[RequestLoad] = []  # built by update_state_after_alloc, sent next meta
+        self._step = 0
+        self._release_at: dict[int, list[int]] = {}  # step → tickets to release once it ran
+        self._unfinished_steps: deque[int] = deque()
+        self._orphans: list[int] = []  # async requests whose request is gone; collect and release
+        self._warned_tp = False
+        self.link = ServerLink(settings, "vllm-scheduler", self._on_connect)
+        self.link.start()
+
+    # -- connection ----------------------------------------------------------------------------
+    def _on_connect(self, client: Client) -> None:
+        info = client.server
+        layout = derive_layout(self._vllm_config, self._kv_cache_config, info.chunk_size, self._settings.weights_id)
+        if len(layout.groups) > 1 and not info.separate_object_groups:
+            from tiercache.errors import ConfigError
+
+            raise ConfigError(
+                f"this engine has {len(layout.groups)} object groups (KV-cache groups x parallel ranks) but "
+                "the tiercache server runs with --no-separate-object-groups; restart it without that flag"
+            )
+        self._refs = client.register([(g.object_group, g.manifest) for g in layout.groups])
+        self.layout = layout
+        log.info(
+            "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
+            len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
+        )
+
+    def _client(self) -> Client | None:
+        return self.link.client() if self.layout is not None else None
+
+    # -- lookups -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the cache can supply (``None``: not known yet)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            prompt = request.prompt_token_ids
+            st = _Request(request.request_id, list(prompt) if prompt is not None else [], _extra_keys(request))
+            self._reqs[request.request_id] = st
+        st.local_tokens = num_computed_tokens
+        client = self._client()
+        layout = self.layout
+        if client is None or layout is None or not st.prompt:
+            self._settle_miss(st)
+            return 0, False
+        chunk = layout.chunk_size
+        limit = (len(st.prompt) - 1) // chunk  # always leave at least one token to compute
+        if st.state is LookupState.NOT_SENT:
+            if limit * chunk <= num_computed_tokens:
+                # The engine has everything we could offer; what it has was stored when computed.
+                self._settle_miss(st, server_chunks=num_computed_tokens // chunk)
+                return 0, False
+            try:
+                st.pending_id = client.lookup_async(st.hashes(chunk)[:limit], self._refs, prefetch=True, max_chunks=limit)
+            except TierCacheError as exc:
+                self.link.failed("lookup", exc)
+                self._settle_miss(st)
+                return 0, False
+            st.state, st.sent_at = LookupState.WAITING_REPLY, time.monotonic()
+        if st.state is LookupState.WAITING_REPLY and not self._collect(client, st):
+            return None, False  # "not known yet": vLLM skips the request this step and asks again
+        hit_tokens = st.hit_chunks * chunk
+        if hit_tokens <= num_computed_tokens:
+            self._drop_ticket(st)
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
+        st.state, st.hit_chunks = LookupState.DONE, 0
+        if st.saved_upto < 0:
+            st.saved_upto = server_chunks
+
+    def _collect(self, client: Client, st: _Request) -> bool:
+        """Advance an outstanding lookup without waiting; True once ``hit_chunks`` is final."""
+        try:
+            # The client raises ServerUnavailableError once the reply is timeout_s late.
+            result: LookupResult | None = client.poll(st.pending_id)
+            if result is None:
+                return False
+            if result.ticket:
+                st.ticket = result.ticket
+            if result.state is p.TicketStateName.PENDING:  # promotion from a lower tier is running
+                if time.monotonic() - st.sent_at > self._settings.timeout_s:
+                    log.info("tiercache: promotion for %s too slow; computing instead", st.req_id)
+                    self._drop_ticket(st)
+                    self._settle_miss(st)
+                    return True
+                st.pending_id = client.poll_ticket_async(st.ticket)
+                return False
+        except TierCacheError as exc:
+            self.link.failed("lookup", exc)
+            st.ticket = 0  # a server that failed us holds no usable pins for us
+            self._settle_miss(st)
+            return True
+        if st.saved_upto < 0:
+            st.saved_upto = result.chunks if result.chunks else 0
+        st.state = LookupState.DONE
+        if result.state is not p.TicketStateName.READY or not result.ready_chunks:
+            self._drop_ticket(st)
+            st.hit_chunks = 0
+            return True
+        index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
+        slots: dict[int, dict[int, tuple[int, int]]] = {}
+        for slot in result.slots:
+            key = ObjectKey.from_bytes(slot.key)
+            i = index.get(key.prefix_hash)
+            if i is not None:
+                slots.setdefault(i, {})[key.object_group] = (slot.offset, slot.nbytes)
+        wanted = {ref.object_group for ref in self._refs}
+        hit = 0
+        while hit < result.ready_chunks and set(slots.get(hit, {})) >= wanted:
+            hit += 1
+        st.hit_chunks, st.slots = hit, slots
+        if hit == 0:
+            self._drop_ticket(st)
+        return True
+
+    def _drop_ticket(self, st: _Request) -> None:
+        """Release the request's ticket after the step being built now has run (never earlier:
+        a worker may still be copying from its slots)."""
+        if st.ticket:
+            self._release_at.setdefault(self._step + 1, []).append(st.ticket)
+            st.ticket = 0
+        st.slots = {}
+        st.hit_chunks = 0
+
+    # -- allocation and metadata ---------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or self.layout is None:
+            return
+        if num_external_tokens <= 0:
+            self._drop_ticket(st)
+            return
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        start, end = st.local_tokens, st.local_tokens + num_external_tokens
+        chunks: list[ChunkLoad] = []
+        bs = self.layout.scheduler_block_size
+        per_chunk = self.layout.chunk_size // bs
+        for c in range(start // self.layout.chunk_size, -(-end // self.layout.chunk_size)):
+            positions = [j for j in range(per_chunk) if start <= (c * per_chunk + j) * bs and (c * per_chunk + j + 1) * bs <= end]
+            if not positions:
+                continue
+            if any(len(group_ids) <= c * per_chunk + positions[-1] for group_ids in block_ids):
+                break  # not allocated: the worker could not place these; load less (never garbage)
+            ids = [[group_ids[c * per_chunk + j] for j in positions] for group_ids in block_ids]
+            chunks.append(ChunkLoad(st.hashes(self.layout.chunk_size)[c], positions, ids))
+        self._loads.append(RequestLoad(st.req_id, chunks))
+        self._drop_ticket(st)  # released once the step carrying these loads has run
+        st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TierCacheMetadata:
+        self._step += 1
+        self._unfinished_steps.append(self._step)
+        meta = TierCacheMetadata(step=self._step, loads=self._loads)
+        self._loads = []
+        meta.flush = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:  # it will be matched again when it is rescheduled
+                self._drop_ticket(st)
+                st.state, st.hit_chunks = LookupState.NOT_SENT, 0
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(ids) for ids in new.block_ids]
+            self._plan_saves(st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else st.block_ids
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    st.block_ids[g].extend(ids)
+            self._plan_saves(st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta)
+        self._collect_orphans()
+        return meta
+
+    def _plan_saves(self, st: _Request, computed: int, meta: TierCacheMetadata) -> None:
+        """Schedule stores for the prompt chunks that are complete once this step has run."""
+        layout = self.layout
+        if layout is None or not st.prompt or self.link.client() is None:
+            return
+        chunk = layout.chunk_size
+        end = min(computed, len(st.prompt)) // chunk
+        first = max(st.saved_upto, 0)
+        if end <= first:
+            return
+        hashes = st.hashes(chunk)
+        per_chunk = chunk // layout.scheduler_block_size
+        for c in range(first, end):
+            ids = [group_ids[c * per_chunk : (c + 1) * per_chunk] for group_ids in st.block_ids]
+            if any(len(g) != per_chunk or 0 in g for g in ids):
+                break  # blocks not (all) allocated or a null block: never store those
+            meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
+            st.saves_scheduled += 1
+            st.saved_upto = c + 1
+
+    def _collect_orphans(self) -> None:
+        client = self.link.client()
+        if client is None or not self._orphans:
+            return
+        keep = []
+        for req_id in self._orphans:
+            try:
+                result = client.poll(req_id)
+            except TierCacheError:
+                continue
+            if result is None:
+                keep.append(req_id)
+            elif result.ticket:
+                self._release_at.setdefault(self._step + 1, []).append(result.ticket)
+        self._orphans = keep
+
+    # -- step results and request end ---------------------------------------------------------
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A step has run: release the tickets whose loads it carried."""
+        if not self._unfinished_steps:
+            return
+        done = self._unfinished_steps.popleft()
+        tickets: list[int] = []
+        for step in [s for s in self._release_at if s <= done]:
+            tickets.extend(self._release_at.pop(step))
+        client = self.link.client()
+        if client is None:
+            return  # the server forgot them (restart) or leases expire by themselves
+        for ticket in tickets:
+            try:
+                client.release_ticket(ticket)
+            except TierCacheError as exc:
+                if getattr(exc, "code", "") != "unknown_token":
+                    self.link.failed("release of a lookup ticket", exc)
+                    return
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks (True) iff stores were scheduled for the request: the workers then
+        report it in ``finished_sending`` once those stores are done."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.state is LookupState.WAITING_REPLY:
+            self._orphans.append(st.pending_id)
+        self._drop_ticket(st)
+        return st.saves_scheduled > 0, None
+
+    def shutdown(self) -> None:
+        self.link.close()

@@ -1,0 +1,291 @@
+"""The worker half: runs in each vLLM worker process, next to the KV cache.
+
+* ``register_kv_caches`` (once, at start-up): check the derived layout against the real tensors,
+  build per layer an int8 ``(num_blocks, page_bytes)`` view over the KV memory, connect, register the
+  object groups of this rank and map the server's L1 arena.
+* Loads (``start_load_kv``, before the forward pass — the scheduler reports hits as synchronous):
+  the scheduler's lookup ticket has promoted the hit objects into L1; the worker pins them by key
+  (one round trip per step with loads), copies each into the request's blocks and releases them. A
+  chunk that cannot be loaded (server gone, object evicted, wrong size) puts its blocks into
+  ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+* Saves (``wait_for_save``, after the forward pass): queued to one background thread
+  (``tiercache-connector-save``) that reserves arena slots, copies the pages of the chunk's blocks in
+  and commits. The scheduler holds finished requests' blocks until ``get_finished`` reports them; it
+  waits for that request's queued saves first, so reported blocks are never read again. When
+  requests were preempted (their blocks may be rewritten this step) every queued save is finished
+  before the forward pass (``handle_preemptions``).
+
+CPU copy path: plain ``torch`` copies between the KV views and the mapped arena. The CUDA path
+(pinned arena, async DMA) is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from tiercache.client import Client
+from tiercache.connector.layout import (
+    EngineLayout,
+    GroupLayout,
+    derive_layout,
+    verify_kv_caches,
+)
+from tiercache.connector.link import ServerLink
+from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
+from tiercache.connector.settings import ConnectorSettings
+from tiercache.errors import ConfigError, TierCacheError
+from tiercache.keys import ObjectKey
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def _byte_pages(t: torch.Tensor) -> torch.Tensor:
+    """An int8 ``(num_blocks, page_bytes)`` view of a layer's KV tensor ``[num_blocks, ...]``
+    (each block's page contiguous), sharing its memory."""
+    es = t.element_size()
+    page = t[0].numel() * es
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset() * es, (t.shape[0], page), (t.stride(0) * es, 1))
+    return out
+
+
+class WorkerHalf:
+    """See the module docstring. Engine-facing methods run on the worker's model-runner thread."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._settings = settings
+        self._rank = 0
+        self._groups: list[GroupLayout] = []
+        self._fingerprints: dict[int, Any] = {}
+        self._pages: dict[int, list[torch.Tensor]] = {}  # kv group → per-layer byte views
+        self._kv_caches: dict[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()  # guards _pending, _with_saves, _load_errors
+        self._idle = threading.Condition(self._lock)
+        self._pending: dict[str, int] = defaultdict(int)  # req → queued saves not finished
+        self._with_saves: set[str] = set()  # reqs that had saves: report each once finished
+        self._finished_waiting: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._saver: threading.Thread | None = None
+        self.link = ServerLink(settings, "vllm-worker", self._on_connect)
+        self.stats = {"loaded_chunks": 0, "load_failures": 0, "saved_chunks": 0, "save_skipped": 0}
+
+    # -- start-up ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp = self._vllm_config.parallel_config.tensor_parallel_size
+            self._rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+        except Exception:  # not initialised (single process tests)
+            self._rank = 0
+        self._kv_caches = kv_caches
+        self.link.start()
+        self._saver = threading.Thread(target=self._save_loop, name="tiercache-connector-save", daemon=True)
+        self._saver.start()
+
+    def _on_connect(self, client: Client) -> None:
+        assert self._kv_caches is not None
+        layout: EngineLayout = derive_layout(
+            self._vllm_config, self._kv_cache_config, client.server.chunk_size, self._settings.weights_id
+        )
+        groups = layout.for_rank(self._rank)
+        forward_context = getattr(self._vllm_config.compilation_config, "static_forward_context", None)
+        verify_kv_caches(groups, self._kv_caches, forward_context)
+        refs = client.register([(g.object_group, g.manifest) for g in groups])
+        for g, ref in zip(groups, refs):
+            if ref.fingerprint != g.fingerprint.raw:
+                raise ConfigError("tiercache: the server computed another fingerprint for our manifest")
+        client.arena()
+        self._pages = {g.kv_group: [_byte_pages(self._kv_caches[n]) for n in g.layer_names] for g in groups}
+        self._fingerprints = {g.object_group: g.fingerprint for g in groups}
+        self._groups = groups
+
+    # -- loads ---------------------------------------------------------------------------------
+    def start_load_kv(self, meta: TierCacheMetadata | None) -> None:
+        """Pin this step's chunks by key (one round trip), copy them into their blocks, release.
+        Chunks that cannot be loaded put their blocks into the load errors (vLLM recomputes)."""
+        if meta is None or not meta.loads:
+            return
+        chunks = [chunk for load in meta.loads for chunk in load.chunks]
+        keys = [
+            ObjectKey(self._fingerprints[g.object_group], g.object_group, chunk.prefix_hash)
+            for chunk in chunks
+            for g in self._groups
+        ]
+        client = self.link.client()
+        slots: list[Any] = [None] * len(keys)
+        if client is not None and keys:
+            try:
+                slots = client.pin(keys)
+            except TierCacheError as exc:
+                self.link.failed("pin for a load", exc)
+        try:
+            arena = client.arena() if client is not None else None
+            per = len(self._groups)
+            for i, chunk in enumerate(chunks):
+                ok = False
+                try:
+                    ok = arena is not None and self._load_chunk(arena, chunk, slots[i * per : (i + 1) * per])
+                except Exception as exc:  # never let a cache failure kill the forward pass
+                    log.warning("tiercache: loading a chunk failed: %s", exc)
+                if ok:
+                    self.stats["loaded_chunks"] += 1
+                else:
+                    self.stats["load_failures"] += 1
+                    with self._lock:
+                        for ids in chunk.block_ids:
+                            self._load_errors.update(ids)
+        finally:
+            tokens = [s.token for s in slots if s is not None]
+            if tokens and client is not None:
+                try:
+                    client.release(tokens)
+                except TierCacheError as exc:  # leases expire by themselves
+                    self.link.failed("release after a load", exc)
+
+    def _load_chunk(self, arena: Any, chunk: ChunkLoad, slots: list[Any]) -> bool:
+        if not self._groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, self._groups)):
+            return False
+        for g, slot in zip(self._groups, slots):
+            dst_ids = chunk.block_ids[g.kv_group]
+            if 0 in dst_ids:
+                return False  # never write the null block
+            src = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
+            src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
+            idx = torch.tensor(dst_ids, dtype=torch.long)
+            pos = torch.tensor(chunk.positions, dtype=torch.long)
+            for layer, pages in enumerate(self._pages[g.kv_group]):
+                pages.index_copy_(0, idx, src[layer].index_select(0, pos))
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves ---------------------------------------------------------------------------------
+    def wait_for_save(self, meta: TierCacheMetadata | None) -> None:
+        """Queue this step's stores; the background thread does them."""
+        if meta is None or not meta.saves:
+            return
+        by_req: dict[str, int] = defaultdict(int)
+        for save in meta.saves:
+            by_req[save.req_id] += 1
+        with self._lock:
+            for rid, n in by_req.items():
+                self._pending[rid] += n
+                self._with_saves.add(rid)
+        self._queue.put(list(meta.saves))
+
+    def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
+        if meta is not None and meta.flush:
+            self._wait_idle(None)
+
+    def _wait_idle(self, req_id: str | None) -> None:
+        with self._idle:
+            while (self._pending.get(req_id, 0) if req_id is not None else any(self._pending.values())):
+                self._idle.wait(1.0)
+
+    def _save_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is _STOP:
+                return
+            try:
+                self._save_batch(batch)
+            except Exception as exc:  # a failed store is a skipped store, never a crash
+                log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
+                self.stats["save_skipped"] += len(batch)
+            finally:
+                with self._idle:
+                    for save in batch:
+                        self._pending[save.req_id] -= 1
+                        if self._pending[save.req_id] <= 0:
+                            del self._pending[save.req_id]
+                    self._idle.notify_all()
+
+    def _save_batch(self, batch: list[ChunkSave]) -> None:
+        client = self.link.client()
+        if client is None or not self._groups:
+            self.stats["save_skipped"] += len(batch)
+            return
+        items: list[tuple[ObjectKey, int]] = []
+        sources: list[tuple[GroupLayout, ChunkSave]] = []
+        for save in batch:
+            for g in self._groups:
+                items.append((ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash), g.object_bytes))
+                sources.append((g, save))
+        try:
+            slots = client.reserve(items)
+        except TierCacheError as exc:
+            if getattr(exc, "code", "") in ("tier_full", "busy"):
+                log.debug("tiercache: store skipped: %s", exc)
+                self.stats["save_skipped"] += len(batch)
+                return
+            self.link.failed("store", exc)
+            self.stats["save_skipped"] += len(batch)
+            return
+        tokens = [s.token for s in slots if s is not None]
+        try:
+            arena = client.arena()
+            for slot, (g, save) in zip(slots, sources):
+                assert slot is not None
+                dst = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
+                dst = dst.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
+                ids = save.block_ids[g.kv_group]
+                if 0 in ids:
+                    raise ValueError("refusing to store the null block")
+                idx = torch.tensor(ids, dtype=torch.long)
+                for layer, pages in enumerate(self._pages[g.kv_group]):
+                    torch.index_select(pages, 0, idx, out=dst[layer])
+        except BaseException:
+            try:
+                client.abort(tokens)
+            except TierCacheError:
+                pass
+            raise
+        try:
+            client.commit(tokens)
+        except TierCacheError as exc:
+            self.link.failed("commit of a store", exc)
+            self.stats["save_skipped"] += len(batch)
+            return
+        self.stats["saved_chunks"] += len(batch)
+
+    # -- step results --------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report requests whose blocks the scheduler held for our stores, once those are done.
+
+        Waits for the finishing requests' own queued stores (usually already done: they were
+        queued steps ago), so a reported request's blocks are never read again.
+        """
+        with self._lock:
+            self._finished_waiting.update(r for r in finished_req_ids if r in self._with_saves)
+            waiting = list(self._finished_waiting)
+        if not waiting:
+            return None, None
+        for rid in waiting:
+            self._wait_idle(rid)
+        with self._lock:
+            for rid in waiting:
+                self._with_saves.discard(rid)
+                self._finished_waiting.discard(rid)
+        return set(waiting), None
+
+    def shutdown(self) -> None:
+        """Finish queued stores (bounded by the client's timeouts), then disconnect."""
+        if self._saver is not None and self._saver.is_alive():
+            self._queue.put(_STOP)
+            self._saver.join(30)
+        self.link.close()
