@@ -27,10 +27,10 @@ from tiercache.keys.object_key import ObjectKey
 from tiercache.l2_disk.tier import (
     _INFO_FORMAT,
     _INFO_USED,
-    _ITER_BATCH,
     _MAX_READERS,
     DISK_FORMAT_VERSION,
     _u64,
+    scan_records,
 )
 from tiercache.tier import TierUsage
 
@@ -110,25 +110,10 @@ class DiskReader:
         return TierUsage(used, 0, objects)
 
     def _scan(self, db_name: str) -> Iterator[tuple[bytes, bytes]]:
-        db = self._dbs[db_name]
-        start: bytes | None = None
-        while True:
-            batch: list[tuple[bytes, bytes]] = []
-            try:
-                with self._env.begin(db=db) as txn:
-                    cur = txn.cursor()
-                    ok = cur.set_range(start) if start is not None else cur.first()
-                    while ok and len(batch) < _ITER_BATCH:
-                        k = cur.key()
-                        if start is None or k != start:
-                            batch.append((bytes(k), bytes(cur.value())))
-                        ok = cur.next()
-            except lmdb.Error as exc:
-                raise DiskTierError(f"cannot read the disk tier at {self.path}: {exc}") from exc
-            if not batch:
-                return
-            yield from batch
-            start = batch[-1][0]
+        try:
+            yield from scan_records(self._env, self._dbs[db_name], objects_only=db_name == "meta")
+        except lmdb.Error as exc:
+            raise DiskTierError(f"cannot read the disk tier at {self.path}: {exc}") from exc
 
     def iter_keys(self) -> Iterator[ObjectKey]:
         """Every committed key, in key order (records that are not keys are skipped)."""

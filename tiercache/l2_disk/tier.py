@@ -141,6 +141,33 @@ class _Lease:
     expires_at: float
 
 
+def scan_records(
+    env: lmdb.Environment, db: Any, *, objects_only: bool
+) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) pairs of one sub-database in key order, in batches of ``_ITER_BATCH``, each batch
+    in its own short read txn: no txn stays open between yields, so a slow consumer cannot pin pages.
+
+    ``objects_only`` stops at the reserved recency/info records of the meta database. Raises
+    ``lmdb.Error``; callers translate it.
+    """
+    start: bytes | None = None
+    while True:
+        batch: list[tuple[bytes, bytes]] = []
+        with env.begin(db=db) as txn, txn.cursor(db=db) as cur:
+            found = cur.set_range(start) if start is not None else cur.first()
+            while found and len(batch) < _ITER_BATCH:
+                k = bytes(cur.key())
+                if objects_only and k[0] >= _FIRST_RESERVED:
+                    break  # recency and info records sort after every object key
+                if k != start:
+                    batch.append((k, bytes(cur.value())))
+                found = cur.next()
+        if not batch:
+            return
+        yield from batch
+        start = batch[-1][0]
+
+
 class DiskTier(Tier):
     """L2: verified, persistent, LRU-evicted objects in one LMDB environment.
 
@@ -926,31 +953,11 @@ class DiskTier(Tier):
         return TierUsage(used, self._budget, objects)
 
     def _scan(self, db_name: str) -> Iterator[tuple[bytes, bytes]]:
-        """(key, value) pairs of one sub-database in batches, each batch in its own short txn.
-
-        No txn stays open between yields: a slow consumer must not pin pages.
-        """
-        env = self._env_here()
-        db = self._dbs[db_name]
-        start: bytes | None = None
-        while True:
-            batch: list[tuple[bytes, bytes]] = []
-            try:
-                with env.begin(db=db) as txn, txn.cursor(db=db) as cur:
-                    found = cur.set_range(start) if start is not None else cur.first()
-                    while found and len(batch) < _ITER_BATCH:
-                        k = cur.key()
-                        if db_name == "meta" and k[0] >= _FIRST_RESERVED:
-                            break  # recency and info records sort after every object key
-                        if k != start:
-                            batch.append((k, cur.value()))
-                        found = cur.next()
-            except lmdb.Error as exc:
-                raise self._translate(exc, "scan") from exc
-            if not batch:
-                return
-            yield from batch
-            start = batch[-1][0]
+        """(key, value) pairs of one sub-database; see :func:`scan_records`."""
+        try:
+            yield from scan_records(self._env_here(), self._dbs[db_name], objects_only=db_name == "meta")
+        except lmdb.Error as exc:
+            raise self._translate(exc, "scan") from exc
 
     def iter_keys(self) -> Iterator[ObjectKey]:
         """Every committed key, in key order (so one fingerprint's objects come together)."""

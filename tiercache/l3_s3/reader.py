@@ -29,7 +29,7 @@ from tiercache.config import S3Config
 from tiercache.errors import S3TierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l3_s3.tier import _error_code, _printable_endpoint
+from tiercache.l3_s3.tier import MANIFESTS, _error_code, _printable_endpoint, manifest_fingerprint
 from tiercache.tier import TierUsage
 
 #: The only S3 operations this module issues (a test checks it).
@@ -137,7 +137,7 @@ class S3Reader:
         return key in self.scan()
 
     def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
-        name = f"{self._prefix}manifests/{fingerprint.hex}.json"
+        name = f"{self._prefix}{MANIFESTS}{fingerprint.hex}.json"
         try:
             return self._request(
                 "GetObject", lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read()
@@ -149,14 +149,10 @@ class S3Reader:
 
     def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
         """Every stored ``(fingerprint, manifest JSON)``: one LIST per 1,000 plus one GET each."""
-        prefix = f"{self._prefix}manifests/"
+        prefix = f"{self._prefix}{MANIFESTS}"
         for name, _size in self._list(prefix):
-            stem = name[len(prefix) :]
-            if not stem.endswith(".json"):
-                continue
-            try:
-                fp = Fingerprint.from_hex(stem[: -len(".json")])
-            except ValueError:
+            fp = manifest_fingerprint(name[len(prefix) :])
+            if fp is None:
                 continue
             data = self.get_manifest(fp)
             if data is not None:

@@ -85,6 +85,19 @@ _THROTTLE_CODES = frozenset(
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 
+MANIFESTS = "manifests/"  # under the prefix: <fingerprint hex>.json per engine layout
+
+
+def manifest_fingerprint(stem: str) -> Fingerprint | None:
+    """The fingerprint named by a manifest object's name below ``<prefix>/manifests/``, if it is one."""
+    if not stem.endswith(".json"):
+        return None
+    try:
+        return Fingerprint.from_hex(stem[: -len(".json")])
+    except ValueError:
+        return None
+
+
 class _NotFound(Exception):
     """Internal: the object does not exist (the service answered; not a failure)."""
 
@@ -268,7 +281,7 @@ class S3Tier(Tier):
 
     def manifest_name(self, fp: Fingerprint) -> str:
         """The S3 object name of the layout manifest of ``fp``."""
-        return f"{self._list_prefix}manifests/{fp.hex}.json"
+        return f"{self._list_prefix}{MANIFESTS}{fp.hex}.json"
 
     @property
     def _list_prefix(self) -> str:
@@ -614,14 +627,10 @@ class S3Tier(Tier):
         Meant for ``tiercache inspect``, not the request path. Raises :class:`S3TierError` if the
         listing fails; a manifest deleted meanwhile is skipped.
         """
-        prefix = f"{self._list_prefix}manifests/"
+        prefix = f"{self._list_prefix}{MANIFESTS}"
         for name, _size, _mtime in self._list(prefix):
-            stem = name[len(prefix) :]
-            if not stem.endswith(".json"):
-                continue
-            try:
-                fp = Fingerprint.from_hex(stem[: -len(".json")])
-            except ValueError:
+            fp = manifest_fingerprint(name[len(prefix) :])
+            if fp is None:
                 continue
             data = self.get_manifest(fp)
             if data is not None:
