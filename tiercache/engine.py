@@ -382,7 +382,7 @@ class TieredEngine:
             self.counters.add("write_failures")
             log.warning("write of %s to %s failed: %s", key, self._l3.name, exc)
         finally:
-            if pinned is not None:
+            if pinned is not None and self._l2 is not None:
                 self._l2.release(pinned)
 
     def _on_l2_evict(self, key: ObjectKey, payload: memoryview) -> None:

@@ -932,9 +932,9 @@ class DiskTier(Tier):
         try:
             with self._write_lock:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    meta = txn.get(kb, db=self._dbs["meta"])
-                    if meta is not None and len(meta) == _META_BYTES and meta[-1] & _OWED:
-                        meta = bytes(meta)
+                    found = txn.get(kb, db=self._dbs["meta"])
+                    if found is not None and len(found) == _META_BYTES and found[-1] & _OWED:
+                        meta = bytes(found)
                         txn.put(kb, meta[:-1] + bytes((meta[-1] & ~_OWED,)), db=self._dbs["meta"])
         except lmdb.Error as exc:
             raise self._translate(exc, "settle") from exc
