@@ -36,6 +36,15 @@ from tiercache.keys import Fingerprint, ObjectKey
 KiB = 1 << 10
 MiB = 1 << 20
 DEFAULT_SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
+#: Told about each (tier, chunk size) case as it runs: ``progress(tier, chunk_bytes, phase)`` with
+#: ``phase`` ``"start"`` or ``"done"``. Called on the caller's thread; the CLI draws a progress bar.
+ProgressFn = Callable[[str, int, str], None]
+
+
+def _no_progress(tier: str, chunk_bytes: int, phase: str) -> None:
+    return None
+
+
 #: Chunks per L1 request: a store or load request of a prompt carries many chunks, and the server
 #: reserves/pins them in one call (one lock round trip per request, not per chunk).
 BATCH = 16
@@ -95,7 +104,9 @@ def _median_pair(
     return _gbps(nbytes, statistics.median(tier_t)), _gbps(nbytes, statistics.median(raw_t))
 
 
-def bench_l1(sizes: Sequence[int], total_bytes: int, rounds: int) -> list[BenchRow]:
+def bench_l1(
+    sizes: Sequence[int], total_bytes: int, rounds: int, progress: ProgressFn = _no_progress
+) -> list[BenchRow]:
     """L1 put/get vs memcpy into/out of the very same arena memory.
 
     The baseline copies to and from the slots the tier itself uses (same physical pages), so what the
@@ -106,6 +117,7 @@ def bench_l1(sizes: Sequence[int], total_bytes: int, rounds: int) -> list[BenchR
 
     rows: list[BenchRow] = []
     for size in sizes:
+        progress("l1", size, "start")
         n = max(1, total_bytes // size)
         keys = _keys(n, size)
         src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
@@ -158,6 +170,7 @@ def bench_l1(sizes: Sequence[int], total_bytes: int, rounds: int) -> list[BenchR
             tier.close()
         rows.append(BenchRow("l1", f"put x{BATCH}", size, *put, "memcpy, same arena pages"))
         rows.append(BenchRow("l1", f"get x{BATCH}", size, *get, "memcpy, same arena pages"))
+        progress("l1", size, "done")
     return rows
 
 
@@ -171,6 +184,7 @@ def bench_disk(
     total_bytes: int,
     rounds: int,
     path: Path | None = None,
+    progress: ProgressFn = _no_progress,
 ) -> list[BenchRow]:
     """L2 put/get vs raw lmdb on the same filesystem with the same environment settings, one value
     per transaction on both sides."""
@@ -182,6 +196,7 @@ def bench_disk(
     base = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=path))
     try:
         for size in sizes:
+            progress("disk", size, "start")
             n = max(1, total_bytes // size)
             keys = _keys(n, size)
             raw_keys = [k.to_bytes() for k in keys]
@@ -239,13 +254,18 @@ def bench_disk(
                 env.close()
             rows.append(BenchRow("disk", "put", size, *put, "raw lmdb"))
             rows.append(BenchRow("disk", "get", size, *get, "raw lmdb"))
+            progress("disk", size, "done")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows
 
 
 def bench_s3(
-    sizes: Sequence[int], total_bytes: int, rounds: int, config: S3Config
+    sizes: Sequence[int],
+    total_bytes: int,
+    rounds: int,
+    config: S3Config,
+    progress: ProgressFn = _no_progress,
 ) -> list[BenchRow]:
     """L3 put/get vs raw boto3 on the same endpoint, same client settings, same thread count."""
     from tiercache.l3_s3 import S3Tier
@@ -257,6 +277,7 @@ def bench_s3(
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="tiercache-bench") as pool:
             for size in sizes:
+                progress("s3", size, "start")
                 n = max(threads, total_bytes // size)
                 keys = _keys(n, size)
                 names = [f"{config.prefix}/bench-raw/{k.text()}" for k in keys]
@@ -280,6 +301,7 @@ def bench_s3(
                 get = _median_pair(run(tier_get_one), run(raw_get_one), n * size, rounds)
                 rows.append(BenchRow("s3", "put", size, *put, "raw boto3"))
                 rows.append(BenchRow("s3", "get", size, *get, "raw boto3"))
+                progress("s3", size, "done")
     finally:
         tier.close()
     return rows

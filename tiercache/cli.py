@@ -19,9 +19,10 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 from tiercache import __version__
 from tiercache.errors import ConfigError, TierCacheError
@@ -92,6 +93,76 @@ def parse_size(text: str) -> int:
         raise ConfigError(f"{text!r} is not a size; use e.g. 256k, 1m or 4m") from exc
 
 
+def _size_text(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+class BenchProgress:
+    """Shows ``tiercache bench`` advancing, one step per tier × chunk size case, on ``stream``.
+
+    On a terminal, a ``rich`` progress bar (elapsed time, the case running now); otherwise (a pipe, a
+    log file, CI) one plain line per case, so logs stay readable. Never writes to stdout, which carries
+    the result table. Use as a context manager; :meth:`__call__` is the bench's progress callback.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, tty: bool | None = None) -> None:
+        self.total = total
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.done = 0
+        self._started = 0.0
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> BenchProgress:
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream, force_terminal=True),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("bench", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def note(self, text: str) -> None:
+        """A line of context (which tier, against what), above the bar on a terminal."""
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def __call__(self, tier: str, chunk_bytes: int, phase: str) -> None:
+        case = f"{tier} {_size_text(chunk_bytes)}"
+        if phase == "start":
+            self._started = time.monotonic()
+            if self._bar is not None:
+                self._bar.update(self._task, description=f"bench {case}")
+            else:
+                print(f"[{self.done + 1}/{self.total}] {case} …", file=self.stream, flush=True)
+            return
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1)
+        else:
+            took = time.monotonic() - self._started
+            print(f"[{self.done}/{self.total}] {case} done in {took:.2f} s", file=self.stream, flush=True)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tiercache import bench
     from tiercache.config import S3Config
@@ -100,34 +171,37 @@ def _bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(bench.DEFAULT_SIZES)
     total = args.total_mb << 20
     if total <= 0 or args.rounds < 1:
-        raise ConfigError("--total-mb and --rounds must be positive")
-    rows: list[bench.BenchRow] = []
-    err = sys.stderr
-    if "l1" in tiers:
-        print("measuring L1 (shared arena) against memcpy …", file=err)
-        rows += bench.bench_l1(sizes, total, args.rounds)
-    if "disk" in tiers:
-        disk_path = Path(args.disk_path)
-        disk_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        print(f"measuring L2 (LMDB under {disk_path}) against raw lmdb …", file=err)
-        rows += bench.bench_disk(sizes, total, args.rounds, disk_path)
-    if "s3" in tiers:
-        if not args.s3_bucket:
-            raise ConfigError("--tiers includes s3: give --s3-bucket (and --s3-endpoint-url if not AWS)")
-        cfg = S3Config(
-            bucket=args.s3_bucket,
-            prefix=args.s3_prefix,
-            endpoint_url=args.s3_endpoint_url,
-            region=args.s3_region,
-            path_style=args.s3_path_style,
-            create_bucket=args.s3_create_bucket,
+        raise ConfigError(
+            f"--total-mb {args.total_mb} and --rounds {args.rounds} must both be positive; "
+            "use e.g. --total-mb 256 --rounds 3"
         )
-        print(f"measuring L3 (s3://{cfg.bucket}/{cfg.prefix}) against raw boto3 …", file=err)
-        rows += bench.bench_s3(sizes, max(total // 4, 1 << 20), args.rounds, cfg)
+    if "s3" in tiers and not args.s3_bucket:
+        raise ConfigError("--tiers includes s3: give --s3-bucket (and --s3-endpoint-url if not AWS)")
+    rows: list[bench.BenchRow] = []
+    with BenchProgress(len(tiers) * len(sizes)) as progress:
+        if "l1" in tiers:
+            progress.note("measuring L1 (shared arena) against memcpy …")
+            rows += bench.bench_l1(sizes, total, args.rounds, progress=progress)
+        if "disk" in tiers:
+            disk_path = Path(args.disk_path)
+            disk_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            progress.note(f"measuring L2 (LMDB under {disk_path}) against raw lmdb …")
+            rows += bench.bench_disk(sizes, total, args.rounds, disk_path, progress=progress)
+        if "s3" in tiers:
+            cfg = S3Config(
+                bucket=args.s3_bucket,
+                prefix=args.s3_prefix,
+                endpoint_url=args.s3_endpoint_url,
+                region=args.s3_region,
+                path_style=args.s3_path_style,
+                create_bucket=args.s3_create_bucket,
+            )
+            progress.note(f"measuring L3 (s3://{cfg.bucket}/{cfg.prefix}) against raw boto3 …")
+            rows += bench.bench_s3(sizes, max(total // 4, 1 << 20), args.rounds, cfg, progress=progress)
     print(bench.render(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=2))
-        print(f"wrote {args.json}", file=err)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

@@ -131,7 +131,10 @@ def _open_source(args: argparse.Namespace) -> LiveSource | OfflineSource:
     s3_flags = [n for n in ("s3_prefix", "s3_endpoint_url", "s3_region", "s3_path_style") if getattr(args, n)]
     offline = args.disk_path is not None or args.s3_bucket is not None
     if s3_flags and args.s3_bucket is None:
-        raise ConfigError(f"--{s3_flags[0].replace('_', '-')} needs --s3-bucket")
+        raise ConfigError(
+            f"--{s3_flags[0].replace('_', '-')} needs --s3-bucket; add --s3-bucket BUCKET to inspect S3, or drop "
+            f"--{s3_flags[0].replace('_', '-')}"
+        )
     if offline and (args.server is not None or args.auth_secret is not None):
         raise ConfigError(
             "--server/--auth-secret and --disk-path/--s3-bucket exclude each other: inspect a live "
@@ -149,7 +152,7 @@ def _open_live(args: argparse.Namespace) -> LiveSource:
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket or tcp://HOST:PORT")
     if args.timeout <= 0:
-        raise ConfigError(f"--timeout {args.timeout:g} must be positive")
+        raise ConfigError(f"--timeout {args.timeout:g} must be positive; use e.g. --timeout 5")
     hint = "check that `tiercache server` runs and that --server matches its --listen"
     if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
         raise ServerUnavailableError(f"no tiercache server at {endpoint}: the socket does not exist; {hint}")
@@ -480,7 +483,10 @@ def _explain(args: argparse.Namespace) -> int:
         if not 0 <= g <= 0xFFFF:
             raise ConfigError(f"--group {g} is out of range; use 0 to 65535")
     if args.chunk_size is not None and args.chunk_size < 1:
-        raise ConfigError(f"--chunk-size {args.chunk_size} must be a positive number of tokens")
+        raise ConfigError(
+            f"--chunk-size {args.chunk_size} must be a positive number of tokens; use the server's --chunk-size "
+            "(default 256)"
+        )
     offline = args.disk_path is not None or args.s3_bucket is not None
     if offline and args.chunk_size is None:
         raise ConfigError("--chunk-size is required offline (the server's --chunk-size, default 256)")

@@ -170,7 +170,11 @@ class Client:
                 )
             public, secret = zmq.auth.load_certificate(self._curve_key_file)
             if not secret:
-                raise AuthenticationError(f"{self._curve_key_file} holds no secret key", "auth_failed")
+                raise AuthenticationError(
+                    f"{self._curve_key_file} holds no secret key; pass the client's .key_secret file, not its public "
+                    ".key",
+                    "auth_failed",
+                )
             sock.curve_serverkey = self._curve_server_key
             sock.curve_publickey = public
             sock.curve_secretkey = secret
@@ -242,7 +246,8 @@ class Client:
             st.sock.send(self._codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise ServerUnavailableError(
-                f"cannot send to the tiercache server at {self.endpoint}: send queue full"
+                f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
+                "not reading: stopped or overloaded); check that it runs, then retry"
             ) from exc
         st.last_send = time.monotonic()
         st.pending[req_id] = _Pending(convert, time.monotonic() + (self.timeout if timeout is None else timeout))
@@ -262,7 +267,11 @@ class Client:
             try:
                 reply = self._codec.replies.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ProtocolError(f"undecodable reply from the server: {exc}", "malformed") from exc
+                raise ProtocolError(
+                    f"undecodable reply from the server at {self.endpoint}: {exc}; use the same tiercache version "
+                    "for the server and its clients",
+                    "malformed",
+                ) from exc
             entry = self._state.pending.get(reply.req_id)
             if entry is not None:
                 entry.reply, entry.done = reply, True
@@ -393,14 +402,21 @@ class Client:
         with self._lock:
             entry = self._state.pending.get(req_id)
             if entry is None:
-                raise ServerError(f"request {req_id} is unknown or already collected", "unknown_token")
+                raise ServerError(
+                    f"request {req_id} is unknown or already collected; poll each request id until it returns a "
+                    "result, once",
+                    "unknown_token",
+                )
             if not entry.done:
                 self._drain(0)
             if entry.done:
                 return self._result(req_id)
             if time.monotonic() > entry.deadline:
                 self._state.pending.pop(req_id)
-                raise ServerUnavailableError(f"no reply to request {req_id} from {self.endpoint} in time")
+                raise ServerUnavailableError(
+                    f"no reply to request {req_id} from {self.endpoint} in time; check that the server runs and is "
+                    "not overloaded (tiercache inspect summary), or raise the client timeout"
+                )
             return None
 
     def poll_ticket(self, ticket: int, timeout: float | None = None) -> LookupResult:
@@ -485,7 +501,11 @@ class Client:
     def read_ticket(self, result: LookupResult, *, release: bool = True) -> dict[ObjectKey, bytes]:
         """Copy out every slot of a READY lookup (then release its ticket unless told not to)."""
         if result.state is not p.TicketStateName.READY:
-            raise ServerError(f"ticket {result.ticket} is {result.state.value}, not ready", "invalid")
+            raise ServerError(
+                f"ticket {result.ticket} is {result.state.value}, not ready; wait_ticket() first, or read only READY "
+                "lookups",
+                "invalid",
+            )
         arena = self.arena()
         try:
             return {ObjectKey.from_bytes(s.key): bytes(arena.view(s.offset, s.nbytes)) for s in result.slots}

@@ -33,12 +33,12 @@ class L3WritePolicy(enum.StrEnum):
 
 def _positive(name: str, value: float, unit: str = "") -> None:
     if not value > 0:
-        raise ConfigError(f"{name} must be > 0{unit}, got {value!r}")
+        raise ConfigError(f"{name} must be > 0{unit}, got {value!r}; give a positive value")
 
 
 def _fraction(name: str, value: float) -> None:
     if not 0 < value <= 1:
-        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+        raise ConfigError(f"{name} must be in (0, 1], got {value!r}; give a fraction such as 0.9")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,7 @@ class L1Config:
     def __post_init__(self) -> None:
         _positive("--l1-size-gb", self.size_bytes, " bytes")
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise ConfigError(f"L1 alignment must be a power of two, got {self.alignment}")
+            raise ConfigError(f"L1 alignment must be a power of two, got {self.alignment}; use e.g. 4096")
         _positive("L1 reservation TTL", self.reservation_ttl_s, " s")
         _positive("L1 lease TTL", self.lease_ttl_s, " s")
 
@@ -162,9 +162,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.write_queue_depth < 1:
-            raise ConfigError(f"write queue depth must be >= 1, got {self.write_queue_depth}")
-        if self.promote_workers < 1 or self.write_workers < 1:
-            raise ConfigError("engine worker counts must be >= 1")
+            raise ConfigError(
+                f"--write-queue-depth must be >= 1, got {self.write_queue_depth}; use e.g. 256 (the default)"
+            )
+        if self.promote_workers < 1:
+            raise ConfigError(f"--promote-workers must be >= 1, got {self.promote_workers}; use e.g. 4 (the default)")
+        if self.write_workers < 1:
+            raise ConfigError(f"--write-workers must be >= 1, got {self.write_workers}; use e.g. 2 (the default)")
 
 
 def default_runtime_dir() -> Path:

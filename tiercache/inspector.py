@@ -236,7 +236,10 @@ class OfflineSource:
         if flt.tier and flt.tier not in names:
             from tiercache.errors import ConfigError
 
-            raise ConfigError(f"--tier {flt.tier!r}: inspecting only {', '.join(names)} here")
+            raise ConfigError(
+                f"--tier {flt.tier!r} is not among the tiers inspected here ({', '.join(names)}); "
+                "use one of those or drop --tier"
+            )
         found = self._merged(flt)
         ordered = sorted(raw for raw in found if raw > cursor)
         page = ordered[:limit]

@@ -522,7 +522,9 @@ def _read_config_file(path: Path, options: Mapping[str, Option]) -> dict[str, tu
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; fix --config / {CONFIG_ENV}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read config file {path}: {exc.strerror}; check its permissions, or fix --config / {CONFIG_ENV}"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}; fix the syntax") from None
     sections = {s for s, _, _ in _SECTIONS}

@@ -162,7 +162,10 @@ class SharedArena:
                 f"using it — pick another --l1-name, or remove {path} if no server is running"
             ) from exc
         except OSError as exc:
-            raise ArenaError(f"cannot create L1 arena {path}: {exc.strerror}") from exc
+            raise ArenaError(
+                f"cannot create L1 arena {path}: {exc.strerror}; check that {SHM_DIR} is mounted and writable by "
+                "this user"
+            ) from exc
         try:
             # The umask may have removed bits; the owner must be able to read and write.
             os.fchmod(fd, 0o600)
@@ -183,7 +186,9 @@ class SharedArena:
                     f"{SHM_DIR} ran out of space allocating the {_fmt_bytes(size)} L1 arena; lower "
                     "--l1-size-gb or enlarge /dev/shm"
                 ) from exc
-            raise ArenaError(f"cannot size or map L1 arena {path}: {exc.strerror or exc}") from exc
+            raise ArenaError(
+                f"cannot size or map L1 arena {path}: {exc.strerror or exc}; lower --l1-size-gb or enlarge {SHM_DIR}"
+            ) from exc
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -209,7 +214,10 @@ class SharedArena:
                 "worker as the same user as the tiercache server"
             ) from exc
         except OSError as exc:
-            raise ArenaError(f"cannot open L1 arena {path}: {exc.strerror}") from exc
+            raise ArenaError(
+                f"cannot open L1 arena {path}: {exc.strerror}; check that the tiercache server runs and that "
+                "--l1-name matches"
+            ) from exc
         try:
             size = os.fstat(fd).st_size
             if size <= 0:
@@ -219,7 +227,10 @@ class SharedArena:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             _advise_huge_pages(mapping)
         except OSError as exc:
-            raise ArenaError(f"cannot map L1 arena {path}: {exc.strerror or exc}") from exc
+            raise ArenaError(
+                f"cannot map L1 arena {path}: {exc.strerror or exc}; check this process's memory limits (ulimit -v, "
+                "cgroup)"
+            ) from exc
         finally:
             os.close(fd)
         return cls(name, mapping, size, owner=False)

@@ -412,7 +412,10 @@ class L1Tier(Tier):
     # -- internals (all called with _lock held) -------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise TierError(f"L1 tier (arena {self._arena.name!r}) is closed")
+            raise TierError(
+                f"L1 tier (arena {self._arena.name!r}) is closed (by its owner, e.g. at server shutdown); "
+                "create a new L1Tier"
+            )
 
     def _sweep(self, now: float) -> None:
         """Expire reservations and leases whose deadline passed. O(k log n) for k expired."""

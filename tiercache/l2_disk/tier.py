@@ -268,7 +268,10 @@ class DiskTier(Tier):
                     )
         except lmdb.Error as exc:
             env.close()
-            raise DiskTierError(f"cannot initialise the LMDB environment at {path}: {exc}") from exc
+            raise DiskTierError(
+                f"cannot initialise the LMDB environment at {path}: {exc}; check free space and permissions there, "
+                "or point --disk-path elsewhere"
+            ) from exc
         except DiskTierError:
             env.close()
             raise

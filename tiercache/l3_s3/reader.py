@@ -87,7 +87,10 @@ class S3Reader:
                     f"access to S3 {self._where} was denied ({what}); inspecting needs s3:ListBucket and "
                     "s3:GetObject for the credentials of the standard AWS chain"
                 ) from exc
-            raise S3TierError(f"S3 {self._where}: {what} failed: {code}") from exc
+            raise S3TierError(
+                f"S3 {self._where}: {what} failed: {code}; check --s3-bucket, --s3-region and the credentials' "
+                "permissions (docs/s3.md)"
+            ) from exc
         except (NoCredentialsError, PartialCredentialsError) as exc:
             raise S3TierError(
                 f"no usable AWS credentials for S3 {self._where}; configure the standard chain "

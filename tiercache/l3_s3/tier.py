@@ -239,14 +239,17 @@ class S3Tier(Tier):
                     "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject (see docs/s3.md)"
                 ) from exc
             else:
-                raise S3TierError(f"S3 {self._where} is not usable: {code}") from exc
+                raise S3TierError(
+                    f"S3 {self._where} is not usable: {code}; check --s3-bucket, --s3-region and the credentials' "
+                    "permissions (docs/s3.md)"
+                ) from exc
         except (NoCredentialsError, PartialCredentialsError) as exc:
             raise S3TierError(
                 f"no usable AWS credentials for S3 {self._where}; configure the standard chain "
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
             ) from exc
         except ParamValidationError as exc:
-            raise S3TierError(f"S3 {self._where} is not a valid bucket name: {exc}") from exc
+            raise S3TierError(f"S3 {self._where} is not a valid bucket name: {exc}; fix --s3-bucket") from exc
         except BotoCoreError as exc:
             raise S3TierError(
                 f"cannot reach S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url, "
@@ -270,7 +273,8 @@ class S3Tier(Tier):
                 ) from exc
         except BotoCoreError as exc:
             raise S3TierError(
-                f"could not create S3 {self._where}: {type(exc).__name__}"
+                f"could not create S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url and the network, "
+                "or create the bucket yourself"
             ) from exc
         log.info("created S3 %s", self._where)
 
@@ -417,7 +421,7 @@ class S3Tier(Tier):
         if nbytes + HEADER_BYTES > self.config.capacity_bytes:
             raise TierFullError(
                 f"an object of {nbytes} bytes cannot fit the S3 capacity of "
-                f"{self.config.capacity_bytes} bytes; raise the S3 capacity"
+                f"{self.config.capacity_bytes} bytes; raise --s3-capacity-gb"
             )
 
     def _upload(self, key: ObjectKey, payload: memoryview, owed: bool) -> None:
@@ -648,7 +652,10 @@ class S3Tier(Tier):
             try:
                 page = self._call("LIST", lambda c, kw=kwargs: c.list_objects_v2(**kw))
             except _NotFound as exc:
-                raise S3TierError(f"S3 {self._where} disappeared while listing") from exc
+                raise S3TierError(
+                    f"S3 {self._where} disappeared while listing; was the bucket deleted? Recreate it or fix "
+                    "--s3-bucket"
+                ) from exc
             for obj in page.get("Contents", ()):
                 yield obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp()
             if not page.get("IsTruncated"):

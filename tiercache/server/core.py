@@ -111,7 +111,10 @@ class Server:
 
     def __init__(self, engine: TieredEngine, options: ServerOptions | None = None) -> None:
         if not isinstance(engine.l1, L1Tier):
-            raise ConfigError("the server needs an L1Tier (a shared arena) as the engine's first tier")
+            raise ConfigError(
+                "the server needs an L1Tier (a shared arena) as the engine's first tier; build the engine with "
+                "ServerConfig.build_engine() or pass L1Tier first"
+            )
         self.engine = engine
         self.options = options or ServerOptions()
         self._l1: L1Tier = engine.l1

@@ -63,7 +63,10 @@ def prepare_ipc(path: Path) -> None:
             probe.connect(str(path))
         except OSError as exc:
             if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                raise ServerError(f"cannot check the socket {path}: {exc}") from exc
+                raise ServerError(
+                    f"cannot check the socket {path}: {exc}; check the permissions of its directory or choose "
+                    "another --listen path"
+                ) from exc
             path.unlink(missing_ok=True)  # a crashed server left it behind
         else:
             raise ServerError(
