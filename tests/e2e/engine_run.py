@@ -70,6 +70,66 @@ def write_tiny_llama(directory: Path, seed: int) -> None:
     save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
 
 
+def write_tiny_gemma3(directory: Path, seed: int, sliding_window: int = 64) -> None:
+    """A tiny Gemma 3 (``Gemma3ForCausalLM``) with seeded random weights: layer 0 attends over a
+    sliding window of ``sliding_window`` tokens, layer 1 over everything (two KV-cache groups)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": sliding_window,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_local_base_freq": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
+
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) / h**0.5}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
+        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
+        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
+        w[p + "self_attn.q_norm.weight"] = torch.zeros(hd)  # Gemma norms scale by (1 + weight)
+        w[p + "self_attn.k_norm.weight"] = torch.zeros(hd)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            w[p + norm + ".weight"] = torch.zeros(h)
+    w["model.norm.weight"] = torch.zeros(h)
+    w["lm_head.weight"] = mat(vocab, h, 8.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
 def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

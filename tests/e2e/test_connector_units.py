@@ -82,3 +82,103 @@ def test_importing_the_connector_package_stays_light() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- KV-cache group kinds (fake spec objects: only the class names and fields matter) -----------------
+
+
+def _fake_spec(cls_name: str, block_size: int = 32, **fields: object) -> object:
+    return type(cls_name, (), {"block_size": block_size, **fields})()
+
+
+def test_full_and_sliding_groups_are_accepted() -> None:
+    from tiercache.connector.layout import check_group_specs
+
+    check_group_specs([_fake_spec("SlidingWindowSpec", sliding_window=64), _fake_spec("FullAttentionSpec")], 32)
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (_fake_spec("MambaSpec"), "recurrent"),
+        (_fake_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "not supported"),
+        (_fake_spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=3), "extra retained"),
+        (_fake_spec("FullAttentionSpec", block_size=64), "different block sizes"),
+    ],
+)
+def test_unsupported_groups_fail_with_a_clear_error(spec: object, words: str) -> None:
+    from tiercache.connector.layout import check_group_specs
+
+    with pytest.raises(ConfigError, match=words):
+        check_group_specs([_fake_spec("FullAttentionSpec"), spec], 32)
+
+
+def test_sliding_group_needs_only_its_trailing_window_chunks() -> None:
+    from tiercache.connector.layout import GroupLayout
+
+    def group(window: int) -> GroupLayout:
+        return GroupLayout(0, 0, 0, ("l0",), 32, 2, 8192, None, window_tokens=window)  # type: ignore[arg-type]
+
+    assert list(group(0).needed_chunks(3, 64)) == [0, 1, 2]
+    assert list(group(64).needed_chunks(3, 64)) == [2]
+    assert list(group(65).needed_chunks(3, 64)) == [1, 2]  # ceil(65 / 64) = 2 chunks
+    assert list(group(4096).needed_chunks(3, 64)) == [0, 1, 2]
+
+
+def test_plugin_registration_is_idempotent() -> None:
+    from tiercache.connector import plugin
+
+    plugin.register()
+    plugin.register()  # vLLM may load general plugins more than once per process
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:
+        return  # no vLLM here: register() is a no-op
+    assert plugin.CONNECTOR_NAME in KVConnectorFactory._registry
+    from tiercache.connector.connector import TierCacheConnector
+
+    assert KVConnectorFactory._registry[plugin.CONNECTOR_NAME]() is TierCacheConnector
+
+
+# -- start-up rules for recurrent (Mamba/GDN) groups ------------------------------------------------
+
+
+def _recurrent(**kw: object) -> list[str]:
+    from tiercache.connector.layout import check_recurrent_config
+
+    args: dict[str, object] = {
+        "mamba_cache_mode": "align", "enable_prefix_caching": True, "max_num_batched_tokens": 768,
+        "block_size": 384, "chunk_size": 384, "separate_object_groups": True,
+    }
+    args.update(kw)
+    return check_recurrent_config(**args)  # type: ignore[arg-type]
+
+
+def test_recurrent_config_that_works() -> None:
+    assert _recurrent() == ["recurrent state exists only every 768 tokens (prefill step), so hits are multiples of 768 tokens, not of the chunk size 384"]
+    assert _recurrent(max_num_batched_tokens=384) == []
+    assert _recurrent(max_num_batched_tokens=800, chunk_size=768) == []  # steps of 768 (whole blocks)
+    assert _recurrent(max_num_batched_tokens=384, separate_object_groups=False, chunk_size=768) == []
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"mamba_cache_mode": "none"}, "mamba_cache_mode=\"align\""),
+        ({"mamba_cache_mode": None}, "--mamba-cache-mode align"),
+        ({"enable_prefix_caching": False}, "--enable-prefix-caching"),
+        ({"max_num_batched_tokens": 256}, "at least 384"),
+        ({"max_num_batched_tokens": 1152, "chunk_size": 768}, "multiple or a divisor of 768"),
+        ({"separate_object_groups": False}, "divisor of 384"),
+    ],
+)
+def test_recurrent_config_errors_name_the_fix(kw: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        _recurrent(**kw)
+
+
+def test_the_vllm_plugin_entry_point_is_installed() -> None:
+    import importlib.metadata
+
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "tiercache.connector.plugin:register" for ep in plugins)

@@ -13,7 +13,11 @@ group for the ``chunk_size / block_size`` blocks covering the chunk, layer-major
 
     [layer 0: block 0 page, block 1 page, ...][layer 1: ...]...
 
-Phase 1 supports full-attention groups (dense models); anything else is refused with a clear error.
+Supported group kinds: full attention (``FullAttentionSpec``) and sliding window (``SlidingWindowSpec``,
+e.g. Gemma 3, gpt-oss): a sliding group is registered as ``GroupKind.SLIDING_WINDOW`` with its window in
+tokens, so the server's restorable-prefix rule asks it only for the trailing window chunks of a hit.
+Every group must use the scheduler's block size (groups with different block sizes, as in Gemma 4, and
+recurrent groups are refused with a clear error).
 """
 
 from __future__ import annotations
@@ -41,6 +45,21 @@ class GroupLayout:
     blocks_per_chunk: int
     page_bytes: int
     manifest: LayoutManifest
+    window_tokens: int = 0  # > 0 for a sliding-window group
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window_tokens > 0
+
+    def window_chunks(self, chunk_size: int) -> int:
+        """Trailing chunks a hit boundary needs from this group (the server's rule)."""
+        return max(1, -(-self.window_tokens // chunk_size)) if self.is_sliding else 0
+
+    def needed_chunks(self, boundary: int, chunk_size: int) -> range:
+        """The chunks of this group a hit of ``boundary`` chunks must load."""
+        if self.is_sliding:
+            return range(max(0, boundary - self.window_chunks(chunk_size)), boundary)
+        return range(boundary)
 
     @property
     def object_bytes(self) -> int:
@@ -62,6 +81,14 @@ class EngineLayout:
 
     def for_rank(self, rank: int) -> list[GroupLayout]:
         return [g for g in self.groups if g.rank == rank]
+
+    @property
+    def has_sliding(self) -> bool:
+        return any(g.is_sliding for g in self.groups)
+
+    def kv_group_windows(self) -> dict[int, int]:
+        """vLLM KV-cache group → sliding window in tokens (only sliding groups)."""
+        return {g.kv_group: g.window_tokens for g in self.groups if g.is_sliding}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -123,10 +150,111 @@ def check_block_sizes(chunk_size: int, scheduler_block_size: int, group_block_si
             )
 
 
+def _spec_kind(spec: Any) -> str:
+    """``full``, ``sliding`` or the reason this connector cannot hold the spec's state."""
+    name = type(spec).__name__
+    if any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__) and not getattr(spec, "sliding_window", None) and not getattr(spec, "attention_chunk_size", None):
+        return "full"
+    if name == "SlidingWindowSpec" and int(getattr(spec, "sliding_window", 0) or 0) > 0:
+        if int(getattr(spec, "extra_retained_tokens", 0) or 0):
+            return "a sliding window with extra retained tokens (multi-module spec decoding)"
+        return "sliding"
+    if name in ("MambaSpec",) or "Mamba" in name:
+        return "recurrent state (Mamba/GDN/KDA)"
+    return name
+
+
+def check_group_specs(specs: list[Any], scheduler_block: int) -> None:
+    """Raise :class:`ConfigError` unless every KV-cache group is full attention or a sliding window
+    with the scheduler's block size."""
+    for i, spec in enumerate(specs):
+        kind = _spec_kind(spec)
+        if kind not in ("full", "sliding"):
+            raise ConfigError(
+                f"KV-cache group {i} is {type(spec).__name__} ({kind}): the tiercache connector supports "
+                "full-attention and sliding-window groups only; recurrent (Mamba/GDN/KDA), chunked-local, "
+                "MLA-sparse and cross-attention groups are not supported yet. Remove the tiercache "
+                "kv-transfer-config for this model."
+            )
+        if int(spec.block_size) != scheduler_block:
+            raise ConfigError(
+                f"KV-cache group {i} ({type(spec).__name__}) has block size {spec.block_size} but the scheduler "
+                f"uses {scheduler_block}: KV-cache groups with different block sizes (e.g. Gemma 4) are not "
+                "supported by the tiercache connector yet."
+            )
+
+
+def check_recurrent_config(
+    *,
+    mamba_cache_mode: str | None,
+    enable_prefix_caching: bool,
+    max_num_batched_tokens: int,
+    block_size: int,
+    chunk_size: int,
+    separate_object_groups: bool,
+) -> list[str]:
+    """Start-up rules for engines with recurrent (Mamba/GDN/KDA) KV-cache groups.
+
+    Raises :class:`ConfigError` for a configuration under which the connector could never store or
+    restore recurrent state; returns warnings for one that works but hits less than it could.
+
+    * ``mamba_cache_mode`` must be ``"align"`` and prefix caching on: only then does vLLM keep the
+      state at block boundaries (``"none"`` keeps no reusable state at all).
+    * In align mode vLLM clips each prefill step to whole blocks, so a step covers
+      ``step = max_num_batched_tokens // block_size * block_size`` tokens and the state exists only at
+      step ends; ``step`` must be at least one block (else prefill cannot progress).
+    * With separate object groups a hit of ``b`` chunks needs the state at chunk boundary ``b`` only:
+      step ends must meet chunk boundaries somewhere (``step`` a multiple of ``chunk_size`` or a
+      divisor of it), else no recurrent object is ever stored (error).
+    * With one object per chunk (``--no-separate-object-groups``) every chunk's object carries the
+      state at its end, so a step must end on every chunk boundary: ``chunk_size`` must be a
+      multiple of ``step``.
+    """
+    if mamba_cache_mode != "align":
+        raise ConfigError(
+            f"this model has recurrent (Mamba/GDN/KDA) layers and mamba_cache_mode={mamba_cache_mode!r}: "
+            "the tiercache connector needs mamba_cache_mode=\"align\" (vLLM: --mamba-cache-mode align), "
+            "the only mode in which vLLM keeps reusable recurrent state at block boundaries"
+        )
+    if not enable_prefix_caching:
+        raise ConfigError(
+            "this model has recurrent (Mamba/GDN/KDA) layers: the tiercache connector needs prefix caching "
+            "on (--enable-prefix-caching) so vLLM keeps the recurrent state at block boundaries"
+        )
+    step = max_num_batched_tokens // block_size * block_size
+    if step < block_size:
+        raise ConfigError(
+            f"max_num_batched_tokens {max_num_batched_tokens} is smaller than the block size {block_size}: in "
+            f"mamba_cache_mode align prefill steps are whole blocks, so nothing could be computed; set "
+            f"--max-num-batched-tokens to at least {block_size}"
+        )
+    warnings: list[str] = []
+    if separate_object_groups:
+        if step % chunk_size and chunk_size % step:
+            raise ConfigError(
+                f"prefill steps of {step} tokens (max_num_batched_tokens {max_num_batched_tokens} in blocks of "
+                f"{block_size}) never end on a chunk boundary of the tiercache server's --chunk-size "
+                f"{chunk_size}, so no recurrent state would ever be stored; use a --max-num-batched-tokens "
+                f"that is a multiple or a divisor of {chunk_size}"
+            )
+        if step > chunk_size:
+            warnings.append(
+                f"recurrent state exists only every {step} tokens (prefill step), so hits are multiples of "
+                f"{step} tokens, not of the chunk size {chunk_size}"
+            )
+    elif chunk_size % step:
+        raise ConfigError(
+            f"with --no-separate-object-groups every chunk's object holds the recurrent state at its end, so "
+            f"every prefill step must end on a chunk boundary, but steps are {step} tokens "
+            f"(max_num_batched_tokens {max_num_batched_tokens}) and --chunk-size is {chunk_size}; set "
+            f"--max-num-batched-tokens to a divisor of {chunk_size} (a multiple of {block_size}) or run the "
+            "server with separate object groups"
+        )
+    return warnings
+
+
 def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None) -> EngineLayout:
     """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -135,13 +263,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
     world = tp * pp
     scheduler_block = int(vllm_config.cache_config.block_size)
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-            raise ConfigError(
-                f"KV-cache group {i} is {type(spec).__name__}: this tiercache connector (phase 1) supports "
-                "full-attention (dense) models only; hybrid, sliding-window and recurrent models come "
-                "later. Remove the tiercache kv-transfer-config for this model."
-            )
+    check_group_specs(specs, scheduler_block)
     check_block_sizes(chunk_size, scheduler_block, [int(s.block_size) for s in specs])
 
     revision = weights_identity(str(model_config.model), getattr(model_config, "revision", None), weights_id)
@@ -162,6 +284,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
         unpadded = int(getattr(spec, "real_page_size_bytes", page))
         block = int(spec.block_size)
         layers = tuple(group_spec.layer_names)
+        window = int(getattr(spec, "sliding_window", 0) or 0)
         for rank in range(world):
             manifest = LayoutManifest(
                 model_id=str(model_config.model),
@@ -173,7 +296,8 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                 manager_block_size=block,
                 page_bytes=page,
                 page_bytes_unpadded=unpadded,
-                group_kind=GroupKind.FULL_ATTENTION,
+                group_kind=GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION,
+                sliding_window=window or None,
                 chunk_size=chunk_size,
                 num_layers=len(layers),
                 kv_quantization="none" if cache_dtype == "auto" else cache_dtype,
@@ -200,6 +324,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                     blocks_per_chunk=chunk_size // block,
                     page_bytes=page,
                     manifest=manifest,
+                    window_tokens=window,
                 )
             )
     return EngineLayout(tuple(groups), world, scheduler_block, chunk_size)

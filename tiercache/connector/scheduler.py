@@ -95,6 +95,7 @@ class SchedulerHalf:
         self._unfinished_steps: deque[int] = deque()
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._warned_tp = False
+        self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
         self.link = ServerLink(settings, "vllm-scheduler", self._on_connect)
         self.link.start()
 
@@ -196,14 +197,26 @@ class SchedulerHalf:
             i = index.get(key.prefix_hash)
             if i is not None:
                 slots.setdefault(i, {})[key.object_group] = (slot.offset, slot.nbytes)
-        wanted = {ref.object_group for ref in self._refs}
-        hit = 0
-        while hit < result.ready_chunks and set(slots.get(hit, {})) >= wanted:
-            hit += 1
+        hit = self._restorable(slots, result.ready_chunks)
         st.hit_chunks, st.slots = hit, slots
         if hit == 0:
             self._drop_ticket(st)
         return True
+
+    def _restorable(self, slots: dict[int, dict[int, tuple[int, int]]], ready: int) -> int:
+        """The longest boundary ``<= ready`` whose needed objects (every chunk of a full-attention
+        group, the trailing window chunks of a sliding one) are all pinned for us."""
+        layout = self.layout
+        if layout is None:
+            return 0
+        for boundary in range(ready, 0, -1):
+            if all(
+                g.object_group in slots.get(c, {})
+                for g in layout.groups
+                for c in g.needed_chunks(boundary, layout.chunk_size)
+            ):
+                return boundary
+        return 0
 
     def _drop_ticket(self, st: _Request) -> None:
         """Release the request's ticket after the step being built now has run (never earlier:
@@ -233,6 +246,8 @@ class SchedulerHalf:
                 continue
             if any(len(group_ids) <= c * per_chunk + positions[-1] for group_ids in block_ids):
                 break  # not allocated: the worker could not place these; load less (never garbage)
+            # A sliding-window group's blocks before the window are vLLM's null block (0): the
+            # worker skips those positions (and the group, for chunks wholly outside the window).
             ids = [[group_ids[c * per_chunk + j] for j in positions] for group_ids in block_ids]
             chunks.append(ChunkLoad(st.hashes(self.layout.chunk_size)[c], positions, ids))
         self._loads.append(RequestLoad(st.req_id, chunks))
@@ -244,7 +259,11 @@ class SchedulerHalf:
         self._unfinished_steps.append(self._step)
         meta = TierCacheMetadata(step=self._step, loads=self._loads)
         self._loads = []
-        meta.flush = bool(getattr(scheduler_output, "preempted_req_ids", None))
+        # Sliding-window groups free blocks that fall out of the window while the request runs, and
+        # vLLM may hand them to another request in the very next step: with such groups every store
+        # queued in the previous step is finished before the next forward pass can rewrite a block.
+        meta.flush = bool(getattr(scheduler_output, "preempted_req_ids", None)) or self._saves_last_step
+        self._saves_last_step = False
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self._reqs.get(rid)
             if st is not None:  # it will be matched again when it is rescheduled
@@ -256,7 +275,7 @@ class SchedulerHalf:
             if st is None:
                 continue
             st.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan_saves(st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
+            self._plan_saves(st, new.num_computed_tokens, num_scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -268,26 +287,38 @@ class SchedulerHalf:
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):
                     st.block_ids[g].extend(ids)
-            self._plan_saves(st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta)
+            self._plan_saves(st, cached.num_computed_tokens[i], num_scheduled.get(rid, 0), meta)
+        if meta.saves and self.layout is not None and self.layout.has_sliding:
+            self._saves_last_step = True
         self._collect_orphans()
         return meta
 
-    def _plan_saves(self, st: _Request, computed: int, meta: TierCacheMetadata) -> None:
-        """Schedule stores for the prompt chunks that are complete once this step has run."""
+    def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
+        """Schedule stores for the prompt chunks that are complete once this step has run
+        (``before``: tokens computed before this step, ``scheduled``: tokens it computes)."""
         layout = self.layout
         if layout is None or not st.prompt or self.link.client() is None:
             return
         chunk = layout.chunk_size
-        end = min(computed, len(st.prompt)) // chunk
+        end = min(before + scheduled, len(st.prompt)) // chunk
         first = max(st.saved_upto, 0)
         if end <= first:
             return
         hashes = st.hashes(chunk)
-        per_chunk = chunk // layout.scheduler_block_size
+        bs = layout.scheduler_block_size
+        per_chunk = chunk // bs
+        # Blocks of a sliding group that vLLM may already have freed (out of the window of the
+        # tokens computed before this step; vLLM frees on a basis <= this): never read those.
+        freed = {kv: max(0, before - window + 1) // bs for kv, window in layout.kv_group_windows().items()}
         for c in range(first, end):
             ids = [group_ids[c * per_chunk : (c + 1) * per_chunk] for group_ids in st.block_ids]
-            if any(len(g) != per_chunk or 0 in g for g in ids):
-                break  # blocks not (all) allocated or a null block: never store those
+            if any(len(g) != per_chunk for g in ids):
+                break  # blocks not (all) allocated: never store those
+            for kv, g in enumerate(ids):
+                if kv in freed and c * per_chunk < freed[kv]:
+                    ids[kv] = [0] * per_chunk  # the worker stores no object of this group for c
+            if any(0 in g for kv, g in enumerate(ids) if kv not in freed):
+                break  # a null block in a full-attention group: never store that
             meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
             st.saves_scheduled += 1
             st.saved_upto = c + 1

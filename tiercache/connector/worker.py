@@ -118,10 +118,13 @@ class WorkerHalf:
         if meta is None or not meta.loads:
             return
         chunks = [chunk for load in meta.loads for chunk in load.chunks]
+        # Per chunk, the groups it loads: a sliding-window group whose blocks in the chunk are all
+        # vLLM's null block (before the window) needs no object for it.
+        wanted = [[g for g in self._groups if any(chunk.block_ids[g.kv_group])] for chunk in chunks]
         keys = [
             ObjectKey(self._fingerprints[g.object_group], g.object_group, chunk.prefix_hash)
-            for chunk in chunks
-            for g in self._groups
+            for chunk, groups in zip(chunks, wanted)
+            for g in groups
         ]
         client = self.link.client()
         slots: list[Any] = [None] * len(keys)
@@ -132,11 +135,13 @@ class WorkerHalf:
                 self.link.failed("pin for a load", exc)
         try:
             arena = client.arena() if client is not None else None
-            per = len(self._groups)
-            for i, chunk in enumerate(chunks):
+            at = 0
+            for chunk, groups in zip(chunks, wanted):
+                chunk_slots = slots[at : at + len(groups)]
+                at += len(groups)
                 ok = False
                 try:
-                    ok = arena is not None and self._load_chunk(arena, chunk, slots[i * per : (i + 1) * per])
+                    ok = arena is not None and self._load_chunk(arena, chunk, groups, chunk_slots)
                 except Exception as exc:  # never let a cache failure kill the forward pass
                     log.warning("tiercache: loading a chunk failed: %s", exc)
                 if ok:
@@ -145,7 +150,7 @@ class WorkerHalf:
                     self.stats["load_failures"] += 1
                     with self._lock:
                         for ids in chunk.block_ids:
-                            self._load_errors.update(ids)
+                            self._load_errors.update(i for i in ids if i)
         finally:
             tokens = [s.token for s in slots if s is not None]
             if tokens and client is not None:
@@ -154,17 +159,18 @@ class WorkerHalf:
                 except TierCacheError as exc:  # leases expire by themselves
                     self.link.failed("release after a load", exc)
 
-    def _load_chunk(self, arena: Any, chunk: ChunkLoad, slots: list[Any]) -> bool:
-        if not self._groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, self._groups)):
+    def _load_chunk(self, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]) -> bool:
+        if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
             return False
-        for g, slot in zip(self._groups, slots):
-            dst_ids = chunk.block_ids[g.kv_group]
-            if 0 in dst_ids:
+        for g, slot in zip(groups, slots):
+            # Null blocks (0) are positions a sliding-window group skips; a full group has none.
+            pairs = [(p, b) for p, b in zip(chunk.positions, chunk.block_ids[g.kv_group]) if b]
+            if not g.is_sliding and len(pairs) != len(chunk.positions):
                 return False  # never write the null block
             src = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
             src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
-            idx = torch.tensor(dst_ids, dtype=torch.long)
-            pos = torch.tensor(chunk.positions, dtype=torch.long)
+            idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
+            pos = torch.tensor([p for p, _ in pairs], dtype=torch.long)
             for layer, pages in enumerate(self._pages[g.kv_group]):
                 pages.index_copy_(0, idx, src[layer].index_select(0, pos))
         return True
@@ -221,11 +227,17 @@ class WorkerHalf:
             self.stats["save_skipped"] += len(batch)
             return
         items: list[tuple[ObjectKey, int]] = []
+        if not batch:
+            return
         sources: list[tuple[GroupLayout, ChunkSave]] = []
         for save in batch:
             for g in self._groups:
+                if 0 in save.block_ids[g.kv_group]:
+                    continue  # a sliding group's blocks already out of the window: no object
                 items.append((ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash), g.object_bytes))
                 sources.append((g, save))
+        if not items:
+            return
         try:
             slots = client.reserve(items)
         except TierCacheError as exc:
