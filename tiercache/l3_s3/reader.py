@@ -29,7 +29,13 @@ from tiercache.config import S3Config
 from tiercache.errors import S3TierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l3_s3.tier import MANIFESTS, _error_code, _printable_endpoint, manifest_fingerprint
+from tiercache.l3_s3.tier import (
+    MANIFESTS,
+    _error_code,
+    _printable_endpoint,
+    manifest_fingerprint,
+    no_credentials,
+)
 from tiercache.tier import TierUsage
 
 #: The only S3 operations this module issues (a test checks it).
@@ -92,10 +98,7 @@ class S3Reader:
                 "permissions (docs/s3.md)"
             ) from exc
         except (NoCredentialsError, PartialCredentialsError) as exc:
-            raise S3TierError(
-                f"no usable AWS credentials for S3 {self._where}; configure the standard chain "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
-            ) from exc
+            raise no_credentials(self._where) from exc
         except BotoCoreError as exc:
             raise S3TierError(
                 f"cannot reach S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url, "

@@ -98,6 +98,14 @@ def manifest_fingerprint(stem: str) -> Fingerprint | None:
         return None
 
 
+def no_credentials(where: str) -> S3TierError:
+    """The error for a missing or partial AWS credential chain (never names a credential)."""
+    return S3TierError(
+        f"no usable AWS credentials for S3 {where}; configure the standard chain "
+        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
+    )
+
+
 class _NotFound(Exception):
     """Internal: the object does not exist (the service answered; not a failure)."""
 
@@ -244,10 +252,7 @@ class S3Tier(Tier):
                     "permissions (docs/s3.md)"
                 ) from exc
         except (NoCredentialsError, PartialCredentialsError) as exc:
-            raise S3TierError(
-                f"no usable AWS credentials for S3 {self._where}; configure the standard chain "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
-            ) from exc
+            raise no_credentials(self._where) from exc
         except ParamValidationError as exc:
             raise S3TierError(f"S3 {self._where} is not a valid bucket name: {exc}; fix --s3-bucket") from exc
         except BotoCoreError as exc:

@@ -683,8 +683,7 @@ class Server:
         for handle in handles:
             client.reservations[handle.token] = handle
             self._owner[handle.token] = client.identity
-            where = self._l1.slot_of(handle)
-            slots.append(p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token))
+            slots.append(self._slot(handle))
         return p.SlotsReply(slots=slots)
 
     def _on_commit(self, client: _Client, msg: p.Commit) -> p._Msg:
@@ -712,9 +711,13 @@ class Server:
                 continue
             client.leases[handle.token] = handle
             self._owner[handle.token] = client.identity
-            where = self._l1.slot_of(handle)
-            slots.append(p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token))
+            slots.append(self._slot(handle))
         return p.SlotsReply(slots=slots)
+
+    def _slot(self, handle: WriteHandle | ReadHandle) -> p.Slot:
+        """Where a reservation's or lease's bytes live in the arena, as the client sees it."""
+        where = self._l1.slot_of(handle)
+        return p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token)
 
     def _on_release(self, client: _Client, msg: p.Release) -> p._Msg:
         handles = self._claim(client, msg.tokens, "leases")
