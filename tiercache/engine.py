@@ -32,7 +32,7 @@ from tiercache.config import EngineConfig, L3WritePolicy
 from tiercache.errors import CircuitOpenError, TierCacheError, TierError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
-from tiercache.tier import ReadHandle, Tier, WriteHandle
+from tiercache.tier import Counters, ReadHandle, Tier, WriteHandle
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class PrefetchTicket:
 
 
 @dataclass(slots=True)
-class EngineCounters:
+class EngineCounters(Counters):
     """Engine-level counters (tier counters live on each tier)."""
 
     lookups: int = 0
@@ -136,15 +136,6 @@ class EngineCounters:
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
 
 
 _STOP = object()

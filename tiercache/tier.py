@@ -76,7 +76,33 @@ class TierUsage:
 
 
 @dataclass(slots=True)
-class TierStats:
+class Counters:
+    """Counters shared between threads: a subclass declares them as fields with defaults.
+
+    :meth:`snapshot` copies every public field that takes part in comparisons (a field declared with
+    ``compare=False`` is not a counter).
+    """
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Increment counter ``name`` by ``n``."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> dict[str, object]:
+        """A consistent plain-dict copy of every counter (dicts of counts copied too)."""
+        with self._lock:
+            return {
+                name: dict(value) if isinstance(value, dict) else value
+                for name, f in self.__dataclass_fields__.items()
+                if f.compare and not name.startswith("_")
+                for value in (getattr(self, name),)
+            }
+
+
+@dataclass(slots=True)
+class TierStats(Counters):
     """Counters every tier keeps. Thread-safe increments through :meth:`add`."""
 
     hits: int = 0
@@ -96,12 +122,6 @@ class TierStats:
     listener: Callable[[ObjectKey, EvictionReason], None] | None = field(
         default=None, repr=False, compare=False
     )
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, n: int = 1) -> None:
-        """Increment counter ``name`` by ``n``."""
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
 
     def hit(self, nbytes: int) -> None:
         """Count one hit of ``nbytes`` (one lock round trip; hits are the hot path)."""
@@ -125,23 +145,6 @@ class TierStats:
         if listener is not None:
             for key in keys:
                 listener(key, reason)
-
-    def snapshot(self) -> dict[str, object]:
-        """A consistent plain-dict copy of every counter."""
-        with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "puts": self.puts,
-                "bytes_written": self.bytes_written,
-                "bytes_read": self.bytes_read,
-                "verify_failures": self.verify_failures,
-                "errors": self.errors,
-                "skipped": self.skipped,
-                "expired_reservations": self.expired_reservations,
-                "expired_leases": self.expired_leases,
-                "evictions": dict(self.evictions),
-            }
 
 
 class Tier(ABC):
