@@ -4,7 +4,8 @@ Subcommands: ``server`` (run a server; its flags come from the option table in
 :mod:`tiercache.settings`), ``config docs`` (the configuration reference, generated from that table),
 ``bench`` (tier throughput against raw baselines on this machine) and ``inspect`` (what the cache
 holds and why, from a live server or read-only from a disk path / S3 prefix; see
-:mod:`tiercache.cli_inspect`).
+:mod:`tiercache.cli_inspect`), ``clear`` and ``warm`` (delete from / promote into a live server's tiers
+in batches, with a progress bar; see :mod:`tiercache.cli_ops`).
 
 Exit codes: 0 success; 2 a usage or configuration error (bad flag, environment variable or config
 file; one line ``tiercache: error: ...``); 1 a start-up or run-time failure (unwritable directory,
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tiercache.cli_inspect import add_inspect_parser
 
     add_inspect_parser(sub, _Parser)
+    from tiercache.cli_ops import add_ops_parsers
+
+    add_ops_parsers(sub)
     return parser
 
 

@@ -146,25 +146,30 @@ def _open_source(args: argparse.Namespace) -> LiveSource | OfflineSource:
 
 
 def _open_live(args: argparse.Namespace) -> LiveSource:
+    return LiveSource(connect(args.server, args.auth_secret, args.timeout, "tiercache-inspect"))
+
+
+def connect(server: str | None, auth_secret: str | None, timeout: float, client_name: str) -> Any:
+    """A :class:`~tiercache.client.Client` for the CLI's ``--server``/``--auth-secret``/``--timeout``
+    (defaults from the environment), or a one-line :class:`ConfigError` / ``ServerUnavailableError``."""
     from tiercache.client import Client
 
-    endpoint = args.server or _default_endpoint()
+    endpoint = server or _default_endpoint()
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket or tcp://HOST:PORT")
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout {args.timeout:g} must be positive; use e.g. --timeout 5")
+    if timeout <= 0:
+        raise ConfigError(f"--timeout {timeout:g} must be positive; use e.g. --timeout 5")
     hint = "check that `tiercache server` runs and that --server matches its --listen"
     if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
         raise ServerUnavailableError(f"no tiercache server at {endpoint}: the socket does not exist; {hint}")
-    secret = args.auth_secret or os.environ.get(SECRET_ENV) or None
+    secret = auth_secret or os.environ.get(SECRET_ENV) or None
     try:
-        client = Client(endpoint, timeout=args.timeout, auth_secret=secret, client_name="tiercache-inspect", heartbeat=False)
+        return Client(endpoint, timeout=timeout, auth_secret=secret, client_name=client_name, heartbeat=False)
     except ServerUnavailableError as exc:
         extra = " (and --auth-secret / TIERCACHE_AUTH_SECRET for tcp://)" if endpoint.startswith("tcp://") else ""
         raise ServerUnavailableError(
-            f"no tiercache server answered at {endpoint} within {args.timeout:g} s; {hint}{extra}"
+            f"no tiercache server answered at {endpoint} within {timeout:g} s; {hint}{extra}"
         ) from exc
-    return LiveSource(client)
 
 
 def _open_offline(args: argparse.Namespace) -> OfflineSource:
@@ -324,7 +329,8 @@ def _watch(source: LiveSource | OfflineSource, interval: float, as_json: bool) -
 
 
 # -- keys ------------------------------------------------------------------------------------------
-def _fingerprint(text: str, flag: str = "--fingerprint") -> Fingerprint:
+def parse_fingerprint(text: str, flag: str = "--fingerprint") -> Fingerprint:
+    """A fingerprint from its 32 hex digits, or a one-line :class:`ConfigError` naming ``flag``."""
     try:
         return Fingerprint.from_hex(text.strip().lower())
     except ValueError as exc:
@@ -340,7 +346,7 @@ def _keys(args: argparse.Namespace) -> int:
         cursor = bytes.fromhex(args.cursor)
     except ValueError as exc:
         raise ConfigError(f"--cursor {args.cursor!r} is not a cursor; pass the value a previous page printed") from exc
-    flt = KeyFilter(args.tier, None if args.fingerprint is None else _fingerprint(args.fingerprint), args.group)
+    flt = KeyFilter(args.tier, None if args.fingerprint is None else parse_fingerprint(args.fingerprint), args.group)
 
     def body(source: LiveSource | OfflineSource) -> int:
         page, nxt = source.keys(flt, args.limit, cursor)
@@ -478,7 +484,7 @@ def _status_text(e: dict[str, Any]) -> str:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    fps = [_fingerprint(f) for f in args.fingerprint]
+    fps = [parse_fingerprint(f) for f in args.fingerprint]
     for g in args.group:
         if not 0 <= g <= 0xFFFF:
             raise ConfigError(f"--group {g} is out of range; use 0 to 65535")
@@ -546,4 +552,4 @@ def _render_explain(report: dict[str, Any], where: str) -> None:
     )
 
 
-__all__ = ["add_inspect_parser", "parse_tokens"]
+__all__ = ["add_inspect_parser", "connect", "parse_fingerprint", "parse_tokens"]

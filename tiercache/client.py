@@ -559,3 +559,26 @@ class Client:
         """Delete everything (or one fingerprint's objects) from every tier; how many keys went."""
         msg = p.Clear(fingerprint=b"" if fingerprint is None else fingerprint.raw)
         return self._call(msg, lambda r: r.count, timeout)
+
+    def clear_batch(
+        self,
+        limit: int,
+        *,
+        tier: str = "",
+        fingerprint: Fingerprint | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Delete at most ``limit`` keys (one fingerprint's, or any) from every tier or only ``tier``;
+        how many went. Call again until it returns 0 (``tiercache clear`` does, to show progress).
+
+        ``ServerError`` code ``invalid`` for an unknown tier; ``ProtocolError`` code ``unknown_op``
+        from a server older than this op.
+        """
+        msg = p.ClearBatch(limit=limit, tier=tier, fingerprint=b"" if fingerprint is None else fingerprint.raw)
+        return self._call(msg, lambda r: r.count, timeout)
+
+    def warm(self, keys: Sequence[ObjectKey], *, max_bytes: int = 0, timeout: float | None = None) -> p.WarmReply:
+        """Promote ``keys`` (at most 10 000) into L1 from lower tiers, until ``max_bytes`` (0: no
+        limit) are promoted. A server older than this op answers ``ProtocolError`` code ``unknown_op``."""
+        msg = p.Warm(keys=[k.to_bytes() for k in keys], max_bytes=max_bytes)
+        return self._call(msg, lambda r: r, timeout)

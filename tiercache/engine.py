@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from tiercache.config import EngineConfig, L3WritePolicy
 from tiercache.errors import CircuitOpenError, TierCacheError, TierError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
+from tiercache.latency import HistogramSnapshot
 from tiercache.tier import Counters, ReadHandle, Tier, WriteHandle
 
 log = logging.getLogger(__name__)
@@ -292,7 +294,9 @@ class TieredEngine:
     def commit(self, handle: WriteHandle) -> None:
         """Publish a filled reservation in L1 and queue it for the lower tiers. Non-blocking."""
         owed = self._l2 is not None
+        t0 = perf_counter()
         self.l1.commit(handle, owed=owed)
+        self.l1.stats.latency.observe("write", perf_counter() - t0)
         self.counters.add("stores")
         if owed:
             try:
@@ -324,11 +328,13 @@ class TieredEngine:
         """
         assert isinstance(item, ObjectKey) and self._l2 is not None
         key = item
-        pinned = self.l1.pin(key)
+        pinned = self._timed_pin(self.l1, key)
         if pinned is None:  # deleted or replaced meanwhile; nothing owed any more
             return
         try:
+            t0 = perf_counter()
             self._l2.put(key, pinned.buffer)
+            self._l2.stats.latency.observe("write", perf_counter() - t0)
             self.counters.add("l2_writes")
         except CircuitOpenError as exc:  # tiers l1,s3: see _write_l3
             self.counters.add("write_failures")
@@ -357,12 +363,14 @@ class TieredEngine:
             key, payload = item
         else:
             assert isinstance(item, ObjectKey) and self._l2 is not None
-            key, pinned = item, self._l2.pin(item)
+            key, pinned = item, self._timed_pin(self._l2, item)
             if pinned is None:  # evicted from L2 before its turn: nothing left to copy
                 return
             payload = pinned.buffer
         try:
+            t0 = perf_counter()
             self._l3.put(key, payload)
+            self._l3.stats.latency.observe("write", perf_counter() - t0)
             self.counters.add("l3_writes")
         except CircuitOpenError as exc:
             # Not attempted: the tier already failed and said so. Counted, but not one warning per
@@ -475,7 +483,7 @@ class TieredEngine:
         for key in needed_keys(groups, hashes, chunks):
             if key in ticket.handles:
                 continue
-            handle = self.l1.pin(key)
+            handle = self._timed_pin(self.l1, key)
             if handle is not None:
                 ticket.handles[key] = handle
             else:
@@ -498,7 +506,9 @@ class TieredEngine:
                 return dst[0].buffer
 
             try:
+                t0 = perf_counter()
                 found = tier.read_into(key, alloc)
+                elapsed = perf_counter() - t0
             except TierError as exc:
                 log.debug("promotion of %s from %s failed: %s", key, tier.name, exc)
                 if dst:
@@ -508,8 +518,11 @@ class TieredEngine:
                 if dst:
                     self.l1.abort(dst[0])
                 continue  # a lower tier may still have it
+            tier.stats.latency.observe("read", elapsed)  # hits only: a miss is not a transfer
+            t0 = perf_counter()
             self.l1.commit(dst[0])
-            pinned = self.l1.pin(key)
+            self.l1.stats.latency.observe("write", perf_counter() - t0)
+            pinned = self._timed_pin(self.l1, key)
             if pinned is None:
                 break
             with self._lock:
@@ -566,7 +579,7 @@ class TieredEngine:
     def get(self, key: ObjectKey) -> bytes | None:
         """A verified copy of one object from the fastest tier, promoting it into L1. Blocking."""
         ticket = PrefetchTicket(0, (), (), 0)
-        handle = self.l1.pin(key)
+        handle = self._timed_pin(self.l1, key)
         if handle is None and self._promote(ticket, key):
             handle = ticket.handles.pop(key)
         if handle is None:
@@ -576,11 +589,43 @@ class TieredEngine:
         finally:
             self.l1.release(handle)
 
+    def warm(self, key: ObjectKey) -> int | None:
+        """Promote ``key`` into L1 from the fastest lower tier holding it (``tiercache warm``).
+
+        Returns the bytes promoted, ``0`` if L1 already holds it, or ``None`` if it could not be
+        promoted (no lower tier holds it, it failed verification, or L1 has no room). Blocking.
+        """
+        if self.l1.contains(key):
+            return 0
+        ticket = PrefetchTicket(0, (), (), 0)
+        if not self._promote(ticket, key):
+            return None
+        handle = ticket.handles.pop(key)
+        try:
+            return handle.buffer.nbytes
+        finally:
+            self.l1.release(handle)
+
     def delete(self, key: ObjectKey) -> int:
         """Remove ``key`` from every tier; the number of tiers that held it. Blocking."""
         return sum(1 for tier in self.tiers if tier.delete(key))
 
+    @staticmethod
+    def _timed_pin(tier: Tier, key: ObjectKey) -> ReadHandle | None:
+        """``tier.pin(key)``, its duration recorded as a ``read`` when it hits."""
+        t0 = perf_counter()
+        handle = tier.pin(key)
+        if handle is not None:
+            tier.stats.latency.observe("read", perf_counter() - t0)
+        return handle
+
     # -- observation -----------------------------------------------------------------------------
+    def latency(self) -> dict[str, dict[str, HistogramSnapshot]]:
+        """Per tier, histograms of seconds per chunk object read and written (see
+        :attr:`TierStats.latency <tiercache.tier.TierStats.latency>`). Kept apart from
+        :meth:`stats`, whose counters stay small enough for ``tiercache inspect`` and the wire."""
+        return {tier.name: tier.stats.latency.snapshot() for tier in self.tiers}
+
     def stats(self) -> dict[str, object]:
         """Engine counters, queue depths, and per-tier usage and counters."""
         tiers: dict[str, object] = {}

@@ -13,6 +13,15 @@ with the tier as a label)::
     tiercache_tier_evictions_total{tier="l1",reason="capacity"}                    (counter)
     tiercache_engine_lookups_total                       one per engine counter    (counters)
     tiercache_engine_queue_depth{queue="l2"}             write-through backlog     (gauge)
+    tiercache_lookup_duration_seconds{outcome="hit"}     lookup arrival to reply sent, by
+                                                         outcome hit/miss/error    (histogram)
+    tiercache_tier_transfer_duration_seconds{tier="disk",op="read"}
+                                                         seconds per chunk object read/written
+                                                         (histogram)
+
+Histograms come from a ``"latency"`` section of the stats (:meth:`Server.metrics_stats
+<tiercache.server.Server.metrics_stats>`): plain bucket counts recorded by
+:mod:`tiercache.latency`, so the engine, tiers and server never import prometheus_client.
 
 The collector reads ``stats()`` at scrape time, so nothing is kept in between and a scrape costs one
 snapshot of the counters. The HTTP server binds to 127.0.0.1 unless told otherwise: metrics are not
@@ -26,8 +35,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 StatsSource = Callable[[], Mapping[str, Any]]
 
@@ -39,6 +54,37 @@ _TIER_GAUGES = {
     "bytes_budget": ("tier_budget_bytes", "Byte budget of the tier."),
     "objects": ("tier_objects", "Objects held by the tier now."),
 }
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], snap: Mapping[str, Any]) -> None:
+    """Add one :class:`~tiercache.latency.HistogramSnapshot` (per-bucket counts) as cumulative buckets."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip(snap["bounds"], snap["counts"], strict=False):
+        running += n
+        buckets.append((floatToGoString(bound), running))
+    buckets.append(("+Inf", snap["count"]))
+    family.add_metric(labels, buckets, snap["sum"])
+
+
+def _latency(latency: Mapping[str, Any]) -> Iterator[Metric]:
+    lookups = HistogramMetricFamily(
+        "tiercache_lookup_duration_seconds",
+        "Seconds from a lookup's arrival at the server to its reply being sent, by outcome.",
+        labels=["outcome"],
+    )
+    for outcome, snap in sorted(latency.get("lookup", {}).items()):
+        _add_histogram(lookups, [outcome], snap)
+    yield lookups
+    transfers = HistogramMetricFamily(
+        "tiercache_tier_transfer_duration_seconds",
+        "Seconds per chunk object read (pin, or read into L1) or written (commit, put), by tier.",
+        labels=["tier", "op"],
+    )
+    for tier, ops in latency.get("tiers", {}).items():
+        for op, snap in sorted(ops.items()):
+            _add_histogram(transfers, [tier, op], snap)
+    yield transfers
 
 
 class EngineCollector(Collector):
@@ -94,6 +140,9 @@ class EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield evictions
+        latency = stats.get("latency")
+        if latency is not None:
+            yield from _latency(latency)
 
 
 def render(stats: Mapping[str, Any]) -> str:

@@ -229,6 +229,31 @@ class Clear(_Msg, tag="clear"):
     fingerprint: bytes = b""
 
 
+class ClearBatch(_Msg, tag="clear_batch"):
+    """Delete at most ``limit`` (1 … 10 000) keys, of one ``fingerprint`` or any, from every tier or
+    only from ``tier``; the :class:`Done` reply counts the keys that went. Repeat until it is 0: a
+    client clearing a large tier this way can show progress.
+
+    A new op rather than fields on :class:`Clear`: an older server would ignore unknown fields and
+    clear every tier; this way it answers ``unknown_op`` instead.
+    """
+
+    limit: int
+    tier: str = ""
+    fingerprint: bytes = b""
+
+
+class Warm(_Msg, tag="warm"):
+    """Promote ``keys`` (at most 10 000) into L1 from the fastest lower tier holding each.
+
+    Stops once ``max_bytes`` (0: no limit) have been promoted by this request. Promoting into a full
+    L1 evicts its least recently used objects, like any promotion.
+    """
+
+    keys: list[bytes]
+    max_bytes: int = 0
+
+
 Request = (
     Hello
     | Challenge
@@ -250,6 +275,8 @@ Request = (
     | GetManifest
     | Explain
     | Clear
+    | ClearBatch
+    | Warm
 )
 
 # -- replies ---------------------------------------------------------------------------------------
@@ -328,6 +355,17 @@ class ExplainReply(_Msg, tag="explain_ok"):
     entries: list[ExplainEntry]
 
 
+class WarmReply(_Msg, tag="warm_ok"):
+    """What a :class:`Warm` did: keys ``promoted`` (``bytes`` in all), already ``present`` in L1, and
+    ``failed`` (held by no lower tier, corrupt, or no room in L1). Keys after the budget ran out are
+    in none of the three."""
+
+    promoted: int = 0
+    present: int = 0
+    failed: int = 0
+    bytes: int = 0
+
+
 Reply = (
     ErrorReply
     | HelloReply
@@ -342,6 +380,7 @@ Reply = (
     | KeysReply
     | ManifestReply
     | ExplainReply
+    | WarmReply
 )
 
 #: Every request op this version knows (to tell an unknown op from a malformed message).

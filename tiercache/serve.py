@@ -48,8 +48,10 @@ def run(config: ServerConfig, *, handle_signals: bool = True) -> None:
         # Imported here so configuration, validation and metrics work without the server package.
         from tiercache.server import Server
 
+        # Built (not started) first: metrics export its lookup latencies beside the engine's stats.
+        server = Server(engine, config.server)
         if config.server.metrics_port is not None:
-            metrics = MetricsServer(engine.stats, config.metrics_host, config.server.metrics_port)
+            metrics = MetricsServer(server.metrics_stats, config.metrics_host, config.server.metrics_port)
             try:
                 metrics.start()
             except OSError as exc:
@@ -58,7 +60,6 @@ def run(config: ServerConfig, *, handle_signals: bool = True) -> None:
                     f"{config.metrics_host}:{config.server.metrics_port} ({exc.strerror or exc}); "
                     "choose a free port, or 0 for any"
                 ) from exc
-        server = Server(engine, config.server)
         # Handlers go in before start(): a signal during start-up must drain too, not raise
         # KeyboardInterrupt past a half-started server.
         guard = _signal_handlers(server, config.server.drain_timeout_s) if handle_signals else None

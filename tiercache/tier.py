@@ -32,6 +32,7 @@ from typing import NamedTuple
 from tiercache.errors import ReservationError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.latency import LatencySet
 
 
 class EvictionReason(enum.StrEnum):
@@ -101,6 +102,10 @@ class Counters:
             }
 
 
+#: The transfer directions timed per tier (see :attr:`TierStats.latency`).
+TRANSFER_OPS = ("read", "write")
+
+
 @dataclass(slots=True)
 class TierStats(Counters):
     """Counters every tier keeps. Thread-safe increments through :meth:`add`."""
@@ -121,6 +126,12 @@ class TierStats(Counters):
     #: cheap and must never call back into a tier.
     listener: Callable[[ObjectKey, EvictionReason], None] | None = field(
         default=None, repr=False, compare=False
+    )
+    #: Seconds per chunk object moved, ``read`` (pin / read into L1) and ``write`` (commit / put).
+    #: Recorded by whoever times the call (the engine, around each tier call); not part of
+    #: :meth:`snapshot`: :meth:`TieredEngine.latency` reports it, and metrics export it.
+    latency: LatencySet = field(
+        default_factory=lambda: LatencySet(TRANSFER_OPS), repr=False, compare=False
     )
 
     def hit(self, nbytes: int) -> None:

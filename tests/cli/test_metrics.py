@@ -77,3 +77,27 @@ def test_the_metrics_server_binds_to_loopback_by_default_and_stops_cleanly(engin
     metrics.stop()  # idempotent
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_latency_histograms_are_exported_with_cumulative_buckets_in_seconds() -> None:
+    from tiercache.latency import LatencySet
+
+    lookups = LatencySet(("hit", "miss"))
+    for seconds in (5e-6, 3e-3, 20.0):  # under the first bound, mid-range, over the last bound
+        lookups.observe("hit", seconds)
+    transfers = LatencySet(("read", "write"))
+    transfers.observe("write", 2e-4)
+    text = render({"latency": {"lookup": lookups.snapshot(), "tiers": {"disk": transfers.snapshot()}}})
+
+    hist = "tiercache_lookup_duration_seconds"
+    assert "# TYPE tiercache_lookup_duration_seconds histogram" in text
+    assert sample(text, f"{hist}_bucket", outcome="hit", le="1e-05") == 1
+    assert sample(text, f"{hist}_bucket", outcome="hit", le="0.005") == 2
+    assert sample(text, f"{hist}_bucket", outcome="hit", le="10.0") == 2
+    assert sample(text, f"{hist}_bucket", outcome="hit", le="+Inf") == 3
+    assert sample(text, f"{hist}_sum", outcome="hit") == pytest.approx(20.003005)
+    assert sample(text, f"{hist}_count", outcome="miss") == 0  # exported before the first one
+    transfer = "tiercache_tier_transfer_duration_seconds"
+    assert sample(text, f"{transfer}_bucket", tier="disk", op="write", le="0.00025") == 1
+    assert sample(text, f"{transfer}_bucket", tier="disk", op="write", le="0.0001") == 0
+    assert sample(text, f"{transfer}_count", tier="disk", op="read") == 0

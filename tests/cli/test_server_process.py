@@ -133,3 +133,49 @@ def test_secrets_are_never_printed(start_server, tmp_path: Path) -> None:  # typ
     out = server.output()
     assert "hunter2-secret" not in out
     assert "shared secret" in out
+
+
+def test_metrics_histograms_time_lookups_and_tier_transfers(start_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server.conftest import manifest
+    from tests.server.test_data_path import prompt_hashes, store_prompt
+    from tiercache.client import Client
+
+    def counts(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every histogram's ``_count`` sample, by metric and labels."""
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) if family.type == "histogram"
+            for s in family.samples if s.name.endswith("_count")
+        }
+
+    lookups = "tiercache_lookup_duration_seconds_count"
+    transfers = "tiercache_tier_transfer_duration_seconds_count"
+    server = start_server("--metrics-port", "0")
+    url = server.wait_for(r"metrics: (http://127\.0\.0\.1:\d+/metrics)").group(1)
+    server.wait_for(r"tiercache server ready on ipc://")
+    before = counts(url)
+    # Every label set is exported from the start, at zero, so a dashboard never shows "no data".
+    assert before[(lookups, (("outcome", "hit"),))] == 0
+    assert before[(transfers, (("op", "write"), ("tier", "disk")))] == 0
+
+    with Client(f"ipc://{tmp_path / 'server.sock'}", timeout=10) as client:
+        [group] = client.register([(0, manifest())])
+        store_prompt(client, group, prompt_hashes(3))
+        assert client.lookup(prompt_hashes(3), [group], prefetch=False).chunks == 3
+        assert client.lookup(prompt_hashes(2, seed=7), [group], prefetch=False).chunks == 0
+        deadline = time.monotonic() + 30
+        while counts(url)[(transfers, (("op", "write"), ("tier", "disk")))] < 3:  # write-through is async
+            assert time.monotonic() < deadline, "the disk writes were never timed"
+            time.sleep(0.05)
+
+    after = counts(url)
+    assert after[(lookups, (("outcome", "hit"),))] == 1
+    assert after[(lookups, (("outcome", "miss"),))] == 1
+    assert after[(transfers, (("op", "write"), ("tier", "l1")))] == 3  # the three commits
+    assert after[(transfers, (("op", "read"), ("tier", "l1")))] >= 3  # pinned for the write-through
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.output()

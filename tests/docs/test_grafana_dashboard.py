@@ -1,8 +1,9 @@
 """docs/grafana-dashboard.json parses, and every metric and label it queries is one tiercache exports.
 
-The sample is the ``stats()`` of a real engine (L1 + disk in a temp dir) that stored, evicted and read
-back chunks, rendered by :func:`tiercache.metrics.render`, the same function a scrape runs; so renaming
-a metric in :mod:`tiercache.metrics` without updating the dashboard fails here.
+The sample is what a server's ``/metrics`` serves (:meth:`Server.metrics_stats`: the engine's stats and
+latency histograms) for a real engine (L1 + disk in a temp dir) that stored, evicted and read back
+chunks, rendered by :func:`tiercache.metrics.render`, the same function a scrape runs; so renaming a
+metric in :mod:`tiercache.metrics` without updating the dashboard fails here.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_key
+from tiercache.config import ServerOptions
 from tiercache.engine import TieredEngine
 from tiercache.metrics import render
+from tiercache.server import Server
 from tiercache.settings import TIER_ORDER, ServerConfig
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
@@ -47,15 +50,16 @@ def exported(tmp_path: Path) -> dict[str, set[str]]:
     """Sample name → label names, from a real engine's stats rendered as a scrape would."""
     config = ServerConfig.load({"l1.size_gb": "0.001", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {})
     engine: TieredEngine = config.build_engine()
+    server = Server(engine, ServerOptions(listen=f"ipc://{tmp_path}/server.sock"))  # never started
     try:
         for i in range(8):  # 8 × 256 KiB into a 1 MiB L1: capacity evictions
             assert engine.put(make_key(i), bytes([i]) * 256 * KiB)
             engine.flush(10)
         engine.get(make_key(7))
         engine.get(make_key(100))  # a miss
-        stats = engine.stats()
+        stats = server.metrics_stats()
     finally:
-        engine.close()
+        server.stop()  # closes the engine
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(render(stats)):
         for s in family.samples:
@@ -102,5 +106,6 @@ def test_the_dashboard_covers_what_an_operator_watches() -> None:
         "tiercache_tier_bytes", "tiercache_tier_budget_bytes", "tiercache_tier_hits_total",
         "tiercache_tier_evictions_total", "tiercache_tier_verify_failures_total",
         "tiercache_engine_queue_depth", "tiercache_engine_l2_queue_drops_total", 'tier=\\"s3\\"',
+        "tiercache_lookup_duration_seconds_bucket", "tiercache_tier_transfer_duration_seconds_bucket",
     ):
         assert needed in text, needed

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+import pytest
+
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.client import Client
+from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
 
 KiB = 1 << 10
@@ -92,3 +99,52 @@ def test_register_rejects_a_chunk_size_that_does_not_match(start_server: StartSe
     server = start_server()
     with server.client() as client, pytest.raises(ServerError, match="chunk size 512"):
         client.register([(0, manifest(chunk_size=512))])
+
+
+def wait_for_disk(client: Client, objects: int) -> None:
+    """Poll until the write-through has put ``objects`` objects on disk (it runs in the background)."""
+    deadline = time.monotonic() + 30
+    while client.stats()["tiers"]["disk"]["objects"] < objects:
+        assert time.monotonic() < deadline, "the write-through to disk did not happen"
+        time.sleep(0.02)
+
+
+def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(disk_path=str(tmp_path / "disk"))
+    with server.client() as client:
+        a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
+        store_prompt(client, a, prompt_hashes(5), nbytes=4 * KiB)
+        store_prompt(client, b, prompt_hashes(2, seed=5), nbytes=4 * KiB)
+        fp_a = Fingerprint(a.fingerprint)
+        wait_for_disk(client, 7)
+
+        assert client.clear_batch(2, tier="l1", fingerprint=fp_a) == 2
+        assert client.clear_batch(10, tier="l1", fingerprint=fp_a) == 3
+        assert client.clear_batch(10, tier="l1", fingerprint=fp_a) == 0  # done: the signal to stop
+        held = {ObjectKey.from_bytes(k.key).fingerprint.raw for k in client.list_keys(tier="l1")[0]}
+        assert held == {b.fingerprint}  # the other fingerprint stays in L1
+        assert client.lookup(prompt_hashes(5), [a], prefetch=False).per_tier == {"disk": 5}  # disk keeps its copies
+
+        with pytest.raises(ServerError, match="no tier named 's3'; this server has l1, disk") as bad:
+            client.clear_batch(10, tier="s3")
+        assert bad.value.code == "invalid"
+        with pytest.raises(ServerError, match="limit 0 is out of range"):
+            client.clear_batch(0)
+
+
+def test_warm_promotes_lower_tier_objects_into_l1_within_its_byte_budget(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(disk_path=str(tmp_path / "disk"))
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        data = store_prompt(client, group, prompt_hashes(6), nbytes=4 * KiB)
+        keys = list(data)
+        wait_for_disk(client, 6)
+        while client.clear_batch(100, tier="l1"):
+            pass
+
+        first = client.warm(keys[:4], max_bytes=8 * KiB)  # stops once 8 KiB are promoted
+        assert (first.promoted, first.bytes, first.present, first.failed) == (2, 8 * KiB, 0, 0)
+        stranger = ObjectKey(Fingerprint(group.fingerprint), 0, prompt_hashes(1, seed=9)[0])
+        rest = client.warm([*keys, stranger])
+        assert (rest.promoted, rest.present, rest.failed) == (4, 2, 1)  # the stranger is nowhere
+        assert client.load_chunks(keys) == [data[k] for k in keys]  # verified copies, all in L1 now

@@ -6,7 +6,7 @@ Threads:
   state (no lock needed: only this thread touches it). Does only in-memory work: decoding, L1
   reservations/pins/commits (L1 never blocks on I/O), bookkeeping.
 * ``tiercache-server-io-N`` — a bounded executor (``io_workers``) for anything that may touch L2/L3:
-  lookups, promotions, gets, stats, listing, explain, clear, manifest registration. A finished job
+  lookups, promotions, gets, stats, listing, explain, clear, warm, manifest registration. A finished job
   puts its result on a queue and writes one byte to a wake-up pipe that the loop polls beside the
   socket; the loop then builds and sends the reply. Jobs never touch per-client state.
 
@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import msgspec
@@ -56,6 +57,7 @@ from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.keys.hashing import HASH_BYTES
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1 import L1Tier
+from tiercache.latency import LatencySet
 from tiercache.server import security
 from tiercache.server.records import EvictionRecord
 from tiercache.tier import ReadHandle, WriteHandle
@@ -101,6 +103,12 @@ class _Completion:
     req_id: int
     future: Future[Any]
     finish: Callable[[Any], p._Msg | None]
+    #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
+    sent: Callable[[p._Msg | None], None] | None = None
+
+
+#: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
+LOOKUP_OUTCOMES = ("hit", "miss", "error")
 
 
 class Server:
@@ -140,6 +148,9 @@ class Server:
         self._ticket_owner: dict[int, bytes] = {}
         self._inflight = 0
         self._counters: dict[str, int] = {"requests": 0, "errors": 0, "clients_expired": 0}
+        self._received = 0.0  # perf_counter() when the request being handled arrived
+        #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
+        self.lookup_latency = LatencySet(LOOKUP_OUTCOMES)
         # Registered groups: read by I/O jobs (lookup/explain), written by the loop.
         self._specs_lock = threading.Lock()
         self._specs: dict[tuple[bytes, int], GroupSpec] = {}  # guarded by _specs_lock
@@ -165,6 +176,8 @@ class Server:
             p.GetManifest: self._on_manifest,
             p.Explain: self._on_explain,
             p.Clear: self._on_clear,
+            p.ClearBatch: self._on_clear_batch,
+            p.Warm: self._on_warm,
         }
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -322,6 +335,7 @@ class Server:
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> p._Msg | None:
         """Decode and dispatch one request; every failure becomes an error reply."""
+        self._received = time.perf_counter()
         self._counters["requests"] += 1
         now = time.monotonic()
         client = self._clients.get(identity)
@@ -381,17 +395,23 @@ class Server:
 
     # -- offloading to the I/O executor ----------------------------------------------------------
     def _offload(
-        self, client: _Client, req_id: int, job: Callable[[], Any], finish: Callable[[Any], p._Msg | None]
+        self,
+        client: _Client,
+        req_id: int,
+        job: Callable[[], Any],
+        finish: Callable[[Any], p._Msg | None],
+        sent: Callable[[p._Msg | None], None] | None = None,
     ) -> None:
         """Run ``job`` on the I/O executor; ``finish(result)`` then runs on the loop and its reply
-        is sent. Raises ``busy`` when the executor already has its bound of jobs."""
+        is sent, then ``sent(reply)`` is called. Raises ``busy`` when the executor already has its
+        bound of jobs."""
         if self._inflight >= self._max_inflight:
             raise _Refused(p.ErrorCode.BUSY, f"{self._inflight} requests in flight; retry shortly")
         self._inflight += 1
         identity = client.identity
 
         def done(fut: Future[Any]) -> None:
-            self._completed.put(_Completion(identity, req_id, fut, finish))
+            self._completed.put(_Completion(identity, req_id, fut, finish, sent))
             self._wake()
 
         self._executor.submit(job).add_done_callback(done)
@@ -423,6 +443,8 @@ class Server:
             if reply is not None:
                 reply.req_id = c.req_id
                 self._send(sock, c.identity, reply)
+            if c.sent is not None:
+                c.sent(reply)
 
     # -- clients and heartbeats ------------------------------------------------------------------
     def _expire_clients(self, now: float) -> None:
@@ -623,6 +645,16 @@ class Server:
             return found, ticket
 
         identity = client.identity
+        received = self._received
+
+        def sent(reply: p._Msg | None) -> None:
+            if reply is None:  # the client went away: nothing was answered
+                return
+            if isinstance(reply, p.LookupReply):
+                outcome = "hit" if reply.chunks > 0 else "miss"
+            else:
+                outcome = "error"
+            self.lookup_latency.observe(outcome, time.perf_counter() - received)
 
         def finish(result: tuple[Any, PrefetchTicket | None]) -> p._Msg | None:
             found, ticket = result
@@ -636,7 +668,7 @@ class Server:
             self._ticket_owner[ticket.ticket_id] = identity
             return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
 
-        self._offload(client, msg.req_id, job, finish)
+        self._offload(client, msg.req_id, job, finish, sent)
 
     def _ticket_reply(self, ticket: PrefetchTicket, reply: p.LookupReply) -> p.LookupReply:
         state = self.engine.poll(ticket)
@@ -746,6 +778,14 @@ class Server:
         self._offload(client, msg.req_id, lambda: self.engine.delete(key), lambda n: p.Done(count=n))
 
     # -- observation -----------------------------------------------------------------------------
+    def metrics_stats(self) -> dict[str, Any]:
+        """What ``/metrics`` exports: :meth:`TieredEngine.stats` plus latency histograms (lookups by
+        outcome, per-tier transfers). Thread-safe: called on the metrics server's thread."""
+        return {
+            **self.engine.stats(),
+            "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
+        }
+
     def _on_stats(self, client: _Client, msg: p.Stats) -> None:
         server = {
             **self._counters,
@@ -761,10 +801,7 @@ class Server:
         )
 
     def _on_list_keys(self, client: _Client, msg: p.ListKeys) -> None:
-        tiers = [t for t in self.engine.tiers if not msg.tier or t.name == msg.tier]
-        if not tiers:
-            names = ", ".join(t.name for t in self.engine.tiers)
-            raise _Refused(p.ErrorCode.INVALID, f"no tier named {msg.tier!r}; this server has {names}")
+        tiers = self._tiers_named(msg.tier)
         limit = max(1, min(msg.limit, _MAX_PAGE))
 
         def job() -> p._Msg:
@@ -844,21 +881,72 @@ class Server:
                     entries.append(p.ExplainEntry(i, spec.object_group, "never_stored"))
         return p.ExplainReply(entries=entries)
 
+    def _tiers_named(self, name: str) -> list[Any]:
+        """Every tier (``name`` empty) or the one called ``name``; ``invalid`` if there is none."""
+        tiers = [t for t in self.engine.tiers if not name or t.name == name]
+        if not tiers:
+            names = ", ".join(t.name for t in self.engine.tiers)
+            raise _Refused(p.ErrorCode.INVALID, f"no tier named {name!r}; this server has {names}")
+        return tiers
+
     def _on_clear(self, client: _Client, msg: p.Clear) -> None:
-        if msg.fingerprint:
+        self._clear(client, msg.req_id, msg.fingerprint, self.engine.tiers, None)
+
+    def _on_clear_batch(self, client: _Client, msg: p.ClearBatch) -> None:
+        if not 1 <= msg.limit <= _MAX_PAGE:
+            raise _Refused(p.ErrorCode.INVALID, f"clear_batch limit {msg.limit} is out of range; use 1 to {_MAX_PAGE}")
+        self._clear(client, msg.req_id, msg.fingerprint, self._tiers_named(msg.tier), msg.limit)
+
+    def _clear(self, client: _Client, req_id: int, fingerprint: bytes, tiers: list[Any], limit: int | None) -> None:
+        """Delete the matching keys (at most ``limit``; ``None``: all) from ``tiers``; replies with
+        how many keys went from at least one of them."""
+        if fingerprint:
             try:
-                Fingerprint(msg.fingerprint)
+                Fingerprint(fingerprint)
             except KeyFormatError as exc:
                 raise _Refused(p.ErrorCode.INVALID, str(exc)) from exc
 
+        def matching(tier: Any) -> Any:
+            return (k for k in tier.iter_keys() if not fingerprint or k.fingerprint.raw == fingerprint)
+
         def job() -> p._Msg:
-            gone: set[ObjectKey] = set()
-            for tier in self.engine.tiers:
-                for key in list(tier.iter_keys()):
-                    if msg.fingerprint and key.fingerprint.raw != msg.fingerprint:
-                        continue
-                    if tier.delete(key):
-                        gone.add(key)
-            return p.Done(count=len(gone))
+            # A batch takes the first ``limit`` matching keys from an iterator (a large disk tier is
+            # not listed whole per batch); deleted keys leave ``iter_keys``, so the next batch starts
+            # with the next ones.
+            batch: dict[ObjectKey, None] = {}
+            for tier in tiers:
+                remaining = None if limit is None else limit - len(batch)
+                if remaining == 0:
+                    break
+                batch.update(dict.fromkeys(islice(matching(tier), remaining)))
+            gone = 0
+            for key in batch:
+                held = [tier.delete(key) for tier in tiers]  # every tier, not just the first holder
+                gone += any(held)
+            return p.Done(count=gone)
+
+        self._offload(client, req_id, job, lambda reply: reply)
+
+    def _on_warm(self, client: _Client, msg: p.Warm) -> None:
+        if len(msg.keys) > _MAX_PAGE:
+            raise _Refused(p.ErrorCode.INVALID, f"warm takes at most {_MAX_PAGE} keys per request, got {len(msg.keys)}; send batches")
+        if msg.max_bytes < 0:
+            raise _Refused(p.ErrorCode.INVALID, f"warm max_bytes {msg.max_bytes} is negative; use 0 (no limit) or a byte budget")
+        keys = [self._key(raw) for raw in msg.keys]
+
+        def job() -> p._Msg:
+            reply = p.WarmReply()
+            for key in keys:
+                if msg.max_bytes and reply.bytes >= msg.max_bytes:
+                    break  # budget spent: the rest are left unexamined
+                promoted = self.engine.warm(key)
+                if promoted is None:
+                    reply.failed += 1
+                elif promoted == 0:
+                    reply.present += 1
+                else:
+                    reply.promoted += 1
+                    reply.bytes += promoted
+            return reply
 
         self._offload(client, msg.req_id, job, lambda reply: reply)
