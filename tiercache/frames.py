@@ -60,17 +60,9 @@ class FrameHeader:
 
     def encode(self) -> bytes:
         """The 75-byte header, its own checksum included."""
-        body = _BODY.pack(
-            MAGIC,
-            FRAME_VERSION,
-            int(self.flags),
-            0,
-            self.key.to_bytes(),
-            self.payload_len,
-            self.stored_len,
-            self.checksum,
+        return encode_header(
+            self.key.to_bytes(), int(self.flags), self.payload_len, self.stored_len, self.checksum
         )
-        return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
     def decode(cls, raw: bytes | memoryview, expected_key: ObjectKey) -> FrameHeader:
@@ -95,6 +87,45 @@ class FrameHeader:
         if key_raw != expected_key.to_bytes():
             raise FrameError("frame belongs to another key")
         return cls(expected_key, flags, payload_len, stored_len, checksum)
+
+
+def encode_header(
+    key_raw: bytes, flags: int, payload_len: int, stored_len: int, payload_checksum: int
+) -> bytes:
+    """The 75-byte header from its fields (``key_raw`` is ``ObjectKey.to_bytes()``).
+
+    What :meth:`FrameHeader.encode` returns, without building a :class:`FrameHeader` first: the L2
+    put path calls this once per object.
+    """
+    body = _BODY.pack(
+        MAGIC, FRAME_VERSION, flags, 0, key_raw, payload_len, stored_len, payload_checksum
+    )
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def plain_header_fields(raw: bytes | memoryview, expected_key_raw: bytes) -> tuple[int, int] | None:
+    """``(payload length, payload checksum)`` of an intact header of an *uncompressed* frame of
+    ``expected_key_raw``; ``None`` for anything else (compressed, damaged, foreign, truncated).
+
+    The read paths' fast check: it accepts exactly the headers that :meth:`FrameHeader.decode`
+    accepts with flags 0 and ``payload_len == stored_len``. On ``None``, call
+    :meth:`FrameHeader.decode` for the general case and the reason.
+    """
+    if len(raw) < HEADER_BYTES:
+        return None
+    magic, version, flags, _reserved, key_raw, payload_len, stored_len, payload_checksum = (
+        _BODY.unpack_from(raw)
+    )
+    if (
+        magic != MAGIC
+        or version != FRAME_VERSION
+        or flags
+        or key_raw != expected_key_raw
+        or payload_len != stored_len
+        or xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != _CHECK.unpack_from(raw, _BODY.size)[0]
+    ):
+        return None
+    return payload_len, payload_checksum
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:

@@ -268,6 +268,103 @@ def test_lru_order_survives_a_restart(tmp_path: Path, clock: FakeClock, touch_fi
     assert (keys[0] in present) is touch_first
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_an_overwritten_object_becomes_the_youngest(
+    tmp_path: Path, clock: FakeClock, restart: bool
+) -> None:
+    path = tmp_path / "l2"
+    keys = [make_key(i) for i in range(10)]
+    tier = open_tier(path, clock)  # budget 10 chunks: 9 fit under the high watermark
+    try:
+        for key in keys[:9]:
+            tier.put(key, payload_for(key, CHUNK))
+        tier.put(keys[0], payload_for(keys[0], CHUNK))  # the same bytes again
+        assert tier.usage().bytes_used == 9 * CHUNK
+        if restart:
+            tier.close()
+            tier = open_tier(path, clock)
+        tier.put(keys[9], payload_for(keys[9], CHUNK))  # 10 > 9.5 chunks: evict down to 8.5
+        present = set(tier.iter_keys())
+    finally:
+        tier.close()
+    assert keys[0] in present
+    assert present.isdisjoint(keys[1:3])
+    assert set(keys[3:]) <= present
+
+
+def test_an_overwrite_with_other_bytes_serves_and_counts_only_the_new_version(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "l2"
+    key = make_key(1)
+    with open_tier(path, clock) as tier:
+        tier.put(key, random_payload(1, 1000))
+        tier.put(key, random_payload(2, 3000), owed=True)
+        assert tier.get(key) == random_payload(2, 3000)
+        assert tier.usage().bytes_used == 3000
+    with open_tier(path, clock) as tier:
+        assert tier.usage().bytes_used == 3000
+        assert tier.usage().objects == 1
+        assert list(tier.iter_owed_keys()) == [key]
+        assert tier.get(key) == random_payload(2, 3000)
+
+
+def test_read_into_never_copies_an_object_stored_under_another_key(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "l2"
+    a, b = make_key(1), make_key(2)
+    with open_tier(path, clock) as tier:
+        tier.put(a, payload_for(a, 4000))
+    env = raw_env(path)
+    data, meta = env.open_db(b"data"), env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=data), db=data)
+        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=meta), db=meta)
+    env.close()
+    asked: list[int] = []
+
+    def alloc(n: int) -> memoryview:
+        asked.append(n)
+        return memoryview(bytearray(n))
+
+    with open_tier(path, clock) as tier:
+        assert tier.read_into(b, alloc) is False
+        assert asked == []  # the header names another key: nothing was copied anywhere
+        assert tier.stats.snapshot()["verify_failures"] == 1
+        assert not tier.contains(b)
+        assert tier.read_into(a, alloc) is True
+
+
+def test_read_into_a_missing_key_is_a_counted_miss_that_allocates_nothing(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    asked: list[int] = []
+
+    def alloc(n: int) -> memoryview:
+        asked.append(n)
+        return memoryview(bytearray(n))
+
+    with open_tier(tmp_path / "l2", clock) as tier:
+        assert tier.read_into(make_key(1), alloc) is False
+        assert asked == []
+        assert tier.stats.snapshot()["misses"] == 1
+        assert tier.stats.snapshot()["verify_failures"] == 0
+
+
+def test_read_into_makes_the_object_the_youngest(tmp_path: Path, clock: FakeClock) -> None:
+    keys = [make_key(i) for i in range(10)]
+    out = bytearray(CHUNK)
+    with open_tier(tmp_path / "l2", clock) as tier:
+        for key in keys[:9]:
+            tier.put(key, payload_for(key, CHUNK))
+        assert tier.read_into(keys[0], lambda n: memoryview(out)[:n]) is True
+        tier.put(keys[9], payload_for(keys[9], CHUNK))  # evicts the two oldest
+        present = set(tier.iter_keys())
+    assert keys[0] in present
+    assert present.isdisjoint(keys[1:3])
+
+
 def test_on_evict_receives_the_verified_payload_of_each_evicted_object(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -459,7 +556,7 @@ def test_concurrent_readers_and_writers_only_ever_see_the_right_bytes(
                         got = tier.get(key)
                         if got is not None and got != payload_for(key, len(got)):
                             failures.append(f"wrong bytes for {key}")
-            except Exception as exc:  # surfaced below
+            except Exception as exc:  # noqa: BLE001 - a worker's error is surfaced below
                 failures.append(repr(exc))
 
         threads = [threading.Thread(target=work, args=(s,), name=f"t{s}") for s in range(6)]
