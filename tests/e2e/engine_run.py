@@ -210,7 +210,16 @@ TINY_GPT_OSS: dict = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention", "full_attention"],
     "max_position_embeddings": 1024,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    # vLLM's gpt-oss always builds YaRN rope from these keys (as in the released checkpoints).
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 32,  # x factor 32 = max_position_embeddings
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
     "bos_token_id": 1,
