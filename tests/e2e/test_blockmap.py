@@ -117,3 +117,43 @@ def test_groups_with_different_block_sizes_are_accepted() -> None:
         type("FullAttentionSpec", (), {"block_size": 32})(),
     ]
     check_group_specs(specs)
+
+
+def _gemma4_like_configs(cache_block_size: int = 32) -> tuple[object, object]:
+    """Stand-ins for vLLM's config objects as a Gemma 4 engine gets them: the user's block size in
+    cache_config, the sliding group grown to 64-token blocks, the full group at 32."""
+    from types import SimpleNamespace as NS
+
+    def spec(cls: str, block: int, head: int, **fields: object) -> object:
+        attrs = {"block_size": block, "head_size": head, "num_kv_heads": 2, "dtype": "torch.float32",
+                 "page_size_bytes": 32768, **fields}
+        return type(cls, (), attrs)()
+
+    vllm_config = NS(
+        model_config=NS(model="tiny-gemma4", revision=None, dtype="float32"),
+        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1),
+        cache_config=NS(block_size=cache_block_size, cache_dtype="auto"),
+    )
+    kv_cache_config = NS(kv_cache_groups=[
+        NS(kv_cache_spec=spec("SlidingWindowSpec", 64, 32, sliding_window=64), layer_names=["layers.0.attn"]),
+        NS(kv_cache_spec=spec("FullAttentionSpec", 32, 64), layer_names=["layers.1.attn"]),
+    ])
+    return vllm_config, kv_cache_config
+
+
+def test_layout_gives_each_group_its_own_blocks_per_chunk() -> None:
+    from tiercache.connector.layout import derive_layout
+
+    layout = derive_layout(*_gemma4_like_configs(), chunk_size=128, weights_id="w1")
+    assert layout.scheduler_block_size == 64  # lcm(32, 64, 32), what vLLM's scheduler aligns to
+    assert layout.kv_group_block_sizes() == [64, 32]
+    assert [(g.blocks_per_chunk, g.object_bytes) for g in layout.groups] == [(2, 2 * 32768), (4, 4 * 32768)]
+    assert [g.manifest.kernel_block_size for g in layout.groups] == [64, 32]
+
+
+def test_layout_refuses_a_chunk_that_is_not_a_multiple_of_every_groups_block_size() -> None:
+    from tiercache.connector.layout import derive_layout
+
+    # 32 is the user's --block-size and the full group's, but the sliding group's blocks are 64.
+    with pytest.raises(ConfigError, match=r"--chunk-size 32 is not a multiple of the vLLM engine's block size 64"):
+        derive_layout(*_gemma4_like_configs(), chunk_size=32, weights_id="w1")
