@@ -130,6 +130,104 @@ def write_tiny_gemma3(directory: Path, seed: int, sliding_window: int = 64) -> N
     save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
 
 
+def write_tiny_checkpoint(directory: Path, cfg: dict, seed: int) -> None:
+    """A tiny checkpoint of any architecture transformers knows, with seeded random weights.
+
+    transformers builds the model from ``cfg`` only to name and shape the parameters (the names vLLM
+    loads); the values are redrawn from ``seed``: matrices ~N(0, 1/fan_in) (q/k projections 4x,
+    the LM head 8x, so attention is sharp and logits spread), embeddings ~N(0, 1/hidden), norm
+    scales 1, biases 0, attention sinks ~N(0, 1). Outputs then depend on the prompt and the KV.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(directory))).state_dict()
+    g = torch.Generator().manual_seed(seed)
+    hidden = int(cfg["hidden_size"])
+    w: dict[str, torch.Tensor] = {}
+    for name, meta in shapes.items():
+        shape = tuple(meta.shape)
+        leaf = name.rsplit(".", 1)[-1]
+        if "embed_tokens" in name:
+            w[name] = torch.randn(shape, generator=g) / hidden**0.5
+        elif leaf == "sinks":
+            w[name] = torch.randn(shape, generator=g)
+        elif len(shape) >= 2:
+            # Experts are [experts, in, out] in transformers' layout; linears are [out, in].
+            fan_in = shape[-2] if len(shape) == 3 else shape[-1]
+            scale = 8.0 if "lm_head" in name else 4.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+            w[name] = torch.randn(shape, generator=g) * (scale / fan_in**0.5)
+        elif "norm" in name or leaf in ("layer_scalar", "scale"):
+            w[name] = torch.ones(shape)
+        else:
+            w[name] = torch.zeros(shape)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
+TINY_GEMMA4: dict = {
+    # Gemma 4: the sliding layer (head 32) and the full layer (head 64) have pages of different size
+    # per token, so vLLM gives the sliding group 64-token blocks and the full group 32-token ones.
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "vocab_size": 512,
+    "vocab_size_per_layer_input": 512,
+    "hidden_size_per_layer_input": 0,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+TINY_GPT_OSS: dict = {
+    # gpt-oss: sliding window 64 + full attention with sinks, MoE; vLLM puts the sliding window on
+    # even layers whatever layer_types says, so layer_types states just that.
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "max_position_embeddings": 1024,
+    # vLLM's gpt-oss always builds YaRN rope from these keys (as in the released checkpoints).
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 32,  # x factor 32 = max_position_embeddings
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
 def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

@@ -94,7 +94,7 @@ def _fake_spec(cls_name: str, block_size: int = 32, **fields: object) -> object:
 def test_full_and_sliding_groups_are_accepted() -> None:
     from tiercache.connector.layout import check_group_specs
 
-    check_group_specs([_fake_spec("SlidingWindowSpec", sliding_window=64), _fake_spec("FullAttentionSpec")], 32)
+    check_group_specs([_fake_spec("SlidingWindowSpec", sliding_window=64), _fake_spec("FullAttentionSpec")])
 
 
 @pytest.mark.parametrize(
@@ -103,14 +103,13 @@ def test_full_and_sliding_groups_are_accepted() -> None:
         (_fake_spec("MambaSpec"), "recurrent"),
         (_fake_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "not supported"),
         (_fake_spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=3), "extra retained"),
-        (_fake_spec("FullAttentionSpec", block_size=64), "different block sizes"),
     ],
 )
 def test_unsupported_groups_fail_with_a_clear_error(spec: object, words: str) -> None:
     from tiercache.connector.layout import check_group_specs
 
     with pytest.raises(ConfigError, match=words):
-        check_group_specs([_fake_spec("FullAttentionSpec"), spec], 32)
+        check_group_specs([_fake_spec("FullAttentionSpec"), spec])
 
 
 def test_sliding_group_needs_only_its_trailing_window_chunks() -> None:

@@ -9,20 +9,25 @@ wrong fingerprint would let incompatible engines read each other's pages.
 Object groups: one per (vLLM KV-cache group, parallel rank): ``object_group = kv_group * world + rank``
 with ``world = tp * pp``. Each rank stores its own pages; a lookup asks for every rank's group, so a
 hit means every rank can load. An object (one chunk of one group) is the pages of every layer of that
-group for the ``chunk_size / block_size`` blocks covering the chunk, layer-major::
+group for the ``chunk_size / block_size`` blocks covering the chunk (the group's own block size),
+layer-major::
 
     [layer 0: block 0 page, block 1 page, ...][layer 1: ...]...
 
 Supported group kinds: full attention (``FullAttentionSpec``) and sliding window (``SlidingWindowSpec``,
 e.g. Gemma 3, gpt-oss): a sliding group is registered as ``GroupKind.SLIDING_WINDOW`` with its window in
 tokens, so the server's restorable-prefix rule asks it only for the trailing window chunks of a hit.
-Every group must use the scheduler's block size (groups with different block sizes, as in Gemma 4, and
-recurrent groups are refused with a clear error).
+Groups may use different block sizes (Gemma 4: vLLM grows the block size of the group with the
+smaller page until all pages are equal, so its sliding group has 64-token blocks and its full group
+32-token ones); the scheduler then works in the LCM of them. The chunk size must be a multiple of
+every group's block size (:func:`check_block_sizes`); :mod:`tiercache.connector.blockmap` maps
+chunks to each group's blocks. Recurrent groups are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +95,11 @@ class EngineLayout:
         """vLLM KV-cache group → sliding window in tokens (only sliding groups)."""
         return {g.kv_group: g.window_tokens for g in self.groups if g.is_sliding}
 
+    def kv_group_block_sizes(self) -> list[int]:
+        """Block size in tokens of each vLLM KV-cache group, indexed by KV-cache group."""
+        sizes = {g.kv_group: g.block_size for g in self.groups}
+        return [sizes[kv] for kv in range(len(sizes))]
+
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
@@ -139,15 +149,26 @@ def _platform_extras() -> tuple[tuple[str, str], ...]:
 
 
 def check_block_sizes(chunk_size: int, scheduler_block_size: int, group_block_sizes: list[int]) -> None:
-    """Raise :class:`ConfigError` unless ``chunk_size`` is a multiple of every block size."""
-    for what, block in [("scheduler", scheduler_block_size)] + [(f"KV-cache group {i}", b) for i, b in enumerate(group_block_sizes)]:
-        if block <= 0 or chunk_size % block:
-            raise ConfigError(
-                f"the tiercache server's --chunk-size {chunk_size} is not a multiple of the vLLM engine's "
-                f"block size {block} ({what}); restart the server with --chunk-size {block} or a multiple "
-                f"of it (e.g. {block * max(1, -(-chunk_size // block))}), or run vLLM with a --block-size "
-                f"that divides {chunk_size}"
-            )
+    """Raise :class:`ConfigError` unless ``chunk_size`` is a multiple of every block size.
+
+    The message names N, the LCM of the scheduler's and every group's block size (what vLLM's
+    scheduler aligns to with groups of different block sizes), since a multiple of N is the fix.
+    """
+    sizes = [scheduler_block_size, *group_block_sizes]
+    if any(b <= 0 for b in sizes):
+        raise ConfigError(f"vLLM reported a non-positive KV block size among {sizes}; please report this")
+    n = math.lcm(*sizes)
+    if chunk_size % n:
+        groups = ""
+        if len(set(group_block_sizes)) > 1:
+            listed = ", ".join(f"group {i}: {b}" for i, b in enumerate(group_block_sizes))
+            groups = f"; its KV-cache groups use different block sizes ({listed}) and N is their least common multiple"
+        raise ConfigError(
+            f"the tiercache server's --chunk-size {chunk_size} is not a multiple of the vLLM engine's "
+            f"block size {n} (N{groups}); restart the server with --chunk-size {n} or a multiple of it "
+            f"(e.g. {n * max(1, -(-chunk_size // n))}), or run vLLM with a --block-size that makes N divide "
+            f"{chunk_size}"
+        )
 
 
 def _spec_kind(spec: Any) -> str:
@@ -164,9 +185,9 @@ def _spec_kind(spec: Any) -> str:
     return name
 
 
-def check_group_specs(specs: list[Any], scheduler_block: int) -> None:
-    """Raise :class:`ConfigError` unless every KV-cache group is full attention or a sliding window
-    with the scheduler's block size."""
+def check_group_specs(specs: list[Any]) -> None:
+    """Raise :class:`ConfigError` unless every KV-cache group is full attention or a sliding window.
+    (Block sizes may differ between groups; :func:`check_block_sizes` checks them against the chunk.)"""
     for i, spec in enumerate(specs):
         kind = _spec_kind(spec)
         if kind not in ("full", "sliding"):
@@ -175,12 +196,6 @@ def check_group_specs(specs: list[Any], scheduler_block: int) -> None:
                 "full-attention and sliding-window groups only; recurrent (Mamba/GDN/KDA), chunked-local, "
                 "MLA-sparse and cross-attention groups are not supported yet. Remove the tiercache "
                 "kv-transfer-config for this model."
-            )
-        if int(spec.block_size) != scheduler_block:
-            raise ConfigError(
-                f"KV-cache group {i} ({type(spec).__name__}) has block size {spec.block_size} but the scheduler "
-                f"uses {scheduler_block}: KV-cache groups with different block sizes (e.g. Gemma 4) are not "
-                "supported by the tiercache connector yet."
             )
 
 
@@ -261,10 +276,13 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
     world = tp * pp
-    scheduler_block = int(vllm_config.cache_config.block_size)
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    check_group_specs(specs, scheduler_block)
-    check_block_sizes(chunk_size, scheduler_block, [int(s.block_size) for s in specs])
+    check_group_specs(specs)
+    group_blocks = [int(s.block_size) for s in specs]
+    # vLLM's scheduler aligns to the LCM of the groups' block sizes when they differ (it keeps
+    # cache_config.block_size as the user's value); with one size both agree.
+    scheduler_block = math.lcm(int(vllm_config.cache_config.block_size), *group_blocks)
+    check_block_sizes(chunk_size, scheduler_block, group_blocks)
 
     revision = weights_identity(str(model_config.model), getattr(model_config, "revision", None), weights_id)
     if revision == "unknown":

@@ -13,12 +13,16 @@ class ChunkLoad:
 
     The scheduler's lookup ticket has promoted and pinned the objects; the worker pins them again by
     key for the copy (so an expired ticket lease can never make it read a reused slot).
-    ``positions`` are the block positions inside the chunk to write (blocks the engine already had
-    locally are skipped) and ``block_ids[kv_group]`` the engine block each position goes to.
+
+    Per KV-cache group (groups may use different block sizes, so each has its own
+    ``chunk_size / block_size`` positions): ``positions[kv_group]`` are the block positions inside
+    the chunk to write (blocks the engine already had locally are skipped) and
+    ``block_ids[kv_group][i]`` the engine block position ``positions[kv_group][i]`` goes to (0: a
+    sliding group's null block, skipped).
     """
 
     prefix_hash: bytes
-    positions: list[int]
+    positions: list[list[int]]
     block_ids: list[list[int]]
 
 
@@ -30,7 +34,9 @@ class RequestLoad:
 
 @dataclass(slots=True)
 class ChunkSave:
-    """Store one newly computed full chunk: its prefix hash and, per KV group, its blocks in order."""
+    """Store one newly computed full chunk: its prefix hash and, per KV-cache group, its
+    ``chunk_size / block_size`` blocks in order (each group its own block size). A group whose list
+    holds a 0 stores no object for this chunk (a sliding group's blocks out of the window)."""
 
     req_id: str
     chunk_index: int

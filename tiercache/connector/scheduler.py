@@ -24,6 +24,7 @@ from typing import Any
 
 from tiercache import protocol as p
 from tiercache.client import Client, LookupResult
+from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
 from tiercache.connector.layout import EngineLayout, derive_layout
 from tiercache.connector.link import ServerLink
 from tiercache.connector.metadata import (
@@ -235,21 +236,18 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             self._drop_ticket(st)
             return
+        # One block list per KV-cache group, each in that group's own block size (their lengths
+        # differ when the block sizes do, e.g. Gemma 4: ``([1, 2], [3, 4, 5, 6])``).
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         start, end = st.local_tokens, st.local_tokens + num_external_tokens
-        chunks: list[ChunkLoad] = []
-        bs = self.layout.scheduler_block_size
-        per_chunk = self.layout.chunk_size // bs
-        for c in range(start // self.layout.chunk_size, -(-end // self.layout.chunk_size)):
-            positions = [j for j in range(per_chunk) if start <= (c * per_chunk + j) * bs and (c * per_chunk + j + 1) * bs <= end]
-            if not positions:
-                continue
-            if any(len(group_ids) <= c * per_chunk + positions[-1] for group_ids in block_ids):
-                break  # not allocated: the worker could not place these; load less (never garbage)
-            # A sliding-window group's blocks before the window are vLLM's null block (0): the
-            # worker skips those positions (and the group, for chunks wholly outside the window).
-            ids = [[group_ids[c * per_chunk + j] for j in positions] for group_ids in block_ids]
-            chunks.append(ChunkLoad(st.hashes(self.layout.chunk_size)[c], positions, ids))
+        hashes = st.hashes(self.layout.chunk_size)
+        # A sliding-window group's blocks before the window are vLLM's null block (0): the worker
+        # skips those positions (and the group, for chunks wholly outside the window). A chunk
+        # whose blocks are not all allocated ends the list: load less, never garbage.
+        chunks = [
+            ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
+            for cb in blocks_to_load(block_ids, self.layout.kv_group_block_sizes(), self.layout.chunk_size, start, end)
+        ]
         self._loads.append(RequestLoad(st.req_id, chunks))
         self._drop_ticket(st)  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
@@ -305,20 +303,12 @@ class SchedulerHalf:
         if end <= first:
             return
         hashes = st.hashes(chunk)
-        bs = layout.scheduler_block_size
-        per_chunk = chunk // bs
-        # Blocks of a sliding group that vLLM may already have freed (out of the window of the
-        # tokens computed before this step; vLLM frees on a basis <= this): never read those.
-        freed = {kv: max(0, before - window + 1) // bs for kv, window in layout.kv_group_windows().items()}
-        for c in range(first, end):
-            ids = [group_ids[c * per_chunk : (c + 1) * per_chunk] for group_ids in st.block_ids]
-            if any(len(g) != per_chunk for g in ids):
-                break  # blocks not (all) allocated: never store those
-            for kv, g in enumerate(ids):
-                if kv in freed and c * per_chunk < freed[kv]:
-                    ids[kv] = [0] * per_chunk  # the worker stores no object of this group for c
-            if any(0 in g for kv, g in enumerate(ids) if kv not in freed):
-                break  # a null block in a full-attention group: never store that
+        # Blocks of a sliding group that vLLM may already have freed are never read: such a group
+        # gets 0s for the chunk (no object); each group maps chunks with its own block size.
+        planned = blocks_to_save(
+            st.block_ids, layout.kv_group_block_sizes(), layout.kv_group_windows(), chunk, first, end, before
+        )
+        for c, ids in planned:
             meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
             st.saves_scheduled += 1
             st.saved_upto = c + 1

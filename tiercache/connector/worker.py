@@ -163,10 +163,14 @@ class WorkerHalf:
         if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
             return False
         for g, slot in zip(groups, slots):
-            # Null blocks (0) are positions a sliding-window group skips; a full group has none.
-            pairs = [(p, b) for p, b in zip(chunk.positions, chunk.block_ids[g.kv_group]) if b]
-            if not g.is_sliding and len(pairs) != len(chunk.positions):
+            # Positions are in this group's own block size. Null blocks (0) are positions a
+            # sliding-window group skips; a full group has none.
+            positions = chunk.positions[g.kv_group]
+            pairs = [(p, b) for p, b in zip(positions, chunk.block_ids[g.kv_group]) if b]
+            if not g.is_sliding and len(pairs) != len(positions):
                 return False  # never write the null block
+            if any(not 0 <= p < g.blocks_per_chunk for p, _ in pairs):
+                return False  # positions from another block size: refuse rather than misplace
             src = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
             src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
             idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
@@ -258,6 +262,10 @@ class WorkerHalf:
                 ids = save.block_ids[g.kv_group]
                 if 0 in ids:
                     raise ValueError("refusing to store the null block")
+                if len(ids) != g.blocks_per_chunk:
+                    raise ValueError(
+                        f"a chunk of KV-cache group {g.kv_group} is {g.blocks_per_chunk} blocks, the save has {len(ids)}"
+                    )
                 idx = torch.tensor(ids, dtype=torch.long)
                 for layer, pages in enumerate(self._pages[g.kv_group]):
                     torch.index_select(pages, 0, idx, out=dst[layer])
