@@ -20,9 +20,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiercache.connector.settings import ConnectorSettings
+from tiercache.connector.stats import (
+    TierCacheConnectorStats,
+    TierCachePromMetrics,
+    build_stats,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.core.sched.output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,28 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    # -- statistics (docs/vllm.md, "Metrics") -----------------------------------------------------
+    def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
+        """This half's stats since the last call (vLLM calls it every step, in both roles)."""
+        half = self._worker if self._worker is not None else self._scheduler
+        return half.take_stats() if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats:
+        """Rebuild the stats object in vLLM's stat loggers from its serialized ``data``."""
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierCachePromMetrics:
+        """The ``vllm:tiercache_*`` Prometheus metrics."""
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -36,6 +36,7 @@ class ServerLink:
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.outages = 0  # times the link went down (for the connector's stats)
 
     @property
     def endpoint(self) -> str:
@@ -105,6 +106,7 @@ class ServerLink:
         with self._lock:
             was_up, self._up = self._up, False
         if was_up:
+            self.outages += 1
             log.warning(
                 "tiercache: %s failed (%s: %s); treating the cache as unavailable (misses, no stores) "
                 "and reconnecting to %s every %g s",

@@ -34,6 +34,7 @@ from tiercache.connector.metadata import (
     TierCacheMetadata,
 )
 from tiercache.connector.settings import ConnectorSettings
+from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import TierCacheError
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
 
@@ -57,6 +58,8 @@ class _Request:
     state: LookupState = LookupState.NOT_SENT
     pending_id: int = 0  # the async request id while WAITING_REPLY
     sent_at: float = 0.0
+    query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
+    per_tier: dict[str, int] = field(default_factory=dict)  # the lookup's objects by tier (stats)
     hit_chunks: int = 0
     server_chunks: int = 0  # the server's restorable prefix (chunks below need no store)
     ticket: int = 0  # held while the hit objects must stay pinned
@@ -97,6 +100,8 @@ class SchedulerHalf:
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._warned_tp = False
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
+        self.stats = StatsRecorder()
+        self._outages_counted = 0
         self.link = ServerLink(settings, "vllm-scheduler", self._on_connect)
         self.link.start()
 
@@ -149,6 +154,7 @@ class SchedulerHalf:
                 self._settle_miss(st)
                 return 0, False
             st.state, st.sent_at = LookupState.WAITING_REPLY, time.monotonic()
+            st.query_chunks, st.per_tier = limit, {}
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st):
             return None, False  # "not known yet": vLLM skips the request this step and asks again
         hit_tokens = st.hit_chunks * chunk
@@ -171,11 +177,14 @@ class SchedulerHalf:
                 return False
             if result.ticket:
                 st.ticket = result.ticket
+            if result.per_tier:  # only the first reply has it; ticket polls do not
+                st.per_tier = dict(result.per_tier)
             if result.state is p.TicketStateName.PENDING:  # promotion from a lower tier is running
                 if time.monotonic() - st.sent_at > self._settings.timeout_s:
                     log.info("tiercache: promotion for %s too slow; computing instead", st.req_id)
                     self._drop_ticket(st)
                     self._settle_miss(st)
+                    self._record_lookup(st)
                     return True
                 st.pending_id = client.poll_ticket_async(st.ticket)
                 return False
@@ -183,6 +192,7 @@ class SchedulerHalf:
             self.link.failed("lookup", exc)
             st.ticket = 0  # a server that failed us holds no usable pins for us
             self._settle_miss(st)
+            self._record_lookup(st)
             return True
         if st.saved_upto < 0:
             st.saved_upto = result.chunks if result.chunks else 0
@@ -190,6 +200,7 @@ class SchedulerHalf:
         if result.state is not p.TicketStateName.READY or not result.ready_chunks:
             self._drop_ticket(st)
             st.hit_chunks = 0
+            self._record_lookup(st)
             return True
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
         slots: dict[int, dict[int, tuple[int, int]]] = {}
@@ -202,7 +213,26 @@ class SchedulerHalf:
         st.hit_chunks, st.slots = hit, slots
         if hit == 0:
             self._drop_ticket(st)
+        self._record_lookup(st)
         return True
+
+    def _record_lookup(self, st: _Request) -> None:
+        """Count a settled lookup: what it asked about and what the cache can supply."""
+        chunk = self.layout.chunk_size if self.layout is not None else 0
+        self.stats.add("lookups")
+        self.stats.add("query_tokens", st.query_chunks * chunk)
+        if st.hit_chunks:
+            self.stats.add("hit_chunks", st.hit_chunks)
+            self.stats.add("hit_tokens", st.hit_chunks * chunk)
+            self.stats.add_tiers(st.per_tier)
+
+    def take_stats(self) -> TierCacheConnectorStats | None:
+        """Lookups since the last call, and server outages this half noticed."""
+        outages = self.link.outages
+        if outages != self._outages_counted:
+            self.stats.add("server_unavailable", outages - self._outages_counted)
+            self._outages_counted = outages
+        return self.stats.take()
 
     def _restorable(self, slots: dict[int, dict[int, tuple[int, int]]], ready: int) -> int:
         """The longest boundary ``<= ready`` whose needed objects (every chunk of a full-attention

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -39,6 +40,7 @@ from tiercache.connector.layout import (
 from tiercache.connector.link import ServerLink
 from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
 from tiercache.connector.settings import ConnectorSettings
+from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.keys import ObjectKey
 
@@ -79,6 +81,8 @@ class WorkerHalf:
         self._saver: threading.Thread | None = None
         self.link = ServerLink(settings, "vllm-worker", self._on_connect)
         self.stats = {"loaded_chunks": 0, "load_failures": 0, "saved_chunks": 0, "save_skipped": 0}
+        self.recorder = StatsRecorder()  # the same events per interval, for vLLM's metrics
+        self._outages_counted = 0
 
     # -- start-up ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -117,6 +121,8 @@ class WorkerHalf:
         Chunks that cannot be loaded put their blocks into the load errors (vLLM recomputes)."""
         if meta is None or not meta.loads:
             return
+        started = time.perf_counter()
+        loaded_bytes = 0
         chunks = [chunk for load in meta.loads for chunk in load.chunks]
         # Per chunk, the groups it loads: a sliding-window group whose blocks in the chunk are all
         # vLLM's null block (before the window) needs no object for it.
@@ -146,8 +152,11 @@ class WorkerHalf:
                     log.warning("tiercache: loading a chunk failed: %s", exc)
                 if ok:
                     self.stats["loaded_chunks"] += 1
+                    self.recorder.add("loaded_chunks")
+                    loaded_bytes += sum(s.nbytes for s in chunk_slots)
                 else:
                     self.stats["load_failures"] += 1
+                    self.recorder.add("load_failures")
                     with self._lock:
                         for ids in chunk.block_ids:
                             self._load_errors.update(i for i in ids if i)
@@ -158,6 +167,10 @@ class WorkerHalf:
                     client.release(tokens)
                 except TierCacheError as exc:  # leases expire by themselves
                     self.link.failed("release after a load", exc)
+            elapsed = time.perf_counter() - started
+            self.recorder.add("loaded_bytes", loaded_bytes)
+            self.recorder.add("load_seconds", elapsed)
+            self.recorder.add("load_durations", elapsed)
 
     def _load_chunk(self, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]) -> bool:
         if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
@@ -212,12 +225,19 @@ class WorkerHalf:
             batch = self._queue.get()
             if batch is _STOP:
                 return
+            started = time.perf_counter()
+            saved, skipped, stored_bytes = self.stats["saved_chunks"], self.stats["save_skipped"], 0
             try:
-                self._save_batch(batch)
+                stored_bytes = self._save_batch(batch)
             except Exception as exc:  # a failed store is a skipped store, never a crash
                 log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
                 self.stats["save_skipped"] += len(batch)
             finally:
+                # This thread is the only writer of the store counters: the deltas are this batch's.
+                self._record_store(
+                    self.stats["saved_chunks"] - saved, self.stats["save_skipped"] - skipped,
+                    stored_bytes, time.perf_counter() - started,
+                )
                 with self._idle:
                     for save in batch:
                         self._pending[save.req_id] -= 1
@@ -225,14 +245,24 @@ class WorkerHalf:
                             del self._pending[save.req_id]
                     self._idle.notify_all()
 
-    def _save_batch(self, batch: list[ChunkSave]) -> None:
+    def _record_store(self, stored: int, skipped: int, nbytes: int, seconds: float) -> None:
+        if stored:
+            self.recorder.add("stored_chunks", stored)
+            self.recorder.add("stored_bytes", nbytes)
+            self.recorder.add("store_seconds", seconds)
+            self.recorder.add("store_durations", seconds)
+        if skipped:
+            self.recorder.add("store_skipped", skipped)
+
+    def _save_batch(self, batch: list[ChunkSave]) -> int:
+        """Store a batch; returns the bytes committed (0 when skipped)."""
         client = self.link.client()
         if client is None or not self._groups:
             self.stats["save_skipped"] += len(batch)
-            return
+            return 0
         items: list[tuple[ObjectKey, int]] = []
         if not batch:
-            return
+            return 0
         sources: list[tuple[GroupLayout, ChunkSave]] = []
         for save in batch:
             for g in self._groups:
@@ -241,17 +271,17 @@ class WorkerHalf:
                 items.append((ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash), g.object_bytes))
                 sources.append((g, save))
         if not items:
-            return
+            return 0
         try:
             slots = client.reserve(items)
         except TierCacheError as exc:
             if getattr(exc, "code", "") in ("tier_full", "busy"):
                 log.debug("tiercache: store skipped: %s", exc)
                 self.stats["save_skipped"] += len(batch)
-                return
+                return 0
             self.link.failed("store", exc)
             self.stats["save_skipped"] += len(batch)
-            return
+            return 0
         tokens = [s.token for s in slots if s is not None]
         try:
             arena = client.arena()
@@ -280,8 +310,9 @@ class WorkerHalf:
         except TierCacheError as exc:
             self.link.failed("commit of a store", exc)
             self.stats["save_skipped"] += len(batch)
-            return
+            return 0
         self.stats["saved_chunks"] += len(batch)
+        return sum(s.nbytes for s in slots if s is not None)
 
     # -- step results --------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -302,6 +333,14 @@ class WorkerHalf:
                 self._with_saves.discard(rid)
                 self._finished_waiting.discard(rid)
         return set(waiting), None
+
+    def take_stats(self) -> TierCacheConnectorStats | None:
+        """Loads and stores since the last call, and server outages this worker noticed."""
+        outages = self.link.outages
+        if outages != self._outages_counted:
+            self.recorder.add("server_unavailable", outages - self._outages_counted)
+            self._outages_counted = outages
+        return self.recorder.take()
 
     def shutdown(self) -> None:
         """Finish queued stores (bounded by the client's timeouts), then disconnect."""
