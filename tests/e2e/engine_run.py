@@ -6,7 +6,9 @@ Used by the e2e tests, one process per engine (a fresh engine = a fresh process)
 
 Writes ``{"tokens": [[...]], "logprobs": [[...]], "num_cached": [...]}``: greedy token ids, the
 log-probability of each chosen token, and vLLM's count of prompt tokens it did not compute
-(local prefix cache + tiercache; a fresh engine has no local cache of these prompts).
+(local prefix cache + tiercache; a fresh engine has no local cache of these prompts). With
+``--log-stats`` the engine runs with vLLM's stat loggers, logs its "KV Transfer metrics:" line at
+the end and adds ``"metrics"``: the ``vllm:tiercache_*`` Prometheus values from ``LLM.get_metrics()``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 MiB = 1 << 20
 
@@ -233,7 +236,7 @@ def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[li
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def run(model: str, server: str, prompts: list[list[int]], max_tokens: int) -> dict[str, list]:
+def run(model: str, server: str, prompts: list[list[int]], max_tokens: int, log_stats: bool = False) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -251,6 +254,7 @@ def run(model: str, server: str, prompts: list[list[int]], max_tokens: int) -> d
         distributed_executor_backend="uni",
         kv_cache_memory_bytes=64 * MiB,
         seed=0,
+        disable_log_stats=not log_stats,
         kv_transfer_config={
             "kv_connector": "TierCacheConnector",
             "kv_connector_module_path": "tiercache.connector",
@@ -266,26 +270,46 @@ def run(model: str, server: str, prompts: list[list[int]], max_tokens: int) -> d
     outs = [
         llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts
     ]
-    result: dict[str, list] = {"tokens": [], "logprobs": [], "num_cached": []}
+    result: dict[str, Any] = {"tokens": [], "logprobs": [], "num_cached": []}
     for out in outs:
         comp = out.outputs[0]
         result["tokens"].append(list(comp.token_ids))
         result["logprobs"].append([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)])
         result["num_cached"].append(out.num_cached_tokens or 0)
+    if log_stats:
+        llm.llm_engine.do_log_stats()  # the "KV Transfer metrics:" line of the interval
+        result["metrics"] = tiercache_metrics(llm)
     return result
 
 
-def main() -> None:
+def tiercache_metrics(llm: Any) -> dict[str, float]:
+    """``{name[tier]: value}`` of the ``vllm:tiercache_*`` metrics (histograms: their count)."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:tiercache_"):
+            continue
+        name = m.name + (f"[{m.labels['tier']}]" if "tier" in m.labels else "")
+        if isinstance(m, Counter):
+            out[name] = out.get(name, 0) + m.value
+        elif isinstance(m, Histogram):
+            out[name + ".count"] = out.get(name + ".count", 0) + m.count
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--server", required=True)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
-    args = ap.parse_args()
+    ap.add_argument("--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics")
+    args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = json.loads(Path(args.prompts).read_text())
-    result = run(args.model, args.server, prompts, args.max_tokens)
+    result = run(args.model, args.server, prompts, args.max_tokens, log_stats=args.log_stats)
     Path(args.out).write_text(json.dumps(result))
 
 

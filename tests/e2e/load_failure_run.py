@@ -1,0 +1,52 @@
+"""``engine_run`` with loads that fail for some chunks, as when a hit object vanished before the pin.
+
+Test-only launcher (``tests/e2e/test_load_failure.py``)::
+
+    python -m tests.e2e.load_failure_run [--drop-index 1] [--hide-load-errors] ENGINE_RUN_ARGS...
+
+In this process (the engine runs in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
+executor) it wraps :meth:`tiercache.client.Client.pin` so that the key at ``--drop-index`` of every
+pin is never asked for and comes back as ``None`` (no slot), exactly what the server answers for a
+key no longer in L1; the worker must then report that chunk's blocks as load errors.
+``--hide-load-errors`` also makes the connector report no load errors, so vLLM believes the blocks
+were loaded: the negative control that shows the recompute is what keeps the output right.
+Nothing of vLLM is patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tests.e2e import engine_run
+
+
+def install(drop_index: int, hide_load_errors: bool) -> None:
+    from tiercache.client import Client
+    from tiercache.connector.connector import TierCacheConnector
+
+    real_pin = Client.pin
+
+    def pin_without_one(self: Client, keys: list[Any], timeout: float | None = None) -> list[Any]:
+        if len(keys) <= drop_index:
+            return real_pin(self, keys, timeout)
+        kept = real_pin(self, [k for i, k in enumerate(keys) if i != drop_index], timeout)
+        return [*kept[:drop_index], None, *kept[drop_index:]]
+
+    Client.pin = pin_without_one  # type: ignore[method-assign]
+    if hide_load_errors:
+        TierCacheConnector.get_block_ids_with_load_errors = lambda self: set()  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--drop-index", type=int, default=1, help="position of the key each pin loses")
+    ap.add_argument("--hide-load-errors", action="store_true")
+    args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    install(args.drop_index, args.hide_load_errors)
+    engine_run.main(rest)
+
+
+if __name__ == "__main__":
+    main()

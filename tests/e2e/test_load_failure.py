@@ -1,0 +1,176 @@
+"""A chunk that fails to load is recomputed by vLLM, end to end; and the connector's stats reach vLLM.
+
+A cold engine stores the prompts' chunks. A fresh engine then loads them, but every pin loses its
+second key (``tests/e2e/load_failure_run.py``: the object "vanished" between lookup and pin), so the
+second hit chunk of every prompt cannot be loaded. With ``kv_load_failure_policy="recompute"`` the
+worker reports those blocks and vLLM recomputes them: the output must equal the cold run. The
+negative control hides the load errors from vLLM: it then computes on blocks nobody wrote, and the
+output moves, proving the recompute is what keeps it right.
+
+Both the cold run and the failing run run vLLM's stat loggers (``--log-stats``): the connector's
+stores, lookups, hits, loads and load failures must show in vLLM's Prometheus metrics
+(``vllm:tiercache_*``) and in its "KV Transfer metrics:" log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.server.serverproc import ServerProcess, ServerSpec
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64
+LENGTHS = [200, 150, 130]  # hits of 3, 2 and 2 chunks; the pin of each loses chunk 1
+HIT_CHUNKS = sum((n - 1) // CHUNK for n in LENGTHS)  # 7
+MiB = 1 << 20
+RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    num_cached: list[int]
+    metrics: dict[str, float]
+    log: str
+
+    def max_logprob_diff(self, other: Run) -> float:
+        return max(abs(a - b) for p, q in zip(self.logprobs, other.logprobs) for a, b in zip(p, q))
+
+
+def run_engine(module: str, model: Path, server: str, prompts: Path, out: Path, *extra: str) -> Run:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the launcher's patch must be in the engine's process
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    cmd = [sys.executable, "-m", module, *extra, "--model", str(model), "--server", server,
+           "--prompts", str(prompts), "--out", str(out), "--log-stats"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    data: dict[str, Any] = json.loads(out.read_text())
+    return Run(data["tokens"], data["logprobs"], data["num_cached"], data.get("metrics", {}), proc.stdout + proc.stderr)
+
+
+def kv_transfer_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "KV Transfer metrics:" in line]
+
+
+def logged_total(lines: list[str], field: str) -> int:
+    """A counter summed over the log lines (one per logging interval)."""
+    total = 0
+    for line in lines:
+        for part in line.split("KV Transfer metrics:", 1)[1].split(","):
+            key, _, value = part.strip().partition("=")
+            if key == field:
+                total += int(value)
+    return total
+
+
+@dataclass
+class Setup:
+    tmp: Path
+    model: Path
+    prompts: Path
+    server: ServerProcess
+    cold: Run
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("load-failure")
+    model = tmp / "model"
+    write_tiny_llama(model, seed=1234)
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(make_prompts(LENGTHS, seed=11)))
+    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
+    try:
+        server.wait_ready()
+        cold = run_engine("tests.e2e.engine_run", model, server.endpoint, prompts, tmp / "cold.json")
+        stored = sum(n // CHUNK for n in LENGTHS)
+        with server.client() as c:  # stores of the last request may commit after the run's end
+            for _ in range(600):
+                if c.stats()["engine"]["stores"] >= stored:
+                    break
+                time.sleep(0.05)
+        yield Setup(tmp, model, prompts, server, cold)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def failing(setup: Setup) -> Run:
+    return run_engine("tests.e2e.load_failure_run", setup.model, setup.server.endpoint, setup.prompts,
+                      setup.tmp / "failing.json")
+
+
+def test_cold_run_reports_lookups_and_stores_in_vllm_metrics(setup: Setup) -> None:
+    m = setup.cold.metrics
+    print(f"\n[e2e stats cold] {m}")
+    assert setup.cold.num_cached == [0] * len(LENGTHS)
+    assert m["vllm:tiercache_lookups"] == len(LENGTHS)
+    assert m["vllm:tiercache_query_tokens"] == HIT_CHUNKS * CHUNK
+    assert m["vllm:tiercache_hit_tokens"] == 0
+    assert m["vllm:tiercache_stored_chunks"] > 0  # the last ones may land after the final step
+    assert m["vllm:tiercache_stored_bytes"] > 0
+    assert m["vllm:tiercache_loaded_chunks"] == 0
+
+
+def test_failed_loads_are_recomputed_and_the_output_equals_the_cold_run(setup: Setup, failing: Run) -> None:
+    diff = failing.max_logprob_diff(setup.cold)
+    print(f"\n[e2e load failure] cached tokens {failing.num_cached}, max |logprob diff| {diff:.3g}")
+    assert failing.tokens == setup.cold.tokens
+    assert diff <= 1e-5
+    # vLLM keeps the chunk before the failed one and recomputes from there on (it does not
+    # lower the request's reported num_cached_tokens, so its own log line is the evidence).
+    recovered = [tuple(map(int, m)) for m in RECOVERED.findall(failing.log)]
+    assert sum(r for r, _ in recovered) == len(LENGTHS)
+    assert sum(t for _, t in recovered) == sum((n - 1) // CHUNK - 1 for n in LENGTHS) * CHUNK
+
+
+def test_the_failing_run_reports_hits_loads_and_failures(failing: Run) -> None:
+    m = failing.metrics
+    print(f"\n[e2e stats failing] {m}")
+    assert m["vllm:tiercache_lookups"] == len(LENGTHS)
+    assert m["vllm:tiercache_hit_chunks"] == HIT_CHUNKS
+    assert m["vllm:tiercache_hit_tokens"] == HIT_CHUNKS * CHUNK
+    assert m["vllm:tiercache_hit_objects[l1]"] == HIT_CHUNKS  # one object group: object = chunk
+    assert m["vllm:tiercache_load_failures"] == len(LENGTHS)  # chunk 1 of each prompt
+    assert m["vllm:tiercache_loaded_chunks"] == HIT_CHUNKS - len(LENGTHS)
+    assert m["vllm:tiercache_loaded_bytes"] > 0
+    assert m["vllm:tiercache_load_seconds.count"] >= 1
+    lines = kv_transfer_lines(failing.log)
+    print("\n".join(lines))
+    assert lines, "vLLM logged no 'KV Transfer metrics:' line"
+    assert logged_total(lines, "Lookups") == len(LENGTHS)
+    assert logged_total(lines, "Load failures") == len(LENGTHS)
+    assert any("Hit rate (%)=100.0" in line and "Hits from l1 (%)=100.0" in line for line in lines)
+
+
+def test_without_reporting_load_errors_the_output_is_wrong(setup: Setup) -> None:
+    """Negative control: hide the load errors; vLLM computes on blocks no one wrote."""
+    hidden = run_engine("tests.e2e.load_failure_run", setup.model, setup.server.endpoint, setup.prompts,
+                        setup.tmp / "hidden.json", "--hide-load-errors")
+    diff = hidden.max_logprob_diff(setup.cold)
+    print(f"\n[e2e load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}")
+    assert hidden.num_cached == [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]
+    assert diff > 1e-2
