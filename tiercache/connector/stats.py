@@ -42,7 +42,9 @@ COUNTERS: tuple[str, ...] = (
 SUMS: tuple[str, ...] = ("load_seconds", "store_seconds")
 # Per-event durations (one per step with loads, one per store batch), for the histograms.
 SERIES: tuple[str, ...] = ("load_durations", "store_durations")
-# Objects of each hit, by the highest tier that held them when looked up ("l1", "disk", "s3").
+# Objects of each hit, by the highest tier that held them when looked up ("l1", "disk", "s3"): the
+# server's per-tier count for the restorable prefix it found (a hit cut short later, e.g. by a slow
+# promotion, still counts that prefix's objects).
 BY_TIER = "hit_objects_by_tier"
 
 GB = 1e9
