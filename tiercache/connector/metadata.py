@@ -15,11 +15,16 @@ class ChunkLoad:
     key for the copy (so an expired ticket lease can never make it read a reused slot).
     ``positions`` are the block positions inside the chunk to write (blocks the engine already had
     locally are skipped) and ``block_ids[kv_group]`` the engine block each position goes to.
+
+    A recurrent group's entry is ``[]`` except for the chunk that ends at the hit boundary
+    (``state`` True), where it is ``[block]``: the block vLLM assigned to hold the state at that
+    boundary, into which the worker copies the chunk's state object.
     """
 
     prefix_hash: bytes
     positions: list[int]
     block_ids: list[list[int]]
+    state: bool = False
 
 
 @dataclass(slots=True)
@@ -30,7 +35,12 @@ class RequestLoad:
 
 @dataclass(slots=True)
 class ChunkSave:
-    """Store one newly computed full chunk: its prefix hash and, per KV group, its blocks in order."""
+    """Store one newly computed full chunk: its prefix hash and, per KV group, its blocks in order.
+
+    For a recurrent group the entry is ``[block]``, the block holding the state after this chunk
+    (from vLLM's boundary-state hand-off), or ``[0]`` when vLLM kept no state at this boundary (then
+    no object is stored for that group).
+    """
 
     req_id: str
     chunk_index: int

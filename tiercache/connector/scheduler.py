@@ -11,6 +11,14 @@ and LoRA name), looks them up, keeps the lookup ticket (which pins the hit objec
 until the workers have copied them, and tells the workers which newly computed prompt chunks to
 store. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
+
+Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
+position-indexed but sparse (null 0s) and entries move, so the block holding the state at a chunk
+boundary is never resolved positionally. vLLM hands it over each step in
+``scheduler_output.kv_connector_block_state.boundary_state_offloads`` (``(group, block, tokens)``
+for the states that step computes); the state after chunk ``c`` is stored with chunk ``c``'s save.
+On a hit of ``b`` chunks, vLLM assigns the state block at table position ``b * chunk / block - 1``
+(as for its own prefix-cache hits), and the worker copies chunk ``b - 1``'s state object there.
 """
 
 from __future__ import annotations
@@ -24,7 +32,11 @@ from typing import Any
 
 from tiercache import protocol as p
 from tiercache.client import Client, LookupResult
-from tiercache.connector.layout import EngineLayout, derive_layout
+from tiercache.connector.layout import (
+    EngineLayout,
+    check_recurrent_config,
+    derive_layout,
+)
 from tiercache.connector.link import ServerLink
 from tiercache.connector.metadata import (
     ChunkLoad,
@@ -64,6 +76,7 @@ class _Request:
     block_ids: list[list[int]] = field(default_factory=list)
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
     saves_scheduled: int = 0
+    states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -110,12 +123,27 @@ class SchedulerHalf:
                 f"this engine has {len(layout.groups)} object groups (KV-cache groups x parallel ranks) but "
                 "the tiercache server runs with --no-separate-object-groups; restart it without that flag"
             )
+        if layout.has_recurrent:
+            self._check_recurrent(layout, info.separate_object_groups)
         self._refs = client.register([(g.object_group, g.manifest) for g in layout.groups])
         self.layout = layout
         log.info(
             "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
             len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
         )
+
+    def _check_recurrent(self, layout: EngineLayout, separate_object_groups: bool) -> None:
+        """Refuse an engine config under which recurrent state could never be stored or restored."""
+        cache = self._vllm_config.cache_config
+        for warning in check_recurrent_config(
+            mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
+            enable_prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+            max_num_batched_tokens=int(self._vllm_config.scheduler_config.max_num_batched_tokens),
+            block_size=layout.scheduler_block_size,
+            chunk_size=layout.chunk_size,
+            separate_object_groups=separate_object_groups,
+        ):
+            log.warning("tiercache: %s", warning)
 
     def _client(self) -> Client | None:
         return self.link.client() if self.layout is not None else None
@@ -240,16 +268,27 @@ class SchedulerHalf:
         chunks: list[ChunkLoad] = []
         bs = self.layout.scheduler_block_size
         per_chunk = self.layout.chunk_size // bs
-        for c in range(start // self.layout.chunk_size, -(-end // self.layout.chunk_size)):
+        recurrent = self.layout.recurrent_kv_groups()
+        last = -(-end // self.layout.chunk_size) - 1  # the chunk ending at the hit boundary
+        for c in range(start // self.layout.chunk_size, last + 1):
             positions = [j for j in range(per_chunk) if start <= (c * per_chunk + j) * bs and (c * per_chunk + j + 1) * bs <= end]
             if not positions:
                 continue
-            if any(len(group_ids) <= c * per_chunk + positions[-1] for group_ids in block_ids):
+            if any(len(group_ids) <= c * per_chunk + positions[-1] for kv, group_ids in enumerate(block_ids) if kv not in recurrent):
                 break  # not allocated: the worker could not place these; load less (never garbage)
             # A sliding-window group's blocks before the window are vLLM's null block (0): the
             # worker skips those positions (and the group, for chunks wholly outside the window).
-            ids = [[group_ids[c * per_chunk + j] for j in positions] for group_ids in block_ids]
-            chunks.append(ChunkLoad(st.hashes(self.layout.chunk_size)[c], positions, ids))
+            ids = [
+                [] if kv in recurrent else [group_ids[c * per_chunk + j] for j in positions]
+                for kv, group_ids in enumerate(block_ids)
+            ]
+            if recurrent and c == last:
+                # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a
+                # null (0) here makes the worker fail the load, so vLLM recomputes.
+                for kv in recurrent:
+                    at = end // bs - 1
+                    ids[kv] = [block_ids[kv][at] if at < len(block_ids[kv]) else 0]
+            chunks.append(ChunkLoad(st.hashes(self.layout.chunk_size)[c], positions, ids, state=bool(recurrent) and c == last))
         self._loads.append(RequestLoad(st.req_id, chunks))
         self._drop_ticket(st)  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
@@ -259,6 +298,7 @@ class SchedulerHalf:
         self._unfinished_steps.append(self._step)
         meta = TierCacheMetadata(step=self._step, loads=self._loads)
         self._loads = []
+        self._keep_loaded_blocks(scheduler_output, meta)
         # Sliding-window groups free blocks that fall out of the window while the request runs, and
         # vLLM may hand them to another request in the very next step: with such groups every store
         # queued in the previous step is finished before the next forward pass can rewrite a block.
@@ -269,6 +309,7 @@ class SchedulerHalf:
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
                 st.state, st.hit_chunks = LookupState.NOT_SENT, 0
+        self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -288,10 +329,40 @@ class SchedulerHalf:
                 for g, ids in enumerate(new_ids):
                     st.block_ids[g].extend(ids)
             self._plan_saves(st, cached.num_computed_tokens[i], num_scheduled.get(rid, 0), meta)
-        if meta.saves and self.layout is not None and self.layout.has_sliding:
+        # Recurrent state blocks are freed as the request moves on (the block holding the state
+        # after step N is freed when step N+2 is scheduled): the same early flush protects them.
+        if meta.saves and self.layout is not None and (self.layout.has_sliding or self.layout.has_recurrent):
             self._saves_last_step = True
         self._collect_orphans()
         return meta
+
+    @staticmethod
+    def _keep_loaded_blocks(scheduler_output: Any, meta: TierCacheMetadata) -> None:
+        """Take the blocks this step loads off vLLM's list of new blocks to zero (vLLM allows a
+        synchronous loader to do that): the worker loads before vLLM zeroes (it must, for recurrent
+        state), so zeroing would wipe them. The worker zeroes the blocks of a load that fails."""
+        to_zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if not to_zero or not meta.loads:
+            return
+        loaded = {b for load in meta.loads for chunk in load.chunks for ids in chunk.block_ids for b in ids if b}
+        scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
+
+    def _take_boundary_states(self, scheduler_output: Any) -> None:
+        """Record the blocks vLLM hands over holding recurrent state at chunk boundaries."""
+        layout = self.layout
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None)
+        if layout is None or not offers:
+            return
+        recurrent = layout.recurrent_kv_groups()
+        for req_id, entries in offers.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for kv, block, tokens in entries:
+                # Only whole-chunk boundaries inside the prompt (stores cover prompt chunks only).
+                if kv in recurrent and block and tokens % layout.chunk_size == 0 and 0 < tokens <= len(st.prompt):
+                    st.states.setdefault(tokens // layout.chunk_size, {})[kv] = block
 
     def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
         """Schedule stores for the prompt chunks that are complete once this step has run
@@ -310,15 +381,20 @@ class SchedulerHalf:
         # Blocks of a sliding group that vLLM may already have freed (out of the window of the
         # tokens computed before this step; vLLM frees on a basis <= this): never read those.
         freed = {kv: max(0, before - window + 1) // bs for kv, window in layout.kv_group_windows().items()}
+        recurrent = layout.recurrent_kv_groups()
         for c in range(first, end):
             ids = [group_ids[c * per_chunk : (c + 1) * per_chunk] for group_ids in st.block_ids]
-            if any(len(g) != per_chunk for g in ids):
+            if any(len(g) != per_chunk for kv, g in enumerate(ids) if kv not in recurrent):
                 break  # blocks not (all) allocated: never store those
             for kv, g in enumerate(ids):
                 if kv in freed and c * per_chunk < freed[kv]:
                     ids[kv] = [0] * per_chunk  # the worker stores no object of this group for c
-            if any(0 in g for kv, g in enumerate(ids) if kv not in freed):
+            if any(0 in g for kv, g in enumerate(ids) if kv not in freed and kv not in recurrent):
                 break  # a null block in a full-attention group: never store that
+            # The state after chunk c, if vLLM kept one at that boundary ([0]: no object).
+            state = st.states.pop(c + 1, {})
+            for kv in recurrent:
+                ids[kv] = [state.get(kv, 0)]
             meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
             st.saves_scheduled += 1
             st.saved_upto = c + 1
