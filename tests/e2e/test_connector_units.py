@@ -285,3 +285,85 @@ def test_the_vllm_plugin_entry_point_is_installed() -> None:
 
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert any(ep.value == "tiercache.connector.plugin:register" for ep in plugins)
+
+
+# -- the worker half's recurrent loads (a fake arena and client; needs vLLM for the metadata) --------
+
+
+class _FakeArena:
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.buf)[offset : offset + nbytes]
+
+
+def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
+    """A WorkerHalf with kv group 0 full attention (2 blocks per chunk, 16-byte pages) and kv group 1
+    recurrent (8-byte state pages), 10 blocks each, all 0xEE; its fake client pins one slot per key
+    with the given sizes, each slot's bytes filled with its index + 1."""
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from tiercache.connector.layout import GroupLayout
+    from tiercache.connector.worker import WorkerHalf
+    from tiercache.keys import Fingerprint
+
+    arena = _FakeArena(sum(slot_bytes))
+    offsets = [sum(slot_bytes[:i]) for i in range(len(slot_bytes))]
+    for i, (off, n) in enumerate(zip(offsets, slot_bytes)):
+        arena.buf[off : off + n] = bytes([i + 1]) * n
+    client = SimpleNamespace(
+        pin=lambda keys: [SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))][: len(keys)],
+        arena=lambda: arena,
+        release=lambda tokens: len(tokens),
+    )
+    w = WorkerHalf.__new__(WorkerHalf)
+    w._groups = [
+        GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
+        GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
+    ]
+    w._pages = {0: [torch.full((10, 16), 0xEE, dtype=torch.uint8)], 1: [torch.full((10, 8), 0xEE, dtype=torch.uint8)]}
+    w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
+    w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
+    w.stats = {"loaded_chunks": 0, "load_failures": 0}
+    w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
+    return w, arena
+
+
+def _two_chunk_hit() -> object:
+    from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
+
+    return TierCacheMetadata(step=1, loads=[RequestLoad("r", [
+        ChunkLoad(b"0" * 16, [0, 1], [[1, 2], []]),
+        ChunkLoad(b"1" * 16, [0, 1], [[3, 4], [7]], state=True),
+    ])])
+
+
+def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
+    # Keys in order: chunk 0 attention, chunk 1 attention, chunk 1 state.
+    w, _ = _recurrent_worker([32, 32, 8])
+    meta = _two_chunk_hit()
+    w.handle_preemptions(meta)  # type: ignore[attr-defined]
+    w.start_load_kv(meta)  # type: ignore[attr-defined]  # already done by handle_preemptions: no-op
+    pages = w._pages  # type: ignore[attr-defined]
+    assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
+    assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
+    assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
+    assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
+
+
+def test_a_failed_state_load_fails_and_zeroes_the_whole_request() -> None:
+    """A state object of the wrong size fails chunk 1; chunk 0 loaded fine, but recomputing from
+    chunk 1 would need the state after chunk 0, which nobody loaded: every block of the request's
+    load is reported (vLLM recomputes from its first block) and zeroed (vLLM no longer does)."""
+    w, _ = _recurrent_worker([32, 32, 4])
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4, 7}  # type: ignore[attr-defined]
+    pages = w._pages  # type: ignore[attr-defined]
+    assert all(pages[0][0][b].tolist() == [0] * 16 for b in (1, 2, 3, 4))
+    assert pages[1][0][7].tolist() == [0] * 8

@@ -11,8 +11,8 @@ every full-attention chunk before ``b`` and the state object of chunk ``b - 1`` 
 Prefill steps are ``max_num_batched_tokens`` = 768 tokens (two blocks) and vLLM retains state
 checkpoints every 768 tokens (``prefix_cache_retention_interval``), so it keeps the state only at 768
 and 1536 and hands those blocks to the connector: prompts of 1000, 1000, 1600 and 1600 tokens store
-2 + 2 + 4 + 4 = 12 full-attention objects and 1 + 1 + 2 + 2 = 6 state objects, and a fresh engine may
-load 768, 768, 1536 and 1536 tokens (restorable boundaries 2 and 4; the states at 384 and 1152 never
+12 full-attention objects and 6 state objects, and a fresh engine may load 768, 768, 1536 and 1536
+tokens (restorable boundaries 2 and 4; the states at 384 and 1152 never
 existed, which the rule copes with). Two engine runs in all (a cold one and a fresh one), to keep
 the test's cost near a minute on two cores.
 """
@@ -117,7 +117,7 @@ def _state_objects(setup: Setup) -> dict[tuple[int, int], ObjectKey]:
 
 
 def test_cold_run_stores_attention_chunks_and_states_at_step_boundaries(setup: Setup) -> None:
-    assert setup.cold.num_cached == [0, 0, 0, 0]
+    assert setup.cold.num_cached == [0] * len(LENGTHS)
     total = FULL_OBJECTS + STATE_OBJECTS
     stores = wait_for_stores(setup.server, total)
     index = _chunk_of(setup)
@@ -140,6 +140,9 @@ def test_fresh_engine_restores_states_and_the_controls_fail(setup: Setup) -> Non
     * prompt 2: its state object at 1536 is deleted; every attention chunk is still there, but the
       longest restorable boundary is 768, whose state exists, and that shorter hit still
       reproduces the cold run exactly.
+
+    (A load that fails in the worker is not exercised here: vLLM 0.32 refuses block-level load
+    errors for models with several KV-cache groups and stops the engine; see docs/vllm.md.)
     """
     wait_for_stores(setup.server, FULL_OBJECTS + STATE_OBJECTS)
     states = _state_objects(setup)

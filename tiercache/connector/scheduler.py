@@ -144,6 +144,15 @@ class SchedulerHalf:
             separate_object_groups=separate_object_groups,
         ):
             log.warning("tiercache: %s", warning)
+        if getattr(cache, "prefix_cache_retention_interval", None) == 0:
+            # vLLM's default: states are kept (and so stored) only at each request's latest replay
+            # boundary and at shared-prefix junctions, not at every chunk boundary.
+            log.info(
+                "tiercache: recurrent state is stored only where vLLM retains it; with "
+                "--prefix-cache-retention-interval 0 (the default) that is each request's last "
+                "prompt-block boundary. Set it to a multiple of %d to store periodic states.",
+                layout.chunk_size,
+            )
 
     def _client(self) -> Client | None:
         return self.link.client() if self.layout is not None else None
@@ -309,6 +318,7 @@ class SchedulerHalf:
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
                 st.state, st.hit_chunks = LookupState.NOT_SENT, 0
+                st.states.clear()  # its blocks are freed: offers made before are void
         self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:

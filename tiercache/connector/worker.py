@@ -129,6 +129,7 @@ class WorkerHalf:
             return
         self._loaded_step = meta.step
         chunks = [chunk for load in meta.loads for chunk in load.chunks]
+        owner = [i for i, load in enumerate(meta.loads) for _ in load.chunks]  # chunk → its load
         # Per chunk, the groups it loads: a sliding-window group whose blocks in the chunk are all
         # vLLM's null block (before the window) needs no object for it; a recurrent group loads only
         # the state at the hit boundary (``chunk.state``).
@@ -151,6 +152,7 @@ class WorkerHalf:
         try:
             arena = client.arena() if client is not None else None
             at = 0
+            loaded: list[bool] = []
             for chunk, groups in zip(chunks, wanted):
                 chunk_slots = slots[at : at + len(groups)]
                 at += len(groups)
@@ -159,16 +161,19 @@ class WorkerHalf:
                     ok = arena is not None and self._load_chunk(arena, chunk, groups, chunk_slots)
                 except Exception as exc:  # never let a cache failure kill the forward pass
                     log.warning("tiercache: loading a chunk failed: %s", exc)
-                if ok:
-                    self.stats["loaded_chunks"] += 1
-                else:
-                    self.stats["load_failures"] += 1
-                    failed = {i for ids in chunk.block_ids for i in ids if i}
-                    # vLLM no longer zeroes these blocks (the scheduler took them off its list);
-                    # a recurrent kernel reads its state block before writing it, so do it here.
-                    self._zero_blocks(failed)
-                    with self._lock:
-                        self._load_errors.update(failed)
+                self.stats["loaded_chunks" if ok else "load_failures"] += 1
+                loaded.append(ok)
+            for i in {o for o, ok in zip(owner, loaded) if not ok}:
+                # With recurrent state, vLLM recomputing from a failed chunk would start from a state
+                # nobody loaded: fail the request's whole load, so it recomputes from its first block.
+                recurrent = any(g.is_recurrent for g in self._groups)
+                bad = [c for c, o, ok in zip(chunks, owner, loaded) if o == i and (recurrent or not ok)]
+                failed = {b for chunk in bad for ids in chunk.block_ids for b in ids if b}
+                # vLLM no longer zeroes these blocks (the scheduler took them off its list);
+                # a recurrent kernel reads its state block before writing it, so do it here.
+                self._zero_blocks(failed)
+                with self._lock:
+                    self._load_errors.update(failed)
         finally:
             tokens = [s.token for s in slots if s is not None]
             if tokens and client is not None:
