@@ -177,6 +177,7 @@ def test_saves_take_the_state_block_vllm_hands_over_for_each_chunk_end() -> None
     """The recurrent group's block table is sparse and moves: the state after chunk c is read from
     the block of vLLM's boundary-state hand-off for (c + 1) * chunk tokens, never positionally;
     a chunk whose end had no state kept gets [0] (no state object)."""
+    pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from tiercache.connector.scheduler import LookupState, _Request
@@ -197,6 +198,7 @@ def test_a_hit_loads_the_state_into_the_block_at_the_boundary_and_keeps_it_from_
     """On a hit of 1536 tokens vLLM puts the state block at table position 1536 / 384 - 1 = 3; only
     the chunk ending at the boundary carries it (``state``), and the loaded blocks are taken off
     vLLM's zeroing list (the worker loads before vLLM zeroes new blocks)."""
+    pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from tiercache.connector.scheduler import LookupState, _Request
@@ -216,12 +218,12 @@ def test_a_hit_loads_the_state_into_the_block_at_the_boundary_and_keeps_it_from_
 
 
 def test_loaded_blocks_are_taken_off_the_zeroing_list() -> None:
+    pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
     from tiercache.connector.scheduler import SchedulerHalf
 
-    pytest.importorskip("vllm")
     out = SimpleNamespace(new_block_ids_to_zero=[7, 8, 9, 12])
     meta = TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"h", [0, 1], [[11, 12], [8]], state=True)])])
     SchedulerHalf._keep_loaded_blocks(out, meta)
