@@ -231,30 +231,96 @@ TINY_GPT_OSS: dict = {
 }
 
 
+def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
+    """A tiny Qwen3-Next (``Qwen3NextForCausalLM``) with seeded random weights: layer 0 is Gated
+    DeltaNet linear attention (recurrent state: a conv window and a 2x128x128 SSM state), layer 1 full
+    attention; a 4-expert MoE in both. vLLM keeps them in a ``MambaSpec`` and a full-attention group.
+
+    Linear head dim 128 is what the CPU GDN kernels need (they also need bfloat16); head dim 64 makes
+    vLLM's unified block size 384 (attention page >= the 131 KiB state page). Shapes come from transformers' own model
+    class; matrices are drawn ~N(0, 1/fan_in) (q/k and lm_head larger) so outputs depend on the state.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
+        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    torch.manual_seed(seed)  # transformers' own init (1-D parameters: norms, A_log, dt_bias) is kept
+    shapes = AutoModelForCausalLM.from_config(config).state_dict()
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * (scale / shape[-1] ** 0.5)
+
+    w: dict[str, torch.Tensor] = {}
+    for name, ref in shapes.items():
+        if name == "model.embed_tokens.weight":
+            w[name] = torch.randn(*ref.shape, generator=g)
+        elif ref.dim() == 1:
+            w[name] = ref.clone()
+        elif name.endswith("experts.gate_up_proj"):  # fused in transformers 5; checkpoints list experts
+            for e, t in enumerate(mat(tuple(ref.shape))):
+                gate, up = t.chunk(2, dim=0)
+                w[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                w[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            for e, t in enumerate(mat(tuple(ref.shape))):
+                w[name.replace("down_proj", f"{e}.down_proj.weight")] = t
+        else:
+            scale = 8.0 if name == "lm_head.weight" else 4.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+            w[name] = mat(tuple(ref.shape), scale)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
 def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def run(model: str, server: str, prompts: list[list[int]], max_tokens: int, log_stats: bool = False) -> dict[str, Any]:
+def run(
+    model: str,
+    server: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    engine_args: dict | None = None,
+    log_stats: bool = False,
+) -> dict[str, Any]:
+    """Generate greedily for each prompt, alone in its batch; ``engine_args`` override the defaults
+    (e.g. ``mamba_cache_mode`` and a bfloat16 dtype for GDN models); ``log_stats`` runs vLLM's stat
+    loggers and reports tiercache's metrics."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    args: dict = {
+        "model": model,
+        "load_format": "safetensors",
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": True,
+        "max_model_len": 1024,
+        "dtype": "float32",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 1024,
+        "enforce_eager": True,
+        "block_size": 32,
+        "distributed_executor_backend": "uni",
+        "kv_cache_memory_bytes": 64 * MiB,
+        "seed": 0,
+        "disable_log_stats": not log_stats,
+    }
+    args.update(engine_args or {})
     llm = LLM(
-        model=model,
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        max_model_len=1024,
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,
-        enforce_eager=True,
-        block_size=32,
-        distributed_executor_backend="uni",
-        kv_cache_memory_bytes=64 * MiB,
-        seed=0,
-        disable_log_stats=not log_stats,
+        **args,
         kv_transfer_config={
             "kv_connector": "TierCacheConnector",
             "kv_connector_module_path": "tiercache.connector",
@@ -305,11 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--engine-args", default="{}", help="JSON object of LLM() keyword overrides")
     ap.add_argument("--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = json.loads(Path(args.prompts).read_text())
-    result = run(args.model, args.server, prompts, args.max_tokens, log_stats=args.log_stats)
+    result = run(args.model, args.server, prompts, args.max_tokens, json.loads(args.engine_args), log_stats=args.log_stats)
     Path(args.out).write_text(json.dumps(result))
 
 

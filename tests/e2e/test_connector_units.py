@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -91,16 +92,17 @@ def _fake_spec(cls_name: str, block_size: int = 32, **fields: object) -> object:
     return type(cls_name, (), {"block_size": block_size, **fields})()
 
 
-def test_full_and_sliding_groups_are_accepted() -> None:
+def test_full_sliding_and_recurrent_groups_are_accepted() -> None:
     from tiercache.connector.layout import check_group_specs
 
     check_group_specs([_fake_spec("SlidingWindowSpec", sliding_window=64), _fake_spec("FullAttentionSpec")])
+    check_group_specs([_fake_spec("MambaSpec", num_speculative_blocks=0), _fake_spec("FullAttentionSpec")])
 
 
 @pytest.mark.parametrize(
     "spec, words",
     [
-        (_fake_spec("MambaSpec"), "recurrent"),
+        (_fake_spec("MambaSpec", num_speculative_blocks=2), "speculative"),
         (_fake_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "not supported"),
         (_fake_spec("SlidingWindowSpec", sliding_window=64, extra_retained_tokens=3), "extra retained"),
     ],
@@ -122,6 +124,109 @@ def test_sliding_group_needs_only_its_trailing_window_chunks() -> None:
     assert list(group(64).needed_chunks(3, 64)) == [2]
     assert list(group(65).needed_chunks(3, 64)) == [1, 2]  # ceil(65 / 64) = 2 chunks
     assert list(group(4096).needed_chunks(3, 64)) == [0, 1, 2]
+
+
+def test_recurrent_group_needs_only_the_state_at_the_boundary() -> None:
+    from tiercache.connector.layout import GroupLayout
+
+    state = GroupLayout(1, 1, 0, ("l0",), 384, 1, 134144, None, recurrent=True)  # type: ignore[arg-type]
+    assert list(state.needed_chunks(3, 384)) == [2]  # the state after chunk 2 = the state at 3 chunks
+    assert list(state.needed_chunks(0, 384)) == []
+    assert state.object_bytes == 134144  # one state page per layer, whatever the chunk size
+
+
+# -- the scheduler half's recurrent-state planning (needs vLLM only for the metadata base class) -----
+
+
+def _recurrent_scheduler(chunk: int = 768, block: int = 384) -> object:
+    """A SchedulerHalf with kv group 0 full attention and kv group 1 recurrent state, not connected
+    to any server (its planning methods only need a layout and a link that reports 'up')."""
+    pytest.importorskip("vllm")
+    from tiercache.connector.layout import EngineLayout, GroupLayout
+    from tiercache.connector.scheduler import SchedulerHalf
+
+    sched = SchedulerHalf.__new__(SchedulerHalf)
+    sched.layout = EngineLayout(
+        (
+            GroupLayout(0, 0, 0, ("attn",), block, chunk // block, 196608, None),  # type: ignore[arg-type]
+            GroupLayout(1, 1, 0, ("gdn",), block, 1, 134144, None, recurrent=True),  # type: ignore[arg-type]
+        ),
+        world_size=1, scheduler_block_size=block, chunk_size=chunk,
+    )
+    sched._reqs, sched._loads, sched._step, sched._release_at = {}, [], 0, {}
+    sched._unfinished_steps, sched._orphans, sched._saves_last_step = deque(), [], False
+    sched.link = type("UpLink", (), {"client": lambda self: object()})()
+    return sched
+
+
+def _output(new: list[object], offers: dict[str, list[tuple[int, int, int]]], scheduled: dict[str, int]) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens=scheduled,
+        preempted_req_ids=set(),
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offers),
+        new_block_ids_to_zero=[7, 8, 9],
+    )
+
+
+def test_saves_take_the_state_block_vllm_hands_over_for_each_chunk_end() -> None:
+    """The recurrent group's block table is sparse and moves: the state after chunk c is read from
+    the block of vLLM's boundary-state hand-off for (c + 1) * chunk tokens, never positionally;
+    a chunk whose end had no state kept gets [0] (no state object)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.connector.scheduler import LookupState, _Request
+    from tiercache.keys import ExtraKeys
+
+    sched = _recurrent_scheduler()
+    st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0)
+    sched._reqs["r"] = st  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=([11, 12, 13, 14, 15], [0, 0, 0, 0, 21]), num_computed_tokens=0)
+    # vLLM kept the state at 768 (block 31) but not at 1536; 1152 is no chunk boundary; 2000 is past the prompt.
+    offers = {"r": [(1, 31, 768), (1, 33, 1152), (1, 34, 2000), (0, 99, 768)]}
+    meta = sched.build_connector_meta(_output([new], offers, {"r": 1700}))  # type: ignore[attr-defined]
+    assert [(s.chunk_index, s.block_ids) for s in meta.saves] == [(0, [[11, 12], [31]]), (1, [[13, 14], [0]])]
+    assert sched._saves_last_step  # type: ignore[attr-defined]  # state blocks are freed soon: flush next step
+
+
+def test_a_hit_loads_the_state_into_the_block_at_the_boundary_and_keeps_it_from_zeroing() -> None:
+    """On a hit of 1536 tokens vLLM puts the state block at table position 1536 / 384 - 1 = 3; only
+    the chunk ending at the boundary carries it (``state``), and the loaded blocks are taken off
+    vLLM's zeroing list (the worker loads before vLLM zeroes new blocks)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.connector.scheduler import LookupState, _Request
+    from tiercache.keys import ExtraKeys
+
+    sched = _recurrent_scheduler()
+    st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0)
+    sched._reqs["r"] = st  # type: ignore[attr-defined]
+    blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13, 14, 15], [0, 0, 0, 8, 9]))
+    sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 1536)  # type: ignore[attr-defined]
+    meta = sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    (load,) = meta.loads
+    assert [(c.positions, c.block_ids, c.state) for c in load.chunks] == [
+        ([[0, 1], []], [[11, 12], []], False),
+        ([[0, 1], [0]], [[13, 14], [8]], True),
+    ]
+
+
+def test_loaded_blocks_are_taken_off_the_zeroing_list() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
+    from tiercache.connector.scheduler import SchedulerHalf
+
+    out = SimpleNamespace(new_block_ids_to_zero=[7, 8, 9, 12])
+    meta = TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"h", [[0, 1], [0]], [[11, 12], [8]], state=True)])])
+    SchedulerHalf._keep_loaded_blocks(out, meta)
+    assert out.new_block_ids_to_zero == [7, 9]
 
 
 def test_plugin_registration_is_idempotent() -> None:
@@ -181,3 +286,85 @@ def test_the_vllm_plugin_entry_point_is_installed() -> None:
 
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert any(ep.value == "tiercache.connector.plugin:register" for ep in plugins)
+
+
+# -- the worker half's recurrent loads (a fake arena and client; needs vLLM for the metadata) --------
+
+
+class _FakeArena:
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.buf)[offset : offset + nbytes]
+
+
+def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
+    """A WorkerHalf with kv group 0 full attention (2 blocks per chunk, 16-byte pages) and kv group 1
+    recurrent (8-byte state pages), 10 blocks each, all 0xEE; its fake client pins one slot per key
+    with the given sizes, each slot's bytes filled with its index + 1."""
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from tiercache.connector.layout import GroupLayout
+    from tiercache.connector.worker import WorkerHalf
+    from tiercache.keys import Fingerprint
+
+    arena = _FakeArena(sum(slot_bytes))
+    offsets = [sum(slot_bytes[:i]) for i in range(len(slot_bytes))]
+    for i, (off, n) in enumerate(zip(offsets, slot_bytes)):
+        arena.buf[off : off + n] = bytes([i + 1]) * n
+    client = SimpleNamespace(
+        pin=lambda keys: [SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))][: len(keys)],
+        arena=lambda: arena,
+        release=lambda tokens: len(tokens),
+    )
+    w = WorkerHalf.__new__(WorkerHalf)
+    w._groups = [
+        GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
+        GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
+    ]
+    w._pages = {0: [torch.full((10, 16), 0xEE, dtype=torch.uint8)], 1: [torch.full((10, 8), 0xEE, dtype=torch.uint8)]}
+    w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
+    w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
+    w.stats = {"loaded_chunks": 0, "load_failures": 0}
+    w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
+    return w, arena
+
+
+def _two_chunk_hit() -> object:
+    from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
+
+    return TierCacheMetadata(step=1, loads=[RequestLoad("r", [
+        ChunkLoad(b"0" * 16, [[0, 1], []], [[1, 2], []]),
+        ChunkLoad(b"1" * 16, [[0, 1], [0]], [[3, 4], [7]], state=True),
+    ])])
+
+
+def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
+    # Keys in order: chunk 0 attention, chunk 1 attention, chunk 1 state.
+    w, _ = _recurrent_worker([32, 32, 8])
+    meta = _two_chunk_hit()
+    w.handle_preemptions(meta)  # type: ignore[attr-defined]
+    w.start_load_kv(meta)  # type: ignore[attr-defined]  # already done by handle_preemptions: no-op
+    pages = w._pages  # type: ignore[attr-defined]
+    assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
+    assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
+    assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
+    assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
+
+
+def test_a_failed_state_load_fails_and_zeroes_the_whole_request() -> None:
+    """A state object of the wrong size fails chunk 1; chunk 0 loaded fine, but recomputing from
+    chunk 1 would need the state after chunk 0, which nobody loaded: every block of the request's
+    load is reported (vLLM recomputes from its first block) and zeroed (vLLM no longer does)."""
+    w, _ = _recurrent_worker([32, 32, 4])
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4, 7}  # type: ignore[attr-defined]
+    pages = w._pages  # type: ignore[attr-defined]
+    assert all(pages[0][0][b].tolist() == [0] * 16 for b in (1, 2, 3, 4))
+    assert pages[1][0][7].tolist() == [0] * 8

@@ -50,7 +50,10 @@ class Run:
         return max(abs(a - b) for p, q in zip(self.logprobs, other.logprobs) for a, b in zip(p, q))
 
 
-def run_engine(model: Path, server: str, prompts_file: Path, out: Path, *, multiprocess: bool = False) -> Run:
+def run_engine(
+    model: Path, server: str, prompts_file: Path, out: Path, *, multiprocess: bool = False,
+    engine_args: dict | None = None,
+) -> Run:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(
@@ -59,7 +62,7 @@ def run_engine(model: Path, server: str, prompts_file: Path, out: Path, *, multi
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     cmd = [sys.executable, "-m", "tests.e2e.engine_run", "--model", str(model), "--server", server,
-           "--prompts", str(prompts_file), "--out", str(out)]
+           "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {})]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -13,7 +13,7 @@ reads one from a full-attention group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -43,18 +43,24 @@ def blocks_to_load(
     chunk_size: int,
     start: int,
     end: int,
+    skip: Collection[int] = (),
 ) -> list[ChunkBlocks]:
     """The blocks each chunk of tokens ``[start, end)`` is copied into, per group.
 
     Only blocks wholly inside ``[start, end)`` are written (blocks below ``start`` the engine already
     has). Stops before the first chunk whose blocks are not all allocated in some group: the worker
-    could not place it, so the hit is cut there (loading less is safe, garbage never is).
+    could not place it, so the hit is cut there (loading less is safe, garbage never is). Groups in
+    ``skip`` (recurrent state, which is not per-block KV) get no positions; the caller places them.
     """
     out: list[ChunkBlocks] = []
     for c in range(start // chunk_size, -(-end // chunk_size)):
         positions: list[tuple[int, ...]] = []
         ids: list[tuple[int, ...]] = []
-        for group_ids, bs in zip(block_ids, block_sizes):
+        for g, (group_ids, bs) in enumerate(zip(block_ids, block_sizes)):
+            if g in skip:
+                positions.append(())
+                ids.append(())
+                continue
             n = blocks_per_chunk(chunk_size, bs)
             first = c * n
             pos = tuple(j for j in range(n) if start <= (first + j) * bs and (first + j + 1) * bs <= end)
@@ -83,18 +89,23 @@ def blocks_to_save(
     first: int,
     end: int,
     computed_before: int,
+    skip: Collection[int] = (),
 ) -> list[tuple[int, list[list[int]]]]:
     """``(chunk, per-group block ids)`` for each chunk in ``[first, end)`` that can be stored.
 
     ``windows`` maps sliding groups to their window in tokens. A sliding group whose blocks in the
     chunk may already be freed gets all 0s (the worker stores no object of that group for the
     chunk). Stops at the first chunk that is not fully allocated or has a null block in a
-    full-attention group: later chunks cannot be stored either (stores are a prefix).
+    full-attention group: later chunks cannot be stored either (stores are a prefix). Groups in
+    ``skip`` (recurrent state) get an empty list; the caller fills in their state block.
     """
     out: list[tuple[int, list[list[int]]]] = []
     for c in range(first, end):
         ids: list[list[int]] = []
         for g, (group_ids, bs) in enumerate(zip(block_ids, block_sizes)):
+            if g in skip:
+                ids.append([])
+                continue
             n = blocks_per_chunk(chunk_size, bs)
             chunk_ids = list(group_ids[c * n : (c + 1) * n])
             if len(chunk_ids) != n:

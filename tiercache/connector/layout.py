@@ -14,20 +14,31 @@ layer-major::
 
     [layer 0: block 0 page, block 1 page, ...][layer 1: ...]...
 
-Supported group kinds: full attention (``FullAttentionSpec``) and sliding window (``SlidingWindowSpec``,
+Supported group kinds: full attention (``FullAttentionSpec``), sliding window (``SlidingWindowSpec``,
 e.g. Gemma 3, gpt-oss): a sliding group is registered as ``GroupKind.SLIDING_WINDOW`` with its window in
-tokens, so the server's restorable-prefix rule asks it only for the trailing window chunks of a hit.
+tokens, so the server's restorable-prefix rule asks it only for the trailing window chunks of a hit;
+and recurrent state (``MambaSpec`` in ``mamba_cache_mode="align"``: Mamba, Gated DeltaNet, e.g.
+Qwen3-Next), registered as ``GroupKind.RECURRENT``. A recurrent object is different: it is not the
+pages of the chunk's blocks but the *state after the chunk*, one state page per layer::
+
+    [layer 0: state page at the chunk's end][layer 1: ...]...
+
+keyed by the chunk's prefix hash, so a hit of ``b`` chunks needs only the state object of chunk
+``b - 1`` (``GroupLayout.needed_chunks``). Only the unpadded state bytes are stored (vLLM pads Mamba
+pages to the attention page size).
+
 Groups may use different block sizes (Gemma 4: vLLM grows the block size of the group with the
 smaller page until all pages are equal, so its sliding group has 64-token blocks and its full group
 32-token ones); the scheduler then works in the LCM of them. The chunk size must be a multiple of
 every group's block size (:func:`check_block_sizes`); :mod:`tiercache.connector.blockmap` maps
-chunks to each group's blocks. Recurrent groups are refused with a clear error.
+chunks to each attention group's blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +62,15 @@ class GroupLayout:
     page_bytes: int
     manifest: LayoutManifest
     window_tokens: int = 0  # > 0 for a sliding-window group
+    recurrent: bool = False  # objects hold the state after their chunk (``blocks_per_chunk`` is 1)
 
     @property
     def is_sliding(self) -> bool:
         return self.window_tokens > 0
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.recurrent
 
     def window_chunks(self, chunk_size: int) -> int:
         """Trailing chunks a hit boundary needs from this group (the server's rule)."""
@@ -62,6 +78,8 @@ class GroupLayout:
 
     def needed_chunks(self, boundary: int, chunk_size: int) -> range:
         """The chunks of this group a hit of ``boundary`` chunks must load."""
+        if self.recurrent:  # only the state at the boundary: the object of the last chunk
+            return range(boundary - 1, boundary) if boundary > 0 else range(0)
         if self.is_sliding:
             return range(max(0, boundary - self.window_chunks(chunk_size)), boundary)
         return range(boundary)
@@ -90,6 +108,14 @@ class EngineLayout:
     @property
     def has_sliding(self) -> bool:
         return any(g.is_sliding for g in self.groups)
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(g.is_recurrent for g in self.groups)
+
+    def recurrent_kv_groups(self) -> set[int]:
+        """vLLM KV-cache groups that hold recurrent state."""
+        return {g.kv_group for g in self.groups if g.is_recurrent}
 
     def kv_group_windows(self) -> dict[int, int]:
         """vLLM KV-cache group → sliding window in tokens (only sliding groups)."""
@@ -180,22 +206,28 @@ def _spec_kind(spec: Any) -> str:
         if int(getattr(spec, "extra_retained_tokens", 0) or 0):
             return "a sliding window with extra retained tokens (multi-module spec decoding)"
         return "sliding"
-    if name in ("MambaSpec",) or "Mamba" in name:
-        return "recurrent state (Mamba/GDN/KDA)"
+    if any(c.__name__ == "MambaSpec" for c in type(spec).__mro__):
+        if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+            return "recurrent state with speculative blocks (spec decoding relocates them)"
+        return "recurrent"
+    if "Mamba" in name:
+        return "recurrent state of an unknown spec"
     return name
 
 
 def check_group_specs(specs: list[Any]) -> None:
-    """Raise :class:`ConfigError` unless every KV-cache group is full attention or a sliding window.
-    (Block sizes may differ between groups; :func:`check_block_sizes` checks them against the chunk.)"""
+    """Raise :class:`ConfigError` unless every KV-cache group is full attention, a sliding window or
+    recurrent state (``MambaSpec``). (Block sizes may differ between groups; :func:`check_block_sizes`
+    checks them against the chunk.)"""
     for i, spec in enumerate(specs):
         kind = _spec_kind(spec)
-        if kind not in ("full", "sliding"):
+        if kind not in ("full", "sliding", "recurrent"):
             raise ConfigError(
                 f"KV-cache group {i} is {type(spec).__name__} ({kind}): the tiercache connector supports "
-                "full-attention and sliding-window groups only; recurrent (Mamba/GDN/KDA), chunked-local, "
-                "MLA-sparse and cross-attention groups are not supported yet. Remove the tiercache "
-                "kv-transfer-config for this model."
+                "full-attention, sliding-window and recurrent-state (Mamba/GDN, align mode) groups only; "
+                "chunked-local, MLA-sparse and cross-attention groups and speculative decoding with "
+                "recurrent layers are not supported yet. Remove the tiercache kv-transfer-config for "
+                "this model."
             )
 
 
@@ -297,25 +329,43 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
     groups: list[GroupLayout] = []
     for kv_group, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         spec = group_spec.kv_cache_spec
-        backend = resolve_backend_name(vllm_config, spec)
         page = int(spec.page_size_bytes)
         unpadded = int(getattr(spec, "real_page_size_bytes", page))
         block = int(spec.block_size)
         layers = tuple(group_spec.layer_names)
         window = int(getattr(spec, "sliding_window", 0) or 0)
+        recurrent = _spec_kind(spec) == "recurrent"
+        if recurrent:
+            # The state kernels (mamba_type) and the conv-state layout decide what the bytes mean.
+            mamba_type = getattr(spec, "mamba_type", "?")
+            backend = f"mamba:{getattr(mamba_type, 'value', mamba_type)}"
+            kind, stored_page = GroupKind.RECURRENT, unpadded
+            state_shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
+            state_dtypes = tuple(_dtype_name(d) for d in spec.dtypes)
+            spec_extra: tuple[tuple[str, str], ...] = (
+                ("conv_state_layout", os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "default")),
+                ("mamba_cache_mode", str(getattr(spec, "mamba_cache_mode", "?"))),
+            )
+        else:
+            backend = resolve_backend_name(vllm_config, spec)
+            kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION
+            stored_page, state_shapes, state_dtypes = page, (), ()
+            spec_extra = (("num_kv_heads", str(spec.num_kv_heads)), ("head_size", str(spec.head_size)))
         for rank in range(world):
             manifest = LayoutManifest(
                 model_id=str(model_config.model),
                 model_revision=revision,
-                kv_dtype=_dtype_name(spec.dtype),
+                kv_dtype=_dtype_name(spec.dtypes[0] if recurrent else spec.dtype),
                 attention_backend=backend,
                 kv_layout=layout_name,
                 kernel_block_size=block,
                 manager_block_size=block,
                 page_bytes=page,
                 page_bytes_unpadded=unpadded,
-                group_kind=GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION,
+                group_kind=kind,
                 sliding_window=window or None,
+                state_shapes=state_shapes,
+                state_dtypes=state_dtypes,
                 chunk_size=chunk_size,
                 num_layers=len(layers),
                 kv_quantization="none" if cache_dtype == "auto" else cache_dtype,
@@ -325,12 +375,8 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                 pp_rank=rank // tp,
                 dcp_size=dcp,
                 extra=extras
-                + (
-                    ("spec", type(spec).__name__),
-                    ("num_kv_heads", str(spec.num_kv_heads)),
-                    ("head_size", str(spec.head_size)),
-                    ("layers", ",".join(layers)),
-                ),
+                + (("spec", type(spec).__name__), ("layers", ",".join(layers)))
+                + spec_extra,
             )
             groups.append(
                 GroupLayout(
@@ -339,10 +385,11 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                     rank=rank,
                     layer_names=layers,
                     block_size=block,
-                    blocks_per_chunk=chunk_size // block,
-                    page_bytes=page,
+                    blocks_per_chunk=1 if recurrent else chunk_size // block,
+                    page_bytes=stored_page,
                     manifest=manifest,
                     window_tokens=window,
+                    recurrent=recurrent,
                 )
             )
     return EngineLayout(tuple(groups), world, scheduler_block, chunk_size)
@@ -352,7 +399,8 @@ def verify_kv_caches(groups: list[GroupLayout], kv_caches: dict[str, Any], forwa
     """Check the derived layout against the worker's real tensors and layers; raise on mismatch.
 
     Each layer's tensor must hold one contiguous page of ``page_bytes`` per block (true for vLLM's
-    layer-outermost layouts, which the CPU backend always uses).
+    layer-outermost layouts, which the CPU backend always uses). For a recurrent layer that is its
+    ``[blocks, 1, 1, state bytes]`` view, whose block stride is the padded page.
     """
     for g in groups:
         for name in g.layer_names:
@@ -366,6 +414,8 @@ def verify_kv_caches(groups: list[GroupLayout], kv_caches: dict[str, Any], forwa
                     f"shape {tuple(t.shape)}); the spec says {g.page_bytes}. This KV layout is not supported yet."
                 )
             layer = (forward_context or {}).get(name)
+            if g.is_recurrent:
+                continue  # no attention backend: the manifest names the state kernels (mamba_type)
             if layer is not None and hasattr(layer, "get_attn_backend"):
                 actual = str(layer.get_attn_backend().get_name())
                 if actual != g.manifest.attention_backend:

@@ -19,11 +19,16 @@ class ChunkLoad:
     the chunk to write (blocks the engine already had locally are skipped) and
     ``block_ids[kv_group][i]`` the engine block position ``positions[kv_group][i]`` goes to (0: a
     sliding group's null block, skipped).
+
+    A recurrent group's entries are ``[]`` except for the chunk that ends at the hit boundary
+    (``state`` True), where ``block_ids`` is ``[block]`` (positions ``[0]``): the block vLLM assigned
+    to hold the state at that boundary, into which the worker copies the chunk's state object.
     """
 
     prefix_hash: bytes
     positions: list[list[int]]
     block_ids: list[list[int]]
+    state: bool = False
 
 
 @dataclass(slots=True)
@@ -36,7 +41,12 @@ class RequestLoad:
 class ChunkSave:
     """Store one newly computed full chunk: its prefix hash and, per KV-cache group, its
     ``chunk_size / block_size`` blocks in order (each group its own block size). A group whose list
-    holds a 0 stores no object for this chunk (a sliding group's blocks out of the window)."""
+    holds a 0 stores no object for this chunk (a sliding group's blocks out of the window).
+
+    For a recurrent group the entry is ``[block]``, the block holding the state after this chunk
+    (from vLLM's boundary-state hand-off), or ``[0]`` when vLLM kept no state at this boundary (then
+    no object is stored for that group).
+    """
 
     req_id: str
     chunk_index: int

@@ -11,6 +11,14 @@ and LoRA name), looks them up, keeps the lookup ticket (which pins the hit objec
 until the workers have copied them, and tells the workers which newly computed prompt chunks to
 store. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
+
+Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
+position-indexed but sparse (null 0s) and entries move, so the block holding the state at a chunk
+boundary is never resolved positionally. vLLM hands it over each step in
+``scheduler_output.kv_connector_block_state.boundary_state_offloads`` (``(group, block, tokens)``
+for the states that step computes); the state after chunk ``c`` is stored with chunk ``c``'s save.
+On a hit of ``b`` chunks, vLLM assigns the state block at table position ``b * chunk / block - 1``
+(as for its own prefix-cache hits), and the worker copies chunk ``b - 1``'s state object there.
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from typing import Any
 from tiercache import protocol as p
 from tiercache.client import Client, LookupResult
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
-from tiercache.connector.layout import EngineLayout, derive_layout
+from tiercache.connector.layout import (
+    EngineLayout,
+    check_recurrent_config,
+    derive_layout,
+)
 from tiercache.connector.link import ServerLink
 from tiercache.connector.metadata import (
     ChunkLoad,
@@ -68,6 +80,7 @@ class _Request:
     block_ids: list[list[int]] = field(default_factory=list)
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
     saves_scheduled: int = 0
+    states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -116,12 +129,36 @@ class SchedulerHalf:
                 f"this engine has {len(layout.groups)} object groups (KV-cache groups x parallel ranks) but "
                 "the tiercache server runs with --no-separate-object-groups; restart it without that flag"
             )
+        if layout.has_recurrent:
+            self._check_recurrent(layout, info.separate_object_groups)
         self._refs = client.register([(g.object_group, g.manifest) for g in layout.groups])
         self.layout = layout
         log.info(
             "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
             len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
         )
+
+    def _check_recurrent(self, layout: EngineLayout, separate_object_groups: bool) -> None:
+        """Refuse an engine config under which recurrent state could never be stored or restored."""
+        cache = self._vllm_config.cache_config
+        for warning in check_recurrent_config(
+            mamba_cache_mode=getattr(cache, "mamba_cache_mode", None),
+            enable_prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+            max_num_batched_tokens=int(self._vllm_config.scheduler_config.max_num_batched_tokens),
+            block_size=layout.scheduler_block_size,
+            chunk_size=layout.chunk_size,
+            separate_object_groups=separate_object_groups,
+        ):
+            log.warning("tiercache: %s", warning)
+        if getattr(cache, "prefix_cache_retention_interval", None) == 0:
+            # vLLM's default: states are kept (and so stored) only at each request's latest replay
+            # boundary and at shared-prefix junctions, not at every chunk boundary.
+            log.info(
+                "tiercache: recurrent state is stored only where vLLM retains it; with "
+                "--prefix-cache-retention-interval 0 (the default) that is each request's last "
+                "prompt-block boundary. Set it to a multiple of %d to store periodic states.",
+                layout.chunk_size,
+            )
 
     def _client(self) -> Client | None:
         return self.link.client() if self.layout is not None else None
@@ -271,13 +308,22 @@ class SchedulerHalf:
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         start, end = st.local_tokens, st.local_tokens + num_external_tokens
         hashes = st.hashes(self.layout.chunk_size)
+        sizes = self.layout.kv_group_block_sizes()
+        recurrent = self.layout.recurrent_kv_groups()
         # A sliding-window group's blocks before the window are vLLM's null block (0): the worker
         # skips those positions (and the group, for chunks wholly outside the window). A chunk
         # whose blocks are not all allocated ends the list: load less, never garbage.
-        chunks = [
-            ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
-            for cb in blocks_to_load(block_ids, self.layout.kv_group_block_sizes(), self.layout.chunk_size, start, end)
-        ]
+        planned = blocks_to_load(block_ids, sizes, self.layout.chunk_size, start, end, skip=recurrent)
+        chunks = [ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids]) for cb in planned]
+        if recurrent and planned and planned[-1].chunk == -(-end // self.layout.chunk_size) - 1:
+            # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a null
+            # (0) here makes the worker fail the load, so vLLM recomputes.
+            last = chunks[-1]
+            last.state = True
+            for kv in recurrent:
+                at = end // sizes[kv] - 1
+                last.block_ids[kv] = [block_ids[kv][at] if at < len(block_ids[kv]) else 0]
+                last.positions[kv] = [0]
         self._loads.append(RequestLoad(st.req_id, chunks))
         self._drop_ticket(st)  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
@@ -287,6 +333,7 @@ class SchedulerHalf:
         self._unfinished_steps.append(self._step)
         meta = TierCacheMetadata(step=self._step, loads=self._loads)
         self._loads = []
+        self._keep_loaded_blocks(scheduler_output, meta)
         # Sliding-window groups free blocks that fall out of the window while the request runs, and
         # vLLM may hand them to another request in the very next step: with such groups every store
         # queued in the previous step is finished before the next forward pass can rewrite a block.
@@ -297,6 +344,8 @@ class SchedulerHalf:
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
                 st.state, st.hit_chunks = LookupState.NOT_SENT, 0
+                st.states.clear()  # its blocks are freed: offers made before are void
+        self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -316,10 +365,40 @@ class SchedulerHalf:
                 for g, ids in enumerate(new_ids):
                     st.block_ids[g].extend(ids)
             self._plan_saves(st, cached.num_computed_tokens[i], num_scheduled.get(rid, 0), meta)
-        if meta.saves and self.layout is not None and self.layout.has_sliding:
+        # Recurrent state blocks are freed as the request moves on (the block holding the state
+        # after step N is freed when step N+2 is scheduled): the same early flush protects them.
+        if meta.saves and self.layout is not None and (self.layout.has_sliding or self.layout.has_recurrent):
             self._saves_last_step = True
         self._collect_orphans()
         return meta
+
+    @staticmethod
+    def _keep_loaded_blocks(scheduler_output: Any, meta: TierCacheMetadata) -> None:
+        """Take the blocks this step loads off vLLM's list of new blocks to zero (vLLM allows a
+        synchronous loader to do that): the worker loads before vLLM zeroes (it must, for recurrent
+        state), so zeroing would wipe them. The worker zeroes the blocks of a load that fails."""
+        to_zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if not to_zero or not meta.loads:
+            return
+        loaded = {b for load in meta.loads for chunk in load.chunks for ids in chunk.block_ids for b in ids if b}
+        scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
+
+    def _take_boundary_states(self, scheduler_output: Any) -> None:
+        """Record the blocks vLLM hands over holding recurrent state at chunk boundaries."""
+        layout = self.layout
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None)
+        if layout is None or not offers:
+            return
+        recurrent = layout.recurrent_kv_groups()
+        for req_id, entries in offers.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for kv, block, tokens in entries:
+                # Only whole-chunk boundaries inside the prompt (stores cover prompt chunks only).
+                if kv in recurrent and block and tokens % layout.chunk_size == 0 and 0 < tokens <= len(st.prompt):
+                    st.states.setdefault(tokens // layout.chunk_size, {})[kv] = block
 
     def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
         """Schedule stores for the prompt chunks that are complete once this step has run
@@ -335,10 +414,16 @@ class SchedulerHalf:
         hashes = st.hashes(chunk)
         # Blocks of a sliding group that vLLM may already have freed are never read: such a group
         # gets 0s for the chunk (no object); each group maps chunks with its own block size.
+        recurrent = layout.recurrent_kv_groups()
         planned = blocks_to_save(
-            st.block_ids, layout.kv_group_block_sizes(), layout.kv_group_windows(), chunk, first, end, before
+            st.block_ids, layout.kv_group_block_sizes(), layout.kv_group_windows(), chunk, first, end, before,
+            skip=recurrent,
         )
         for c, ids in planned:
+            # The state after chunk c, if vLLM kept one at that boundary ([0]: no object).
+            state = st.states.pop(c + 1, {})
+            for kv in recurrent:
+                ids[kv] = [state.get(kv, 0)]
             meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
             st.saves_scheduled += 1
             st.saved_upto = c + 1

@@ -3,11 +3,19 @@
 * ``register_kv_caches`` (once, at start-up): check the derived layout against the real tensors,
   build per layer an int8 ``(num_blocks, page_bytes)`` view over the KV memory, connect, register the
   object groups of this rank and map the server's L1 arena.
-* Loads (``start_load_kv``, before the forward pass — the scheduler reports hits as synchronous):
-  the scheduler's lookup ticket has promoted the hit objects into L1; the worker pins them by key
+* Loads (``handle_preemptions``, at the very start of the step — the scheduler reports hits as
+  synchronous; ``start_load_kv`` is the fallback if that hook did not see the step). They must
+  precede vLLM's input preparation, not just the forward pass: in ``mamba_cache_mode="align"``
+  vLLM copies the recurrent state from the hit boundary's block into the running block there
+  (``preprocess_mamba``), so a state loaded later would never be used. The scheduler takes the
+  blocks it loads out of vLLM's zeroing list, which also runs after this hook.
+  The scheduler's lookup ticket has promoted the hit objects into L1; the worker pins them by key
   (one round trip per step with loads), copies each into the request's blocks and releases them. A
   chunk that cannot be loaded (server gone, object evicted, wrong size) puts its blocks into
   ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+* Recurrent groups (Mamba/GDN state): an object is one state page per layer (the unpadded bytes of
+  the ``[blocks, 1, 1, state bytes]`` view); a save reads the block vLLM handed over for the chunk's
+  end boundary, a load writes the block it assigned to the hit boundary (``ChunkLoad.state``).
 * Saves (``wait_for_save``, after the forward pass): queued to one background thread
   (``tiercache-connector-save``) that reserves arena slots, copies the pages of the chunk's blocks in
   and commits. The scheduler holds finished requests' blocks until ``get_finished`` reports them; it
@@ -77,6 +85,7 @@ class WorkerHalf:
         self._with_saves: set[str] = set()  # reqs that had saves: report each once finished
         self._finished_waiting: set[str] = set()
         self._load_errors: set[int] = set()
+        self._loaded_step = -1  # the step whose loads are done (handle_preemptions or start_load_kv)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
         self.link = ServerLink(settings, "vllm-worker", self._on_connect)
@@ -118,15 +127,22 @@ class WorkerHalf:
     # -- loads ---------------------------------------------------------------------------------
     def start_load_kv(self, meta: TierCacheMetadata | None) -> None:
         """Pin this step's chunks by key (one round trip), copy them into their blocks, release.
-        Chunks that cannot be loaded put their blocks into the load errors (vLLM recomputes)."""
-        if meta is None or not meta.loads:
+        Chunks that cannot be loaded put their blocks into the load errors (vLLM recomputes).
+        Runs once per step: from ``handle_preemptions`` normally, else from vLLM's ``start_load_kv``."""
+        if meta is None or not meta.loads or meta.step == self._loaded_step:
             return
+        self._loaded_step = meta.step
         started = time.perf_counter()
         loaded_bytes = 0
         chunks = [chunk for load in meta.loads for chunk in load.chunks]
+        owner = [i for i, load in enumerate(meta.loads) for _ in load.chunks]  # chunk → its load
         # Per chunk, the groups it loads: a sliding-window group whose blocks in the chunk are all
-        # vLLM's null block (before the window) needs no object for it.
-        wanted = [[g for g in self._groups if any(chunk.block_ids[g.kv_group])] for chunk in chunks]
+        # vLLM's null block (before the window) needs no object for it; a recurrent group loads only
+        # the state at the hit boundary (``chunk.state``).
+        wanted = [
+            [g for g in self._groups if (chunk.state if g.is_recurrent else any(chunk.block_ids[g.kv_group]))]
+            for chunk in chunks
+        ]
         keys = [
             ObjectKey(self._fingerprints[g.object_group], g.object_group, chunk.prefix_hash)
             for chunk, groups in zip(chunks, wanted)
@@ -142,6 +158,7 @@ class WorkerHalf:
         try:
             arena = client.arena() if client is not None else None
             at = 0
+            loaded: list[bool] = []
             for chunk, groups in zip(chunks, wanted):
                 chunk_slots = slots[at : at + len(groups)]
                 at += len(groups)
@@ -150,16 +167,22 @@ class WorkerHalf:
                     ok = arena is not None and self._load_chunk(arena, chunk, groups, chunk_slots)
                 except Exception as exc:  # never let a cache failure kill the forward pass
                     log.warning("tiercache: loading a chunk failed: %s", exc)
+                self.stats["loaded_chunks" if ok else "load_failures"] += 1
+                self.recorder.add("loaded_chunks" if ok else "load_failures")
                 if ok:
-                    self.stats["loaded_chunks"] += 1
-                    self.recorder.add("loaded_chunks")
                     loaded_bytes += sum(s.nbytes for s in chunk_slots)
-                else:
-                    self.stats["load_failures"] += 1
-                    self.recorder.add("load_failures")
-                    with self._lock:
-                        for ids in chunk.block_ids:
-                            self._load_errors.update(i for i in ids if i)
+                loaded.append(ok)
+            for i in {o for o, ok in zip(owner, loaded) if not ok}:
+                # With recurrent state, vLLM recomputing from a failed chunk would start from a state
+                # nobody loaded: fail the request's whole load, so it recomputes from its first block.
+                recurrent = any(g.is_recurrent for g in self._groups)
+                bad = [c for c, o, ok in zip(chunks, owner, loaded) if o == i and (recurrent or not ok)]
+                failed = {b for chunk in bad for ids in chunk.block_ids for b in ids if b}
+                # vLLM no longer zeroes these blocks (the scheduler took them off its list);
+                # a recurrent kernel reads its state block before writing it, so do it here.
+                self._zero_blocks(failed)
+                with self._lock:
+                    self._load_errors.update(failed)
         finally:
             tokens = [s.token for s in slots if s is not None]
             if tokens and client is not None:
@@ -176,14 +199,21 @@ class WorkerHalf:
         if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
             return False
         for g, slot in zip(groups, slots):
-            # Positions are in this group's own block size. Null blocks (0) are positions a
-            # sliding-window group skips; a full group has none.
-            positions = chunk.positions[g.kv_group]
-            pairs = [(p, b) for p, b in zip(positions, chunk.block_ids[g.kv_group]) if b]
-            if not g.is_sliding and len(pairs) != len(positions):
-                return False  # never write the null block
-            if any(not 0 <= p < g.blocks_per_chunk for p, _ in pairs):
-                return False  # positions from another block size: refuse rather than misplace
+            if g.is_recurrent:
+                # One state page per layer, into the block vLLM assigned to the boundary state.
+                ids = chunk.block_ids[g.kv_group]
+                if len(ids) != 1 or not ids[0]:
+                    return False  # never write the null block; vLLM recomputes instead
+                pairs = [(0, ids[0])]
+            else:
+                # Positions are in this group's own block size. Null blocks (0) are positions a
+                # sliding-window group skips; a full group has none.
+                positions = chunk.positions[g.kv_group]
+                pairs = [(p, b) for p, b in zip(positions, chunk.block_ids[g.kv_group]) if b]
+                if not g.is_sliding and len(pairs) != len(positions):
+                    return False  # never write the null block
+                if any(not 0 <= p < g.blocks_per_chunk for p, _ in pairs):
+                    return False  # positions from another block size: refuse rather than misplace
             src = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
             src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
             idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
@@ -191,6 +221,14 @@ class WorkerHalf:
             for layer, pages in enumerate(self._pages[g.kv_group]):
                 pages.index_copy_(0, idx, src[layer].index_select(0, pos))
         return True
+
+    def _zero_blocks(self, block_ids: set[int]) -> None:
+        if not block_ids:
+            return
+        idx = torch.tensor(sorted(block_ids), dtype=torch.long)
+        for pages in self._pages.values():
+            for layer in pages:
+                layer.index_fill_(0, idx, 0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -212,8 +250,11 @@ class WorkerHalf:
         self._queue.put(list(meta.saves))
 
     def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
+        """The first hook of every step, before vLLM prepares inputs: finish queued saves whose
+        blocks may be rewritten (``meta.flush``), then do this step's loads (see module docstring)."""
         if meta is not None and meta.flush:
             self._wait_idle(None)
+        self.start_load_kv(meta)
 
     def _wait_idle(self, req_id: str | None) -> None:
         with self._idle:
@@ -266,8 +307,8 @@ class WorkerHalf:
         sources: list[tuple[GroupLayout, ChunkSave]] = []
         for save in batch:
             for g in self._groups:
-                if 0 in save.block_ids[g.kv_group]:
-                    continue  # a sliding group's blocks already out of the window: no object
+                if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
+                    continue  # a sliding group's blocks out of the window, or no state kept: no object
                 items.append((ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash), g.object_bytes))
                 sources.append((g, save))
         if not items:
