@@ -310,6 +310,7 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     import torch
 
     from tiercache.connector.layout import GroupLayout
+    from tiercache.connector.stats import StatsRecorder
     from tiercache.connector.worker import WorkerHalf
     from tiercache.keys import Fingerprint
 
@@ -331,6 +332,7 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
     w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
     w.stats = {"loaded_chunks": 0, "load_failures": 0}
+    w.recorder = StatsRecorder()
     w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
     return w, arena
 
