@@ -189,6 +189,14 @@ def test_mixed_or_missing_devices_are_refused() -> None:
         select_copy_engine([torch.zeros(2, device="meta")])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on hosts without CUDA")
+def test_the_cuda_engine_without_cuda_says_what_to_check() -> None:
+    from tiercache.errors import CopyBackendError
+
+    with pytest.raises(CopyBackendError, match="CUDA_VISIBLE_DEVICES"):
+        CudaPageCopy(torch.device("cuda", 0))
+
+
 # -- CUDA (skipped without a GPU) ------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA copy path)")

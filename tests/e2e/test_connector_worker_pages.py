@@ -4,6 +4,7 @@ from vLLM's); skipped elsewhere."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from tiercache.connector.metadata import (  # noqa: E402
     TierCacheMetadata,
 )
 from tiercache.connector.settings import ConnectorSettings  # noqa: E402
-from tiercache.connector.worker import WorkerHalf  # noqa: E402
+from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402
 
@@ -142,3 +143,93 @@ def test_a_chunk_holding_the_null_block_stores_nothing(worker) -> None:  # type:
     w, client, _ = worker
     w._save_batch([ChunkSave("r", 0, b"z" * 16, [[3, 0]])])  # never read block 0 (vLLM's null block)
     assert not client.objects
+
+
+class RecordingCopy(CpuPageCopy):
+    """The CPU engine, noting which thread asked for a save point and what each save waited for."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[str, object]] = []
+        self.waited: list[tuple[str, object]] = []
+
+    def save_point(self) -> object:
+        token = object()
+        self.points.append((threading.current_thread().name, token))
+        return token
+
+    def save(self, ready, pages, ids, dsts) -> None:  # type: ignore[no-untyped-def]
+        self.waited.append((threading.current_thread().name, ready))
+        super().save(ready, pages, ids, dsts)
+
+
+def test_saves_wait_for_the_save_point_taken_after_the_forward_pass(worker) -> None:  # type: ignore[no-untyped-def]
+    """The model-runner thread takes the save point (CUDA: an event on the compute stream) when it
+    queues the step's saves; the store thread's copies wait for exactly that point."""
+    w, client, _ = worker
+    w._copy = RecordingCopy()
+    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
+    w._saver.start()
+    w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"s" * 16, [[1, 2]])]))
+    assert w.get_finished({"r"}) == ({"r"}, None)  # waits for the request's saves
+    [(point_thread, token)] = w._copy.points
+    assert point_thread == threading.current_thread().name
+    assert w._copy.waited == [("tiercache-connector-save", token)]
+    assert len(client.objects) == 1
+    w._queue.put(_STOP)
+    w._saver.join(5)
+
+
+# -- kernel block size from the config (both halves must derive the same manifest) ----------------
+
+
+class _SixteenTokenBackend:
+    """A backend that, like FlashAttention variants with fixed sizes, runs 16-token blocks only."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "SIXTEEN"
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, spec: object = None) -> list[int]:
+        return [16]
+
+
+@pytest.fixture
+def sixteen_token_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    import vllm.config
+    import vllm.v1.attention.selector
+
+    monkeypatch.setattr(vllm.v1.attention.selector, "get_attn_backend", lambda *a, **k: _SixteenTokenBackend)
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda cfg: contextlib.nullcontext())
+
+
+def _derive(block_stride: int = 100, padded: int | None = None) -> int:
+    from types import SimpleNamespace as NS
+
+    from tiercache.connector.pages import derive_kernel_block_size
+
+    cfg = NS(model_config=NS(dtype="bfloat16"), cache_config=NS(cache_dtype="auto"))
+    spec = NS(block_size=64, head_size=64, sliding_window=None, has_layer_views=True, page_size_padded=padded)
+    kv_cache_config = NS(kv_cache_tensors=[NS(layers=["a"], block_stride=block_stride, layer_stride=1000)])
+    return derive_kernel_block_size(cfg, kv_cache_config, ["a"], spec)
+
+
+def test_a_backend_with_smaller_blocks_splits_the_manager_block(sixteen_token_backend: None) -> None:
+    assert _derive() == 16
+
+
+def test_block_outermost_packing_and_padded_pages_are_never_split(sixteen_token_backend: None) -> None:
+    assert _derive(block_stride=5000) == 64  # other layers' pages between blocks (vLLM: no split)
+    assert _derive(padded=1 << 20) == 64
+
+
+def test_an_underivable_kernel_block_falls_back_to_the_manager_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.v1.attention.selector
+
+    def broken(*a: object, **k: object) -> object:
+        raise RuntimeError("no backend here")
+
+    monkeypatch.setattr(vllm.v1.attention.selector, "get_attn_backend", broken)
+    assert _derive() == 64  # the worker then checks the real tensors and refuses a mismatch

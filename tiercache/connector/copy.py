@@ -101,19 +101,20 @@ class CudaPageCopy(PageCopyEngine):
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._lock = threading.Lock()  # attach() runs on the link thread, copies on others
         self._backend: Any = None
-        self._arena_name: str | None = None
+        self._arena: SharedArena | None = None  # the mapping registered (identity, not name: a
+        # restarted server may reuse the name for a new file, which is a new mapping)
 
     def attach(self, arena: SharedArena) -> None:
         from tiercache.l1.copy import CudaCopyBackend
 
         with self._lock:
-            if self._backend is not None and self._arena_name == arena.name:
+            if self._backend is not None and self._arena is arena:
                 return
             if self._backend is not None:
                 self._backend.close()  # a new server (arena): waits for copies in flight first
             with torch.cuda.device(self.device):  # cudaHostRegister binds to the current device
                 self._backend = CudaCopyBackend(arena, device=self.device.index)
-            self._arena_name = arena.name
+            self._arena = arena
 
     def _pinned(self) -> Any:
         backend = self._backend
@@ -124,8 +125,11 @@ class CudaPageCopy(PageCopyEngine):
     def host(self, arena: SharedArena, offset: int, nbytes: int) -> torch.Tensor:
         """A slice of the registered (pinned) mapping: only pinned memory makes copies asynchronous."""
         backend = self._pinned()
-        if self._arena_name != arena.name:
-            raise CopyBackendError(f"tiercache: arena {arena.name!r} is not the one registered ({self._arena_name!r})")
+        if arena is not self._arena:
+            raise CopyBackendError(
+                f"tiercache: arena {arena.name!r} is not the mapping registered for CUDA copies (the server "
+                "changed since the last connect); this copy is skipped and the next connect re-registers"
+            )
         return backend.host[offset : offset + nbytes]
 
     def save_point(self) -> Any:
@@ -172,7 +176,7 @@ class CudaPageCopy(PageCopyEngine):
             if self._backend is not None:
                 self._backend.close()
                 self._backend = None
-                self._arena_name = None
+                self._arena = None
 
 
 def select_copy_engine(tensors: Iterable[torch.Tensor]) -> PageCopyEngine:

@@ -1,8 +1,8 @@
 """The worker half: runs in each vLLM worker process, next to the KV cache.
 
 * ``register_kv_caches`` (once, at start-up): check the derived layout against the real tensors,
-  build per layer an int8 ``(num_blocks, page_bytes)`` view over the KV memory, connect, register the
-  object groups of this rank and map the server's L1 arena.
+  build per layer a page view per manager block over the KV memory, pick the copy engine for the
+  tensors' device, connect, register the object groups of this rank and map the server's L1 arena.
 * Loads (``start_load_kv``, before the forward pass — the scheduler reports hits as synchronous):
   the scheduler's lookup ticket has promoted the hit objects into L1; the worker pins them by key
   (one round trip per step with loads), copies each into the request's blocks and releases them. A
