@@ -208,7 +208,7 @@ def sixteen_token_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 def _derive(block_stride: int = 100, padded: int | None = None) -> int:
     from types import SimpleNamespace as NS
 
-    from tiercache.connector.pages import derive_kernel_block_size
+    from tiercache.connector.kernel_blocks import derive_kernel_block_size
 
     cfg = NS(model_config=NS(dtype="bfloat16"), cache_config=NS(cache_dtype="auto"))
     spec = NS(block_size=64, head_size=64, sliding_window=None, has_layer_views=True, page_size_padded=padded)

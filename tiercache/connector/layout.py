@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.identity import weights_identity
+from tiercache.connector.kernel_blocks import derive_kernel_block_size
 from tiercache.errors import ConfigError
 from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
 
@@ -313,7 +314,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
         block = int(spec.block_size)
         layers = tuple(group_spec.layer_names)
         window = int(getattr(spec, "sliding_window", 0) or 0)
-        kernel = _pages().derive_kernel_block_size(vllm_config, kv_cache_config, layers, spec)
+        kernel = derive_kernel_block_size(vllm_config, kv_cache_config, layers, spec)
         for rank in range(world):
             manifest = LayoutManifest(
                 model_id=str(model_config.model),
