@@ -98,8 +98,8 @@ def page_view(
     dense = bool(runs) and runs[-1][0] == 1
     # Pages must not share bytes, within one block or across blocks (with the block dim in place).
     block_stride = t.stride(0) * es * kernel_blocks
-    everything = sorted([*runs, (block_stride, num_blocks)], key=lambda d: -d[0])
-    overlapping = any(a[0] < b[0] * b[1] for a, b in zip(everything, everything[1:]) if a[1] > 1 or b[1] > 1)
+    everything = sorted([d for d in (*runs, (block_stride, num_blocks)) if d[1] > 1], key=lambda d: -d[0])
+    overlapping = any(a[0] < b[0] * b[1] for a, b in zip(everything, everything[1:]))
     found = math.prod(sizes)
     if not dense or overlapping or found != page_bytes:
         raise ConfigError(
