@@ -127,7 +127,7 @@ def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker) -> None:  
 
 
 def test_a_partial_load_writes_only_the_missing_positions(worker) -> None:  # type: ignore[no-untyped-def]
-    w, client, caches = worker
+    w, _client, caches = worker
     for i, t in enumerate(caches.values()):
         t.fill_(float(i + 1))
     w._save_batch([ChunkSave("r", 0, b"q" * 16, [[1, 2]])])

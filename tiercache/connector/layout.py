@@ -387,9 +387,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                 pp_size=pp,
                 pp_rank=rank // tp,
                 dcp_size=dcp,
-                extra=extras
-                + (("spec", type(spec).__name__), ("layers", ",".join(layers)))
-                + spec_extra,
+                extra=(*extras, ("spec", type(spec).__name__), ("layers", ",".join(layers)), *spec_extra),
             )
             groups.append(
                 GroupLayout(

@@ -22,6 +22,7 @@ stored). Gathering pages of arbitrary block ids and scattering them back is plai
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ def page_view(
     # Pages must not share bytes, within one block or across blocks (with the block dim in place).
     block_stride = t.stride(0) * es * kernel_blocks
     everything = sorted([d for d in (*runs, (block_stride, num_blocks)) if d[1] > 1], key=lambda d: -d[0])
-    overlapping = any(a[0] < b[0] * b[1] for a, b in zip(everything, everything[1:]))
+    overlapping = any(a[0] < b[0] * b[1] for a, b in itertools.pairwise(everything))
     found = math.prod(sizes)
     if not dense or overlapping or found != page_bytes:
         raise ConfigError(
