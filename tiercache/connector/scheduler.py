@@ -9,7 +9,14 @@ down, and while it is down every request is a miss.
 Per request this half hashes the prompt's full chunks (``PrefixHasher``, seeded with the cache salt
 and LoRA name), looks them up, keeps the lookup ticket (which pins the hit objects in the L1 arena)
 until the workers have copied them, and tells the workers which newly computed prompt chunks to
-store. Requests for which a store was scheduled are held (``request_finished`` returns True) until
+store.
+
+Loads are synchronous for one KV-cache group (the ticket is released once the step carrying the
+load ran; failed chunks come back as invalid block ids). With several KV-cache groups, or recurrent
+state, vLLM cannot take block-level failures, so hits are answered ``(n, True)``: vLLM parks the
+request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it in ``finished_recving`` (and in
+``failed_recving`` if the load failed; vLLM then recomputes it from token 0 and this half answers
+that retry with no hit). The ticket is kept until that report. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
 
 Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
