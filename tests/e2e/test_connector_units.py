@@ -321,6 +321,18 @@ def test_a_request_finished_while_loading_releases_its_ticket_once_after_the_loa
     assert client.released == [5] and sched._reqs == {}  # type: ignore[attr-defined]
 
 
+def test_a_preempted_request_loading_anew_is_not_held_for_its_earlier_stores() -> None:
+    """Its earlier stores were flushed at the preemption. Finished while loading, vLLM frees it on
+    finished_recving; holding it for finished_sending as well would report a freed request."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    sched, st, _ = _hit_scheduler(True)
+    st.saves_scheduled = 2  # type: ignore[attr-defined]  # stores of the run before the preemption
+    _alloc(sched)
+    assert sched.request_finished(SimpleNamespace(request_id="r")) == (False, None)  # type: ignore[attr-defined]
+
+
 def test_a_load_whose_blocks_are_missing_is_sent_incomplete() -> None:
     """vLLM counts every external token as computed once the load is reported: a chunk the
     scheduler cannot place makes the workers report the whole load failed."""
@@ -492,6 +504,16 @@ def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy()
     w.link = type("DownLink", (), {"client": lambda self: None})()  # type: ignore[attr-defined]
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+
+
+def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
+    """The worker's side of the scheduler's rule: once finished, the request is not reported in
+    finished_sending for stores of a run before its preemption."""
+    w, _ = _recurrent_worker([32, 32, 8])
+    w._with_saves.add("r")  # type: ignore[attr-defined]
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert w.transfer_results({"r"}) == (set(), set(), set())  # type: ignore[attr-defined]
 
 
 def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:

@@ -350,6 +350,11 @@ class SchedulerHalf:
             # that cannot place every chunk is reported failed by the workers (``complete``).
             self._loads.append(RequestLoad(st.req_id, chunks, asynchronous=True, complete=complete))
             st.loading = True  # the ticket stays until the workers report the load (update_connector_output)
+            # A request loading anew was preempted (or is new): its earlier stores were flushed at
+            # the preemption and the workers forget them on this load. Finished while loading, it
+            # must not be held for finished_sending too: vLLM frees it on finished_recving, and a
+            # second report for a freed request fails its assertion.
+            st.saves_scheduled = 0
         else:
             self._loads.append(RequestLoad(st.req_id, chunks))
             self._drop_ticket(st)  # released once the step carrying these loads has run

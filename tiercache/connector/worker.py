@@ -201,6 +201,9 @@ class WorkerHalf:
                 chunks_ok = [k for o, k in zip(owner, ok) if o == i]
                 if load.asynchronous:
                     self._recv_done.add(load.req_id)
+                    # Stores of a preempted earlier run of this request were flushed at the
+                    # preemption; the scheduler no longer holds the request for them either.
+                    self._with_saves.discard(load.req_id)
                     if not (load.complete and all(chunks_ok)):
                         self._recv_failed.add(load.req_id)
                 else:
