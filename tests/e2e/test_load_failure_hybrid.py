@@ -9,6 +9,8 @@ in ``failed_recving``; vLLM then frees its blocks and computes it from scratch.
 A cold engine stores the prompts' chunks (two objects each: one per group). A fresh engine then
 loads them, but every pin loses its second key (``tests/e2e/load_failure_run.py``), so one object of
 every hit fails: the engine must finish, match the cold run, and count one failure per prompt.
+The negative control hides the failures from vLLM: it then computes on blocks nobody wrote, and
+the output moves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +40,10 @@ MiB = 1 << 20
 
 @dataclass
 class Setup:
+    tmp: Path
+    model: Path
+    prompts: Path
+    server: ServerProcess
     cold: Run
     failing: Run
 
@@ -58,7 +65,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                     break
                 time.sleep(0.05)
         failing = run_engine("tests.e2e.load_failure_run", model, server.endpoint, prompts, tmp / "failing.json")
-        yield Setup(cold, failing)
+        yield Setup(tmp, model, prompts, server, cold, failing)
     finally:
         server.stop()
 
@@ -80,3 +87,14 @@ def test_each_failed_load_is_counted_once(setup: Setup) -> None:
     assert m["vllm:tiercache_loaded_chunks"] == HIT_CHUNKS - len(LENGTHS)
     lines = kv_transfer_lines(setup.failing.log)
     assert logged_total(lines, "Load failures") == len(LENGTHS)
+
+
+def test_without_reporting_the_failures_the_output_is_wrong(setup: Setup) -> None:
+    """Negative control: hide failed_recving; vLLM takes the loads as done and computes on blocks
+    nobody wrote."""
+    hidden = run_engine("tests.e2e.load_failure_run", setup.model, setup.server.endpoint, setup.prompts,
+                        setup.tmp / "hidden.json", "--hide-load-errors")
+    diff = hidden.max_logprob_diff(setup.cold)
+    print(f"\n[e2e gemma3 load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}")
+    assert hidden.num_cached == [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]
+    assert diff > 1e-2
