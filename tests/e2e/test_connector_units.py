@@ -495,6 +495,7 @@ def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() ->
 def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy() -> None:
     """vLLM counts finished_recving per worker (KVOutputAggregator): a load with no chunk this worker
     could place (``complete`` False), or no server, is still reported, as failed."""
+    pytest.importorskip("vllm")
     from tiercache.connector.metadata import RequestLoad, TierCacheMetadata
 
     w, _ = _recurrent_worker([])
@@ -518,6 +519,7 @@ def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
 
 def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
     """One KV-cache group (dense models): vLLM recomputes from the first invalid block."""
+    pytest.importorskip("vllm")
     from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
 
     w, _ = _recurrent_worker([32, 4])
