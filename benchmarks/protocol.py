@@ -163,7 +163,10 @@ def main() -> int:
                 out = [bytes(v) for v in views]
                 raw_load.append(time.perf_counter() - t0)
             del views, out
-        gbs = lambda ts: total / statistics.median(ts) / 1e9
+
+        def gbs(ts: list[float]) -> float:
+            return total / statistics.median(ts) / 1e9
+
         for name, ours, raw in (("store", store_t, raw_store), ("load", load_t, raw_load)):
             rows.append(
                 (

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.reliability.common import peak_rss_mib  # noqa: E402
-from tests.reliability.test_load import worker  # noqa: E402
-from tests.server.serverproc import ServerProcess, ServerSpec  # noqa: E402
+from tests.reliability.common import peak_rss_mib
+from tests.reliability.test_load import worker
+from tests.server.serverproc import ServerProcess, ServerSpec
 
 MiB = 1 << 20
 

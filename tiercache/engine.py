@@ -501,7 +501,7 @@ class TieredEngine:
         for tier in self.lower:
             dst: list[WriteHandle] = []
 
-            def alloc(nbytes: int) -> memoryview:
+            def alloc(nbytes: int, dst: list[WriteHandle] = dst) -> memoryview:
                 dst.append(self.l1.reserve(key, nbytes))  # TierFullError: L1 has no room
                 return dst[0].buffer
 

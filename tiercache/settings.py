@@ -349,7 +349,7 @@ class Option:
     def to_field(self, value: Any) -> Any:
         """A parsed user value → the dataclass field's value (GiB → bytes)."""
         if self.unit is not None and value is not None:
-            return int(round(value * self.unit.factor))
+            return round(value * self.unit.factor)
         return value
 
 

@@ -426,7 +426,9 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
 
     import torch
 
+    from tiercache.connector.copy import CpuPageCopy
     from tiercache.connector.layout import GroupLayout
+    from tiercache.connector.pages import page_view
     from tiercache.connector.stats import StatsRecorder
     from tiercache.connector.worker import WorkerHalf
     from tiercache.keys import Fingerprint
@@ -445,7 +447,11 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
         GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
         GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
     ]
-    w._pages = {0: [torch.full((10, 16), 0xEE, dtype=torch.uint8)], 1: [torch.full((10, 8), 0xEE, dtype=torch.uint8)]}
+    w._pages = {
+        0: [page_view("attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1)],
+        1: [page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)],
+    }
+    w._copy = CpuPageCopy()
     w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
     w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
     w._idle = threading.Condition(w._lock)
@@ -471,7 +477,7 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     meta = _two_chunk_hit()
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     w.start_load_kv(meta)  # type: ignore[attr-defined]  # already done by handle_preemptions: no-op
-    pages = w._pages  # type: ignore[attr-defined]
+    pages = {g: [pv.view for pv in layers] for g, layers in w._pages.items()}  # type: ignore[attr-defined]
     assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
     assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
     assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 from tests.conftest import S3Endpoint, payload_for
-from tests.engine.conftest import MiB, EngineFactory, disk_tier, l1_tier, s3_tier
+from tests.engine.conftest import EngineFactory, MiB, disk_tier, l1_tier, s3_tier
 from tiercache.config import L3WritePolicy
 from tiercache.engine import GroupSpec, TicketState
 from tiercache.keys import Fingerprint, GroupKind, chunk_hashes

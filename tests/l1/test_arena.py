@@ -92,7 +92,7 @@ def test_creating_an_existing_name_is_refused() -> None:
 
 
 def test_attaching_a_missing_arena_says_what_to_check() -> None:
-    with pytest.raises(ArenaError, match="no L1 arena named .* is the tiercache server running"):
+    with pytest.raises(ArenaError, match=r"no L1 arena named .* is the tiercache server running"):
         SharedArena.attach(default_arena_name())
 
 

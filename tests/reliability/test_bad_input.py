@@ -40,7 +40,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
 
     def good_client() -> None:
         with server.client() as c:
-            [group] = c.register([(0, manifest())])
+            [_group] = c.register([(0, manifest())])
             fp = manifest().fingerprint()
             i = 0
             while not stop.is_set():
@@ -75,7 +75,7 @@ def test_fuzzed_frames_get_answers_while_a_good_client_is_served(shared, frame: 
 
 
 def test_the_good_client_saw_no_error_and_no_wrong_byte(shared) -> None:  # type: ignore[no-untyped-def]
-    server, _, counts, stop = shared
+    _server, _, counts, stop = shared
     stop.set()
     figures("fuzz-concurrent", fuzzed_frames=FUZZED["frames"], error_replies=FUZZED["replies"], good_client_ops=counts["ops"], good_client_errors=counts["errors"], wrong_reads=counts["wrong"])
     assert FUZZED["frames"] > 0

@@ -105,7 +105,7 @@ def test_bit_flips_and_truncations_in_lmdb_values_are_counted_misses_and_removed
     env.close()
     blob = (path / "data.mdb").read_bytes()
     with open(path / "data.mdb", "r+b") as f:
-        for key, value in rot:
+        for _key, value in rot:
             at = blob.find(value)
             assert at >= 0
             offset = rng.randrange(len(value))

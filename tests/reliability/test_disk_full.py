@@ -96,7 +96,7 @@ def test_a_real_server_with_a_flaky_disk_serves_only_right_bytes(start_server: S
         faults={"disk": {"error_rate": 0.3, "seed": 7}},
     )
     with server.client() as client:
-        [group] = client.register([(0, manifest())])
+        [_group] = client.register([(0, manifest())])
         fp = manifest().fingerprint()
         keys = [ObjectKey(fp, 0, i.to_bytes(16, "big")) for i in range(400)]
         for i in range(0, len(keys), 8):

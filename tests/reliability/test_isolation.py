@@ -87,7 +87,7 @@ def test_socket_data_files_and_arena_are_owner_only(start_server: StartServer, t
 
 def test_s3_credentials_never_appear_in_logs_errors_or_inspect(s3: S3Endpoint, tmp_path: Path) -> None:
     proxy = FaultyS3Proxy(s3.url)
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115  (closed below)
+    log = open(tmp_path / "server.log", "w")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERCACHE_", "AWS_"))}
     env.update(
         AWS_ACCESS_KEY_ID=ACCESS_KEY,

@@ -42,7 +42,13 @@ class ServerSpec:
 
 def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     """Process entry: build the engine and server, serve until ``stop`` is set, then stop cleanly."""
-    from tiercache.config import DiskConfig, EngineConfig, L1Config, S3Config, ServerOptions
+    from tiercache.config import (
+        DiskConfig,
+        EngineConfig,
+        L1Config,
+        S3Config,
+        ServerOptions,
+    )
     from tiercache.engine import TieredEngine
     from tiercache.l1 import L1Tier
     from tiercache.server import Server

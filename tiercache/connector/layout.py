@@ -40,11 +40,15 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.identity import weights_identity
+from tiercache.connector.kernel_blocks import derive_kernel_block_size
 from tiercache.errors import ConfigError
 from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
+
+if TYPE_CHECKING:
+    from tiercache.connector.pages import PageView
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +129,13 @@ class EngineLayout:
         """Block size in tokens of each vLLM KV-cache group, indexed by KV-cache group."""
         sizes = {g.kv_group: g.block_size for g in self.groups}
         return [sizes[kv] for kv in range(len(sizes))]
+
+
+def _pages() -> Any:
+    # Imports torch: only the functions that deal with tensors need it.
+    from tiercache.connector import pages
+
+    return pages
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -340,6 +351,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
             mamba_type = getattr(spec, "mamba_type", "?")
             backend = f"mamba:{getattr(mamba_type, 'value', mamba_type)}"
             kind, stored_page = GroupKind.RECURRENT, unpadded
+            kernel = block  # state pages are never split into kernel blocks
             state_shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
             state_dtypes = tuple(_dtype_name(d) for d in spec.dtypes)
             spec_extra: tuple[tuple[str, str], ...] = (
@@ -348,6 +360,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
             )
         else:
             backend = resolve_backend_name(vllm_config, spec)
+            kernel = derive_kernel_block_size(vllm_config, kv_cache_config, layers, spec)
             kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION
             stored_page, state_shapes, state_dtypes = page, (), ()
             spec_extra = (("num_kv_heads", str(spec.num_kv_heads)), ("head_size", str(spec.head_size)))
@@ -358,7 +371,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                 kv_dtype=_dtype_name(spec.dtypes[0] if recurrent else spec.dtype),
                 attention_backend=backend,
                 kv_layout=layout_name,
-                kernel_block_size=block,
+                kernel_block_size=kernel,
                 manager_block_size=block,
                 page_bytes=page,
                 page_bytes_unpadded=unpadded,
@@ -374,9 +387,7 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
                 pp_size=pp,
                 pp_rank=rank // tp,
                 dcp_size=dcp,
-                extra=extras
-                + (("spec", type(spec).__name__), ("layers", ",".join(layers)))
-                + spec_extra,
+                extra=(*extras, ("spec", type(spec).__name__), ("layers", ",".join(layers)), *spec_extra),
             )
             groups.append(
                 GroupLayout(
@@ -395,24 +406,24 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
     return EngineLayout(tuple(groups), world, scheduler_block, chunk_size)
 
 
-def verify_kv_caches(groups: list[GroupLayout], kv_caches: dict[str, Any], forward_context: dict[str, Any] | None) -> None:
+def verify_kv_caches(
+    groups: list[GroupLayout], kv_caches: dict[str, Any], forward_context: dict[str, Any] | None
+) -> dict[int, list[PageView]]:
     """Check the derived layout against the worker's real tensors and layers; raise on mismatch.
 
-    Each layer's tensor must hold one contiguous page of ``page_bytes`` per block (true for vLLM's
-    layer-outermost layouts, which the CPU backend always uses). For a recurrent layer that is its
-    ``[blocks, 1, 1, state bytes]`` view, whose block stride is the padded page.
+    Returns per KV-cache group the layers' :class:`PageView` at manager-block granularity: each
+    layer's block dimension holds ``manager_block_size // kernel_block_size`` kernel blocks per
+    manager block, and a page (possibly several strided runs) must be ``page_bytes`` long. For a
+    recurrent layer the page is its ``[blocks, 1, 1, state bytes]`` view, whose block stride is the
+    padded page: only the unpadded state bytes are a page.
     """
+    pages: dict[int, list[PageView]] = {}
     for g in groups:
+        m = g.manifest
+        pages[g.kv_group] = _pages().page_views(
+            g.layer_names, kv_caches, page_bytes=g.page_bytes, kernel_blocks=m.manager_block_size // m.kernel_block_size
+        )
         for name in g.layer_names:
-            t = kv_caches.get(name)
-            if t is None:
-                raise ConfigError(f"tiercache: layer {name} of KV-cache group {g.kv_group} has no KV tensor")
-            page = t[0].numel() * t.element_size()
-            if page != g.page_bytes or not t[0].is_contiguous():
-                raise ConfigError(
-                    f"tiercache: layer {name} has pages of {page} bytes (contiguous={t[0].is_contiguous()}, "
-                    f"shape {tuple(t.shape)}); the spec says {g.page_bytes}. This KV layout is not supported yet."
-                )
             layer = (forward_context or {}).get(name)
             if g.is_recurrent:
                 continue  # no attention backend: the manifest names the state kernels (mamba_type)
@@ -424,3 +435,4 @@ def verify_kv_caches(groups: list[GroupLayout], kv_caches: dict[str, Any], forwa
                         f"{g.manifest.attention_backend} from the config; the fingerprint would be wrong, "
                         "so the connector refuses to start. Please report this with your vLLM version."
                     )
+    return pages

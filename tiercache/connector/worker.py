@@ -1,8 +1,8 @@
 """The worker half: runs in each vLLM worker process, next to the KV cache.
 
 * ``register_kv_caches`` (once, at start-up): check the derived layout against the real tensors,
-  build per layer an int8 ``(num_blocks, page_bytes)`` view over the KV memory, connect, register the
-  object groups of this rank and map the server's L1 arena.
+  build per layer a page view per manager block over the KV memory, pick the copy engine for the
+  tensors' device, connect, register the object groups of this rank and map the server's L1 arena.
 * Loads (``handle_preemptions``, at the very start of the step; ``start_load_kv`` is the fallback
   if that hook did not see the step). The scheduler's lookup ticket has promoted the hit objects
   into L1; the worker pins them by key (one round trip per step with loads), copies each into the
@@ -27,8 +27,10 @@
   requests were preempted (their blocks may be rewritten this step) every queued save is finished
   before the forward pass (``handle_preemptions``).
 
-CPU copy path: plain ``torch`` copies between the KV views and the mapped arena. The CUDA path
-(pinned arena, async DMA) is not wired in yet.
+Copies go through a :class:`~tiercache.connector.copy.PageCopyEngine` chosen from the KV tensors'
+device (CPU: plain ``torch`` copies; CUDA: pinned arena, DMA on a side stream ordered by events), over
+per-layer :class:`~tiercache.connector.pages.PageView` at manager-block granularity (vLLM may split
+a manager block into kernel blocks and lay pages out as several runs).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from tiercache.client import Client
+from tiercache.connector.copy import PageCopyEngine, select_copy_engine
 from tiercache.connector.layout import (
     EngineLayout,
     GroupLayout,
@@ -51,6 +54,7 @@ from tiercache.connector.layout import (
 )
 from tiercache.connector.link import ServerLink
 from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
+from tiercache.connector.pages import PageView
 from tiercache.connector.settings import ConnectorSettings
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
@@ -59,16 +63,6 @@ from tiercache.keys import ObjectKey
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-def _byte_pages(t: torch.Tensor) -> torch.Tensor:
-    """An int8 ``(num_blocks, page_bytes)`` view of a layer's KV tensor ``[num_blocks, ...]``
-    (each block's page contiguous), sharing its memory."""
-    es = t.element_size()
-    page = t[0].numel() * es
-    out = torch.empty(0, dtype=torch.uint8, device=t.device)
-    out.set_(t.untyped_storage(), t.storage_offset() * es, (t.shape[0], page), (t.stride(0) * es, 1))
-    return out
 
 
 class WorkerHalf:
@@ -81,7 +75,8 @@ class WorkerHalf:
         self._rank = 0
         self._groups: list[GroupLayout] = []
         self._fingerprints: dict[int, Any] = {}
-        self._pages: dict[int, list[torch.Tensor]] = {}  # kv group → per-layer byte views
+        self._pages: dict[int, list[PageView]] = {}  # kv group → per-layer page views
+        self._copy: PageCopyEngine | None = None
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self._lock = threading.Lock()  # guards _pending, _with_saves, _load_errors
         self._idle = threading.Condition(self._lock)
@@ -109,6 +104,7 @@ class WorkerHalf:
         except Exception:  # not initialised (single process tests)
             self._rank = 0
         self._kv_caches = kv_caches
+        self._copy = select_copy_engine(kv_caches.values())
         self.link.start()
         self._saver = threading.Thread(target=self._save_loop, name="tiercache-connector-save", daemon=True)
         self._saver.start()
@@ -120,13 +116,14 @@ class WorkerHalf:
         )
         groups = layout.for_rank(self._rank)
         forward_context = getattr(self._vllm_config.compilation_config, "static_forward_context", None)
-        verify_kv_caches(groups, self._kv_caches, forward_context)
+        pages = verify_kv_caches(groups, self._kv_caches, forward_context)
         refs = client.register([(g.object_group, g.manifest) for g in groups])
         for g, ref in zip(groups, refs):
             if ref.fingerprint != g.fingerprint.raw:
                 raise ConfigError("tiercache: the server computed another fingerprint for our manifest")
-        client.arena()
-        self._pages = {g.kv_group: [_byte_pages(self._kv_caches[n]) for n in g.layer_names] for g in groups}
+        assert self._copy is not None
+        self._copy.attach(client.arena())
+        self._pages = pages
         self._fingerprints = {g.object_group: g.fingerprint for g in groups}
         self._groups = groups
 
@@ -230,12 +227,16 @@ class WorkerHalf:
                     return False  # never write the null block
                 if any(not 0 <= p < g.blocks_per_chunk for p, _ in pairs):
                     return False  # positions from another block size: refuse rather than misplace
-            src = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
+            assert self._copy is not None
+            src = self._copy.host(arena, slot.offset, slot.nbytes)
             src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
             idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
-            pos = torch.tensor([p for p, _ in pairs], dtype=torch.long)
-            for layer, pages in enumerate(self._pages[g.kv_group]):
-                pages.index_copy_(0, idx, src[layer].index_select(0, pos))
+            if [p for p, _ in pairs] == list(range(g.blocks_per_chunk)):
+                rows = list(src)  # the whole chunk: copy straight from the (pinned) slot
+            else:
+                pos = torch.tensor([p for p, _ in pairs], dtype=torch.long)
+                rows = [layer.index_select(0, pos) for layer in src]
+            self._copy.load(self._pages[g.kv_group], idx, rows)
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -255,7 +256,9 @@ class WorkerHalf:
             for rid, n in by_req.items():
                 self._pending[rid] += n
                 self._with_saves.add(rid)
-        self._queue.put(list(meta.saves))
+        # What the save thread's copies wait for (CUDA: an event after this forward pass).
+        ready = self._copy.save_point() if self._copy is not None else None
+        self._queue.put((ready, list(meta.saves)))
 
     def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
         """The first hook of every step, before vLLM prepares inputs: finish queued saves whose
@@ -271,13 +274,14 @@ class WorkerHalf:
 
     def _save_loop(self) -> None:
         while True:
-            batch = self._queue.get()
-            if batch is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
                 return
+            ready, batch = item
             started = time.perf_counter()
             saved, skipped, stored_bytes = self.stats["saved_chunks"], self.stats["save_skipped"], 0
             try:
-                stored_bytes = self._save_batch(batch)
+                stored_bytes = self._save_batch(batch, ready)
             except Exception as exc:  # a failed store is a skipped store, never a crash
                 log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
                 self.stats["save_skipped"] += len(batch)
@@ -303,7 +307,7 @@ class WorkerHalf:
         if skipped:
             self.recorder.add("store_skipped", skipped)
 
-    def _save_batch(self, batch: list[ChunkSave]) -> int:
+    def _save_batch(self, batch: list[ChunkSave], ready: Any = None) -> int:
         """Store a batch; returns the bytes committed (0 when skipped)."""
         client = self.link.client()
         if client is None or not self._groups:
@@ -334,9 +338,10 @@ class WorkerHalf:
         tokens = [s.token for s in slots if s is not None]
         try:
             arena = client.arena()
+            assert self._copy is not None
             for slot, (g, save) in zip(slots, sources):
                 assert slot is not None
-                dst = torch.frombuffer(arena.view(slot.offset, slot.nbytes), dtype=torch.uint8)
+                dst = self._copy.host(arena, slot.offset, slot.nbytes)
                 dst = dst.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
                 ids = save.block_ids[g.kv_group]
                 if 0 in ids:
@@ -345,9 +350,7 @@ class WorkerHalf:
                     raise ValueError(
                         f"a chunk of KV-cache group {g.kv_group} is {g.blocks_per_chunk} blocks, the save has {len(ids)}"
                     )
-                idx = torch.tensor(ids, dtype=torch.long)
-                for layer, pages in enumerate(self._pages[g.kv_group]):
-                    torch.index_select(pages, 0, idx, out=dst[layer])
+                self._copy.save(ready, self._pages[g.kv_group], torch.tensor(ids, dtype=torch.long), list(dst))
         except BaseException:
             try:
                 client.abort(tokens)
@@ -408,3 +411,5 @@ class WorkerHalf:
             self._queue.put(_STOP)
             self._saver.join(30)
         self.link.close()
+        if self._copy is not None:
+            self._copy.close()

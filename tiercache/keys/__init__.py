@@ -1,6 +1,11 @@
 """Chunk hashing, fingerprints and layout manifests, and the ObjectKey encoding."""
 
-from tiercache.keys.fingerprint import FORMAT_VERSION, Fingerprint, GroupKind, LayoutManifest
+from tiercache.keys.fingerprint import (
+    FORMAT_VERSION,
+    Fingerprint,
+    GroupKind,
+    LayoutManifest,
+)
 from tiercache.keys.hashing import HASH_BYTES, ExtraKeys, PrefixHasher, chunk_hashes
 from tiercache.keys.object_key import KEY_BYTES, ObjectKey
 

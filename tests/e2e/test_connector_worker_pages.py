@@ -1,0 +1,235 @@
+"""The worker half's store and load paths over kernel-split page views, against a fake server
+client whose arena is a real shared mapping. Needs torch and vLLM (the connector metadata derives
+from vLLM's); skipped elsewhere."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the worker half needs torch")
+pytest.importorskip("vllm", reason="the worker half's metadata types come from vLLM")
+
+from tiercache.connector.copy import CpuPageCopy  # noqa: E402
+from tiercache.connector.layout import GroupLayout, verify_kv_caches  # noqa: E402
+from tiercache.connector.metadata import (  # noqa: E402
+    ChunkLoad,
+    ChunkSave,
+    RequestLoad,
+    TierCacheMetadata,
+)
+from tiercache.connector.settings import ConnectorSettings  # noqa: E402
+from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
+from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
+from tiercache.l1.arena import SharedArena  # noqa: E402
+
+K, KERNEL_BLOCK, HEADS, HEAD, NUM_BLOCKS, BPC = 4, 4, 2, 8, 9, 2
+PAGE = K * KERNEL_BLOCK * HEADS * 2 * HEAD * 2  # bf16, K|V per head
+
+
+@dataclass
+class Slot:
+    offset: int
+    nbytes: int
+    token: int
+
+
+class FakeClient:
+    """reserve → copy → commit and pin → copy → release, over a real arena."""
+
+    def __init__(self, arena: SharedArena) -> None:
+        self._arena, self._next, self.objects, self.pending = arena, 0, {}, {}
+
+    def arena(self) -> SharedArena:
+        return self._arena
+
+    def reserve(self, items: list[tuple[Any, int]]) -> list[Slot]:
+        slots = []
+        for key, nbytes in items:
+            slot = Slot(self._next, nbytes, len(self.pending) + len(self.objects) + 1)
+            self._next += nbytes
+            self.pending[slot.token] = (key, slot)
+            slots.append(slot)
+        return slots
+
+    def commit(self, tokens: list[int]) -> None:
+        for t in tokens:
+            key, slot = self.pending.pop(t)
+            self.objects[key] = slot
+
+    def abort(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.pending.pop(t, None)
+
+    def pin(self, keys: list[Any]) -> list[Slot | None]:
+        return [self.objects.get(k) for k in keys]
+
+    def release(self, tokens: list[int]) -> None:
+        pass
+
+
+def _kv() -> torch.Tensor:
+    """A FlashAttention-style vLLM 0.32 cache split into kernel blocks: ``[B*k, H, N, K|V]``."""
+    return torch.zeros(NUM_BLOCKS * K, HEADS, KERNEL_BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]:
+    manifest = LayoutManifest(
+        model_id="m", model_revision="r", kv_dtype="bfloat16", attention_backend="FLASH_ATTN", kv_layout="LBHNC",
+        kernel_block_size=KERNEL_BLOCK, manager_block_size=K * KERNEL_BLOCK, page_bytes=PAGE, page_bytes_unpadded=PAGE,
+        group_kind=GroupKind.FULL_ATTENTION, chunk_size=BPC * K * KERNEL_BLOCK, num_layers=2,
+    )
+    group = GroupLayout(0, 0, 0, ("l0", "l1"), K * KERNEL_BLOCK, BPC, PAGE, manifest)
+    caches = {"l0": _kv(), "l1": _kv()}
+    w = WorkerHalf(None, None, ConnectorSettings())
+    arena = SharedArena.create(None, 1 << 20)
+    client = FakeClient(arena)
+    w._copy = CpuPageCopy()
+    w._pages = verify_kv_caches([group], caches, None)
+    w._groups = [group]
+    w._fingerprints = {0: group.fingerprint}
+    w.link.client = lambda: client  # type: ignore[method-assign]
+    try:
+        yield w, client, caches
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+def _manager_block(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t[b * K : (b + 1) * K]
+
+
+def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, caches = worker
+    g = torch.Generator().manual_seed(7)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    before = {n: t.clone() for n, t in caches.items()}
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    assert w.stats["saved_chunks"] == 1 and len(client.objects) == 1
+
+    for t in caches.values():
+        t.zero_()
+    meta = TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])])])
+    w.start_load_kv(meta)
+    assert w.stats["loaded_chunks"] == 1 and not w.get_block_ids_with_load_errors()
+    for n, t in caches.items():
+        assert torch.equal(_manager_block(t, 7), _manager_block(before[n], 5))
+        assert torch.equal(_manager_block(t, 3), _manager_block(before[n], 2))
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 3)]
+        assert all(not _manager_block(t, b).any() for b in untouched)  # block 0 included
+
+
+def test_a_partial_load_writes_only_the_missing_positions(worker) -> None:  # type: ignore[no-untyped-def]
+    w, _client, caches = worker
+    for i, t in enumerate(caches.values()):
+        t.fill_(float(i + 1))
+    w._save_batch([ChunkSave("r", 0, b"q" * 16, [[1, 2]])])
+    for t in caches.values():
+        t.zero_()
+    w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"q" * 16, [[1]], [[4]])])]))
+    for i, t in enumerate(caches.values()):
+        assert (_manager_block(t, 4) == float(i + 1)).all()
+        assert t.count_nonzero() == _manager_block(t, 4).numel()
+
+
+def test_a_chunk_holding_the_null_block_stores_nothing(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"z" * 16, [[3, 0]])])  # never read block 0 (vLLM's null block)
+    assert not client.objects
+
+
+class RecordingCopy(CpuPageCopy):
+    """The CPU engine, noting which thread asked for a save point and what each save waited for."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[str, object]] = []
+        self.waited: list[tuple[str, object]] = []
+
+    def save_point(self) -> object:
+        token = object()
+        self.points.append((threading.current_thread().name, token))
+        return token
+
+    def save(self, ready, pages, ids, dsts) -> None:  # type: ignore[no-untyped-def]
+        self.waited.append((threading.current_thread().name, ready))
+        super().save(ready, pages, ids, dsts)
+
+
+def test_saves_wait_for_the_save_point_taken_after_the_forward_pass(worker) -> None:  # type: ignore[no-untyped-def]
+    """The model-runner thread takes the save point (CUDA: an event on the compute stream) when it
+    queues the step's saves; the store thread's copies wait for exactly that point."""
+    w, client, _ = worker
+    w._copy = RecordingCopy()
+    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
+    w._saver.start()
+    w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"s" * 16, [[1, 2]])]))
+    assert w.get_finished({"r"}) == ({"r"}, None)  # waits for the request's saves
+    [(point_thread, token)] = w._copy.points
+    assert point_thread == threading.current_thread().name
+    assert w._copy.waited == [("tiercache-connector-save", token)]
+    assert len(client.objects) == 1
+    w._queue.put(_STOP)
+    w._saver.join(5)
+
+
+# -- kernel block size from the config (both halves must derive the same manifest) ----------------
+
+
+class _SixteenTokenBackend:
+    """A backend that, like FlashAttention variants with fixed sizes, runs 16-token blocks only."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "SIXTEEN"
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, spec: object = None) -> list[int]:
+        return [16]
+
+
+@pytest.fixture
+def sixteen_token_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    import vllm.config
+    import vllm.v1.attention.selector
+
+    monkeypatch.setattr(vllm.v1.attention.selector, "get_attn_backend", lambda *a, **k: _SixteenTokenBackend)
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda cfg: contextlib.nullcontext())
+
+
+def _derive(block_stride: int = 100, padded: int | None = None) -> int:
+    from types import SimpleNamespace as NS
+
+    from tiercache.connector.kernel_blocks import derive_kernel_block_size
+
+    cfg = NS(model_config=NS(dtype="bfloat16"), cache_config=NS(cache_dtype="auto"))
+    spec = NS(block_size=64, head_size=64, sliding_window=None, has_layer_views=True, page_size_padded=padded)
+    kv_cache_config = NS(kv_cache_tensors=[NS(layers=["a"], block_stride=block_stride, layer_stride=1000)])
+    return derive_kernel_block_size(cfg, kv_cache_config, ["a"], spec)
+
+
+def test_a_backend_with_smaller_blocks_splits_the_manager_block(sixteen_token_backend: None) -> None:
+    assert _derive() == 16
+
+
+def test_block_outermost_packing_and_padded_pages_are_never_split(sixteen_token_backend: None) -> None:
+    assert _derive(block_stride=5000) == 64  # other layers' pages between blocks (vLLM: no split)
+    assert _derive(padded=1 << 20) == 64
+
+
+def test_an_underivable_kernel_block_falls_back_to_the_manager_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.v1.attention.selector
+
+    def broken(*a: object, **k: object) -> object:
+        raise RuntimeError("no backend here")
+
+    monkeypatch.setattr(vllm.v1.attention.selector, "get_attn_backend", broken)
+    assert _derive() == 64  # the worker then checks the real tensors and refuses a mismatch
