@@ -10,6 +10,8 @@ pin is never asked for and comes back as ``None`` (no slot), exactly what the se
 key no longer in L1; the worker must then report that chunk's blocks as load errors.
 ``--hide-load-errors`` also makes the connector report no load errors, so vLLM believes the blocks
 were loaded: the negative control that shows the recompute is what keeps the output right.
+(For models with several KV-cache groups, loads are asynchronous and a failure is reported per
+request in ``failed_recving``; ``--hide-load-errors`` hides that too.)
 Nothing of vLLM is patched.
 """
 
@@ -37,6 +39,14 @@ def install(drop_index: int, hide_load_errors: bool) -> None:
     Client.pin = pin_without_one  # type: ignore[method-assign]
     if hide_load_errors:
         TierCacheConnector.get_block_ids_with_load_errors = lambda self: set()  # type: ignore[method-assign]
+        real_results = TierCacheConnector.get_transfer_results
+
+        def results_without_failures(self: TierCacheConnector, finished_req_ids: set[str]) -> Any:
+            results = real_results(self, finished_req_ids)
+            results.failed_recving = set()
+            return results
+
+        TierCacheConnector.get_transfer_results = results_without_failures  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

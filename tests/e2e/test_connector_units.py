@@ -155,6 +155,7 @@ def _recurrent_scheduler(chunk: int = 768, block: int = 384) -> object:
     )
     sched._reqs, sched._loads, sched._step, sched._release_at = {}, [], 0, {}
     sched._unfinished_steps, sched._orphans, sched._saves_last_step = deque(), [], False
+    sched._async_loads = True  # as _on_connect decides for this layout (two KV-cache groups)
     sched.link = type("UpLink", (), {"client": lambda self: object()})()
     return sched
 
@@ -193,10 +194,9 @@ def test_saves_take_the_state_block_vllm_hands_over_for_each_chunk_end() -> None
     assert sched._saves_last_step  # type: ignore[attr-defined]  # state blocks are freed soon: flush next step
 
 
-def test_a_hit_loads_the_state_into_the_block_at_the_boundary_and_keeps_it_from_zeroing() -> None:
+def test_a_hit_loads_the_state_into_the_block_at_the_boundary() -> None:
     """On a hit of 1536 tokens vLLM puts the state block at table position 1536 / 384 - 1 = 3; only
-    the chunk ending at the boundary carries it (``state``), and the loaded blocks are taken off
-    vLLM's zeroing list (the worker loads before vLLM zeroes new blocks)."""
+    the chunk ending at the boundary carries it (``state``)."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
@@ -214,19 +214,136 @@ def test_a_hit_loads_the_state_into_the_block_at_the_boundary_and_keeps_it_from_
         ([[0, 1], []], [[11, 12], []], False),
         ([[0, 1], [0]], [[13, 14], [8]], True),
     ]
+    assert load.asynchronous and load.complete
 
 
-def test_loaded_blocks_are_taken_off_the_zeroing_list() -> None:
+# -- asynchronous loads: the scheduler half's side of vLLM's WAITING_FOR_REMOTE_KVS protocol ---------
+
+
+class _TicketClient:
+    """Records the tickets the scheduler half releases."""
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release_ticket(self, ticket: int) -> None:
+        self.released.append(ticket)
+
+
+def _hit_scheduler(asynchronous: bool) -> tuple[object, object, _TicketClient]:
+    """A scheduler half (two KV-cache groups when ``asynchronous``, else as for a dense model) whose
+    lookup for request "r" (1700 tokens) settled on a 2-chunk hit pinned by ticket 5."""
+    from tiercache.connector.scheduler import LookupState, _Request
+    from tiercache.keys import ExtraKeys
+
+    sched = _recurrent_scheduler()
+    sched._async_loads = asynchronous  # type: ignore[attr-defined]
+    client = _TicketClient()
+    sched.link = type("UpLink", (), {"client": lambda self: client})()  # type: ignore[attr-defined]
+    st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0, hit_chunks=2, ticket=5)
+    sched._reqs["r"] = st  # type: ignore[attr-defined]
+    return sched, st, client
+
+
+def _alloc(sched: object, tokens: int = 1536) -> None:
+    from types import SimpleNamespace
+
+    blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13, 14, 15], [0, 0, 0, 8, 9]))
+    sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, tokens)  # type: ignore[attr-defined]
+
+
+def _step_output(finished: set[str] = frozenset(), failed: set[str] = frozenset()) -> object:  # type: ignore[assignment]
+    from types import SimpleNamespace
+
+    return SimpleNamespace(finished_recving=set(finished) or None, failed_recving=set(failed))
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_several_kv_cache_groups_make_the_hit_asynchronous(asynchronous: bool) -> None:
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
-    from tiercache.connector.scheduler import SchedulerHalf
+    sched, _, _ = _hit_scheduler(asynchronous)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(1700)))
+    assert sched.get_num_new_matched_tokens(request, 0) == (1536, asynchronous)  # type: ignore[attr-defined]
 
-    out = SimpleNamespace(new_block_ids_to_zero=[7, 8, 9, 12])
-    meta = TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"h", [[0, 1], [0]], [[11, 12], [8]], state=True)])])
-    SchedulerHalf._keep_loaded_blocks(out, meta)
-    assert out.new_block_ids_to_zero == [7, 9]
+
+def test_the_ticket_is_kept_until_the_workers_report_the_load() -> None:
+    pytest.importorskip("vllm")
+    sched, st, client = _hit_scheduler(True)
+    _alloc(sched)
+    assert sched.build_connector_meta(_output([], {}, {})).loads[0].req_id == "r"  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]  # parked: nothing reported yet
+    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
+    assert client.released == [] and st.ticket == 5 and st.loading  # type: ignore[attr-defined]
+    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output({"r"}))  # type: ignore[attr-defined]
+    assert client.released == [5] and not st.loading and not st.load_failed  # type: ignore[attr-defined]
+
+
+def test_a_synchronous_hit_releases_the_ticket_once_its_step_ran() -> None:
+    pytest.importorskip("vllm")
+    sched, _, client = _hit_scheduler(False)
+    _alloc(sched)
+    assert not sched.build_connector_meta(_output([], {}, {})).loads[0].asynchronous  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
+    assert client.released == [5]
+
+
+def test_after_a_failed_load_the_retry_computes() -> None:
+    """vLLM frees a failed request's blocks and schedules it again from token 0 (asking for a match
+    again): the cache offers nothing, so the retry never waits on the same failure twice."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    sched, _, client = _hit_scheduler(True)
+    _alloc(sched)
+    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output({"r"}, {"r"}))  # type: ignore[attr-defined]
+    assert client.released == [5]
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(1700)))
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[attr-defined]
+
+
+def test_a_request_finished_while_loading_releases_its_ticket_once_after_the_load_step() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    sched, _, client = _hit_scheduler(True)
+    _alloc(sched)
+    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]  # step 1 carries the load
+    assert sched.request_finished(SimpleNamespace(request_id="r")) == (False, None)  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output({"r"}))  # type: ignore[attr-defined]  # step 1 ran
+    assert client.released == []  # released after the next step: never while a worker may copy
+    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
+    assert client.released == [5] and sched._reqs == {}  # type: ignore[attr-defined]
+
+
+def test_a_preempted_request_loading_anew_is_not_held_for_its_earlier_stores() -> None:
+    """Its earlier stores were flushed at the preemption. Finished while loading, vLLM frees it on
+    finished_recving; holding it for finished_sending as well would report a freed request."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    sched, st, _ = _hit_scheduler(True)
+    st.saves_scheduled = 2  # type: ignore[attr-defined]  # stores of the run before the preemption
+    _alloc(sched)
+    assert sched.request_finished(SimpleNamespace(request_id="r")) == (False, None)  # type: ignore[attr-defined]
+
+
+def test_a_load_whose_blocks_are_missing_is_sent_incomplete() -> None:
+    """vLLM counts every external token as computed once the load is reported: a chunk the
+    scheduler cannot place makes the workers report the whole load failed."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    sched, _, _ = _hit_scheduler(True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13], [0, 0, 0]))
+    sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 1536)  # type: ignore[attr-defined]
+    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
+    assert load.asynchronous and not load.complete
 
 
 def test_plugin_registration_is_idempotent() -> None:
@@ -337,19 +454,21 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     w._copy = CpuPageCopy()
     w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
     w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
+    w._idle = threading.Condition(w._lock)
+    w._recv_done, w._recv_failed, w._pending, w._with_saves, w._finished_waiting = set(), set(), {}, set(), set()
     w.stats = {"loaded_chunks": 0, "load_failures": 0}
     w.recorder = StatsRecorder()
     w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
     return w, arena
 
 
-def _two_chunk_hit() -> object:
+def _two_chunk_hit(asynchronous: bool = True) -> object:
     from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
 
     return TierCacheMetadata(step=1, loads=[RequestLoad("r", [
         ChunkLoad(b"0" * 16, [[0, 1], []], [[1, 2], []]),
         ChunkLoad(b"1" * 16, [[0, 1], [0]], [[3, 4], [7]], state=True),
-    ])])
+    ], asynchronous=asynchronous)])
 
 
 def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
@@ -364,15 +483,56 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
     assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]  # reported once
 
 
-def test_a_failed_state_load_fails_and_zeroes_the_whole_request() -> None:
-    """A state object of the wrong size fails chunk 1; chunk 0 loaded fine, but recomputing from
-    chunk 1 would need the state after chunk 0, which nobody loaded: every block of the request's
-    load is reported (vLLM recomputes from its first block) and zeroed (vLLM no longer does)."""
+def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() -> None:
+    """A state object of the wrong size fails chunk 1: the request is reported finished and failed
+    (vLLM frees its blocks and computes it from scratch); no block ids, which vLLM cannot map back
+    to requests with several KV-cache groups."""
     w, _ = _recurrent_worker([32, 32, 4])
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4, 7}  # type: ignore[attr-defined]
-    pages = {g: [pv.view for pv in layers] for g, layers in w._pages.items()}  # type: ignore[attr-defined]
-    assert all(pages[0][0][b].tolist() == [0] * 16 for b in (1, 2, 3, 4))
-    assert pages[1][0][7].tolist() == [0] * 8
+    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
+    assert w.stats == {"loaded_chunks": 1, "load_failures": 1}  # type: ignore[attr-defined]
+
+
+def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy() -> None:
+    """vLLM counts finished_recving per worker (KVOutputAggregator): a load with no chunk this worker
+    could place (``complete`` False), or no server, is still reported, as failed."""
+    pytest.importorskip("vllm")
+    from tiercache.connector.metadata import RequestLoad, TierCacheMetadata
+
+    w, _ = _recurrent_worker([])
+    w.handle_preemptions(TierCacheMetadata(step=1, loads=[RequestLoad("r", [], asynchronous=True, complete=False)]))  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    w, _ = _recurrent_worker([32, 32, 8])
+    w.link = type("DownLink", (), {"client": lambda self: None})()  # type: ignore[attr-defined]
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+
+
+def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
+    """The worker's side of the scheduler's rule: once finished, the request is not reported in
+    finished_sending for stores of a run before its preemption."""
+    w, _ = _recurrent_worker([32, 32, 8])
+    w._with_saves.add("r")  # type: ignore[attr-defined]
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert w.transfer_results({"r"}) == (set(), set(), set())  # type: ignore[attr-defined]
+
+
+def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
+    """One KV-cache group (dense models): vLLM recomputes from the first invalid block."""
+    pytest.importorskip("vllm")
+    from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
+
+    w, _ = _recurrent_worker([32, 4])
+    w._groups = w._groups[:1]  # type: ignore[attr-defined]
+    meta = TierCacheMetadata(step=1, loads=[RequestLoad("r", [
+        ChunkLoad(b"0" * 16, [[0, 1]], [[1, 2]]), ChunkLoad(b"1" * 16, [[0, 1]], [[3, 4]]),
+    ])])
+    w.handle_preemptions(meta)  # type: ignore[attr-defined]
+    assert w.get_block_ids_with_load_errors() == {3, 4}  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]

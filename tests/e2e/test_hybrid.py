@@ -23,9 +23,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import make_prompts, write_tiny_gemma3
+from tests.e2e.objects import chunk_index, stored_objects
 from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.keys import ExtraKeys, GroupKind, ObjectKey, PrefixHasher
+from tiercache.keys import GroupKind, ObjectKey
 
 pytestmark = pytest.mark.e2e
 
@@ -63,31 +64,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         server.stop()
 
 
-def _stored(setup: Setup) -> dict[ObjectKey, GroupKind]:
-    """Every stored object and the kind of its group (from the manifest the engine registered)."""
-    out: dict[ObjectKey, GroupKind] = {}
-    with setup.server.client() as c:
-        keys, _ = c.list_keys(tier="l1")
-        kinds: dict[bytes, GroupKind] = {}
-        for listed in keys:
-            key = ObjectKey.from_bytes(listed.key)
-            if key.fingerprint.raw not in kinds:
-                manifest = c.manifest(key.fingerprint)
-                assert manifest is not None
-                kinds[key.fingerprint.raw] = manifest.group_kind
-            out[key] = kinds[key.fingerprint.raw]
-    return out
-
-
-def _chunk_index(setup: Setup) -> dict[bytes, tuple[int, int]]:
-    """prefix hash → (prompt, chunk)."""
-    index = {}
-    for p, ids in enumerate(setup.prompt_ids):
-        for c, h in enumerate(PrefixHasher(CHUNK, ExtraKeys()).update(ids)):
-            index[h] = (p, c)
-    return index
-
-
 def _in_window(setup: Setup, key: ObjectKey, index: dict[bytes, tuple[int, int]]) -> bool:
     """Whether a fresh engine's hit needs this sliding-group object (the last hit chunk)."""
     p, c = index[key.prefix_hash]
@@ -97,7 +73,7 @@ def _in_window(setup: Setup, key: ObjectKey, index: dict[bytes, tuple[int, int]]
 def test_cold_run_stores_both_groups(setup: Setup) -> None:
     assert setup.cold.num_cached == [0, 0]
     assert wait_for_stores(setup.server, 2 * STORED_CHUNKS) == 2 * STORED_CHUNKS
-    kinds = list(_stored(setup).values())
+    kinds = list(stored_objects(setup.server).values())
     assert kinds.count(GroupKind.SLIDING_WINDOW) == STORED_CHUNKS
     assert kinds.count(GroupKind.FULL_ATTENTION) == STORED_CHUNKS
 
@@ -106,10 +82,10 @@ def test_hit_needs_only_the_trailing_window_chunk_of_the_sliding_group(setup: Se
     """Delete every sliding-group object outside the hits' windows: a fresh engine still hits the
     whole prefix (full group: every chunk; sliding group: the last chunk) and matches the cold run."""
     wait_for_stores(setup.server, 2 * STORED_CHUNKS)
-    index = _chunk_index(setup)
+    index = chunk_index(setup.prompt_ids, CHUNK)
     removed = {}
     with setup.server.client() as c:
-        for key, kind in _stored(setup).items():
+        for key, kind in stored_objects(setup.server).items():
             if kind is GroupKind.SLIDING_WINDOW and not _in_window(setup, key, index):
                 removed[key] = c.get(key)
                 assert c.delete(key)
@@ -130,11 +106,11 @@ def test_noise_in_the_sliding_window_chunk_changes_the_output(setup: Setup) -> N
     engine loads them and its logprobs move far beyond the tolerance (the sliding layer's KV matters
     and is really written)."""
     wait_for_stores(setup.server, 2 * STORED_CHUNKS)
-    index = _chunk_index(setup)
+    index = chunk_index(setup.prompt_ids, CHUNK)
     originals: dict[ObjectKey, bytes] = {}
     rng = np.random.default_rng(0)
     with setup.server.client() as c:
-        for key, kind in _stored(setup).items():
+        for key, kind in stored_objects(setup.server).items():
             if kind is GroupKind.SLIDING_WINDOW and _in_window(setup, key, index):
                 data = c.get(key)
                 assert data is not None

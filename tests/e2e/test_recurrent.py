@@ -30,9 +30,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import make_prompts, write_tiny_qwen3_next
+from tests.e2e.objects import chunk_index, stored_objects
 from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.keys import ExtraKeys, GroupKind, ObjectKey, PrefixHasher
+from tiercache.keys import GroupKind, ObjectKey
 
 pytestmark = pytest.mark.e2e
 
@@ -85,44 +86,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         server.stop()
 
 
-def _stored(setup: Setup) -> dict[ObjectKey, GroupKind]:
-    """Every stored object and the kind of its group (from the manifest the engine registered)."""
-    out: dict[ObjectKey, GroupKind] = {}
-    with setup.server.client() as c:
-        keys, _ = c.list_keys(tier="l1")
-        kinds: dict[bytes, GroupKind] = {}
-        for listed in keys:
-            key = ObjectKey.from_bytes(listed.key)
-            if key.fingerprint.raw not in kinds:
-                manifest = c.manifest(key.fingerprint)
-                assert manifest is not None
-                kinds[key.fingerprint.raw] = manifest.group_kind
-            out[key] = kinds[key.fingerprint.raw]
-    return out
-
-
-def _chunk_of(setup: Setup) -> dict[bytes, tuple[int, int]]:
-    """prefix hash → (prompt, chunk)."""
-    index = {}
-    for p, ids in enumerate(setup.prompt_ids):
-        for c, h in enumerate(PrefixHasher(CHUNK, ExtraKeys()).update(ids)):
-            index[h] = (p, c)
-    return index
-
-
 def _state_objects(setup: Setup) -> dict[tuple[int, int], ObjectKey]:
     """(prompt, chunk) → key of the state object stored after that chunk."""
-    index = _chunk_of(setup)
-    return {index[k.prefix_hash]: k for k, kind in _stored(setup).items() if kind is GroupKind.RECURRENT}
+    index = chunk_index(setup.prompt_ids, CHUNK)
+    return {index[k.prefix_hash]: k for k, kind in stored_objects(setup.server).items() if kind is GroupKind.RECURRENT}
 
 
 def test_cold_run_stores_attention_chunks_and_states_at_step_boundaries(setup: Setup) -> None:
     assert setup.cold.num_cached == [0] * len(LENGTHS)
     total = FULL_OBJECTS + STATE_OBJECTS
     stores = wait_for_stores(setup.server, total)
-    index = _chunk_of(setup)
-    assert stores == total, str(sorted((kind.value, index[k.prefix_hash]) for k, kind in _stored(setup).items()))
-    kinds = list(_stored(setup).values())
+    index = chunk_index(setup.prompt_ids, CHUNK)
+    assert stores == total, str(sorted((kind.value, index[k.prefix_hash]) for k, kind in stored_objects(setup.server).items()))
+    kinds = list(stored_objects(setup.server).values())
     assert kinds.count(GroupKind.FULL_ATTENTION) == FULL_OBJECTS
     # The state after chunk c exists only where a prefill step ended: 768 and 1536 tokens.
     assert sorted(_state_objects(setup)) == [(0, 1), (1, 1), (2, 1), (2, 3), (3, 1), (3, 3)]

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -81,7 +82,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete before the forward pass (start_load_kv is synchronous)
+        return  # loads are complete before the forward pass (they are copied in handle_preemptions)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are whole chunks of every layer, queued in wait_for_save
@@ -94,6 +95,14 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished stores, and this step's asynchronous loads: done ones in ``finished_recving``,
+        failed ones in ``failed_recving`` as well (vLLM then computes those requests)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

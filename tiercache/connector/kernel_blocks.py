@@ -13,6 +13,21 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def attention_backend(vllm_config: Any, spec: Any) -> Any:
+    """The attention backend class vLLM selects for layers of ``spec`` (as the layers do it, from the
+    config alone). Raises whatever vLLM raises when it cannot tell."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    with set_current_vllm_config(vllm_config):
+        return get_attn_backend(
+            spec.head_size,
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.cache_dtype,
+            has_sliding_window=getattr(spec, "sliding_window", None) is not None,
+        )
+
+
 def derive_kernel_block_size(vllm_config: Any, kv_cache_config: Any, layer_names: Sequence[str], spec: Any) -> int:
     """The kernel block size vLLM's GPU model runner will give this KV-cache group, from the config
     alone (the scheduler process has no tensors; both halves must agree on the fingerprint).
@@ -31,16 +46,10 @@ def derive_kernel_block_size(vllm_config: Any, kv_cache_config: Any, layer_names
             if not names.isdisjoint(getattr(t, "layers", ())) and getattr(t, "block_stride", 0) > getattr(t, "layer_stride", 0):
                 return block
         from vllm.config import set_current_vllm_config
-        from vllm.v1.attention.selector import get_attn_backend
         from vllm.v1.worker.utils import select_common_block_size
 
+        backend = attention_backend(vllm_config, spec)
         with set_current_vllm_config(vllm_config):
-            backend = get_attn_backend(
-                spec.head_size,
-                vllm_config.model_config.dtype,
-                vllm_config.cache_config.cache_dtype,
-                has_sliding_window=getattr(spec, "sliding_window", None) is not None,
-            )
             try:
                 from vllm.v1.worker.utils import customize_attention_spec
 

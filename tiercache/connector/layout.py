@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercache.connector.identity import weights_identity
-from tiercache.connector.kernel_blocks import derive_kernel_block_size
+from tiercache.connector.kernel_blocks import (
+    attention_backend,
+    derive_kernel_block_size,
+)
 from tiercache.errors import ConfigError
 from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
 
@@ -149,16 +152,7 @@ def resolve_backend_name(vllm_config: Any, spec: Any) -> str:
     or ``"unresolved"``; the worker compares against what its layers really use.
     """
     try:
-        from vllm.config import set_current_vllm_config
-        from vllm.v1.attention.selector import get_attn_backend
-
-        with set_current_vllm_config(vllm_config):
-            backend = get_attn_backend(
-                spec.head_size,
-                vllm_config.model_config.dtype,
-                vllm_config.cache_config.cache_dtype,
-                has_sliding_window=getattr(spec, "sliding_window", None) is not None,
-            )
+        backend = attention_backend(vllm_config, spec)
         return str(backend.get_name())
     except Exception as exc:  # unknown selector signature: let the worker's check decide
         log.debug("could not resolve the attention backend from the config: %s", exc)

@@ -33,8 +33,19 @@ class ChunkLoad:
 
 @dataclass(slots=True)
 class RequestLoad:
+    """One request's load this step.
+
+    ``asynchronous``: vLLM parked the request in ``WAITING_FOR_REMOTE_KVS`` (layouts with several
+    KV-cache groups or recurrent state); every worker reports it in ``finished_recving`` once, and
+    in ``failed_recving`` as well if any of its chunks failed (never as invalid block ids).
+    ``complete`` False: the scheduler could not place every chunk vLLM counts as loaded (blocks
+    missing), so an asynchronous load is reported failed whatever the chunks do.
+    """
+
     req_id: str
     chunks: list[ChunkLoad]
+    asynchronous: bool = False
+    complete: bool = True
 
 
 @dataclass(slots=True)

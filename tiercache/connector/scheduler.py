@@ -9,7 +9,14 @@ down, and while it is down every request is a miss.
 Per request this half hashes the prompt's full chunks (``PrefixHasher``, seeded with the cache salt
 and LoRA name), looks them up, keeps the lookup ticket (which pins the hit objects in the L1 arena)
 until the workers have copied them, and tells the workers which newly computed prompt chunks to
-store. Requests for which a store was scheduled are held (``request_finished`` returns True) until
+store.
+
+Loads are synchronous for one KV-cache group (the ticket is released once the step carrying the
+load ran; failed chunks come back as invalid block ids). With several KV-cache groups, or recurrent
+state, vLLM cannot take block-level failures, so hits are answered ``(n, True)``: vLLM parks the
+request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it in ``finished_recving`` (and in
+``failed_recving`` if the load failed; vLLM then recomputes it from token 0 and this half answers
+that retry with no hit). The ticket is kept until that report. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
 
 Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
@@ -81,6 +88,8 @@ class _Request:
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
     saves_scheduled: int = 0
     states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
+    loading: bool = False  # an asynchronous load was sent; the ticket is kept until it is reported
+    load_failed: bool = False  # the workers reported its asynchronous load failed: compute instead
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -113,6 +122,7 @@ class SchedulerHalf:
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._warned_tp = False
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
+        self._async_loads = False  # set at connect: see _on_connect
         self.stats = StatsRecorder()
         self._outages_counted = 0
         self.link = ServerLink(settings, "vllm-scheduler", self._on_connect)
@@ -132,6 +142,11 @@ class SchedulerHalf:
         if layout.has_recurrent:
             self._check_recurrent(layout, info.separate_object_groups)
         self._refs = client.register([(g.object_group, g.manifest) for g in layout.groups])
+        # vLLM cannot map block-level load failures back to requests when there are several KV-cache
+        # groups (it raises; Scheduler._handle_invalid_blocks): such layouts load asynchronously and
+        # report a failure per request (failed_recving). Recurrent state always goes that way, so the
+        # state lands before the request's first step (preprocess_mamba) and needs no zeroing tricks.
+        self._async_loads = len(layout.kv_group_block_sizes()) > 1 or layout.has_recurrent
         self.layout = layout
         log.info(
             "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
@@ -172,6 +187,9 @@ class SchedulerHalf:
             st = _Request(request.request_id, list(prompt) if prompt is not None else [], _extra_keys(request))
             self._reqs[request.request_id] = st
         st.local_tokens = num_computed_tokens
+        if st.load_failed:
+            # vLLM retries a request whose asynchronous load failed from its first token: compute it.
+            return 0, False
         client = self._client()
         layout = self.layout
         if client is None or layout is None or not st.prompt:
@@ -198,7 +216,9 @@ class SchedulerHalf:
         if hit_tokens <= num_computed_tokens:
             self._drop_ticket(st)
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        # True: vLLM allocates the blocks, parks the request in WAITING_FOR_REMOTE_KVS and waits for
+        # the workers' finished_recving (see update_state_after_alloc, update_connector_output).
+        return hit_tokens - num_computed_tokens, self._async_loads
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
@@ -315,7 +335,8 @@ class SchedulerHalf:
         # whose blocks are not all allocated ends the list: load less, never garbage.
         planned = blocks_to_load(block_ids, sizes, self.layout.chunk_size, start, end, skip=recurrent)
         chunks = [ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids]) for cb in planned]
-        if recurrent and planned and planned[-1].chunk == -(-end // self.layout.chunk_size) - 1:
+        complete = bool(planned) and planned[-1].chunk == -(-end // self.layout.chunk_size) - 1
+        if recurrent and complete:
             # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a null
             # (0) here makes the worker fail the load, so vLLM recomputes.
             last = chunks[-1]
@@ -324,8 +345,19 @@ class SchedulerHalf:
                 at = end // sizes[kv] - 1
                 last.block_ids[kv] = [block_ids[kv][at] if at < len(block_ids[kv]) else 0]
                 last.positions[kv] = [0]
-        self._loads.append(RequestLoad(st.req_id, chunks))
-        self._drop_ticket(st)  # released once the step carrying these loads has run
+        if self._async_loads:
+            # vLLM counts all ``num_external_tokens`` as computed once the load is reported: a load
+            # that cannot place every chunk is reported failed by the workers (``complete``).
+            self._loads.append(RequestLoad(st.req_id, chunks, asynchronous=True, complete=complete))
+            st.loading = True  # the ticket stays until the workers report the load (update_connector_output)
+            # A request loading anew was preempted (or is new): its earlier stores were flushed at
+            # the preemption and the workers forget them on this load. Finished while loading, it
+            # must not be held for finished_sending too: vLLM frees it on finished_recving, and a
+            # second report for a freed request fails its assertion.
+            st.saves_scheduled = 0
+        else:
+            self._loads.append(RequestLoad(st.req_id, chunks))
+            self._drop_ticket(st)  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
 
     def build_connector_meta(self, scheduler_output: Any) -> TierCacheMetadata:
@@ -333,7 +365,6 @@ class SchedulerHalf:
         self._unfinished_steps.append(self._step)
         meta = TierCacheMetadata(step=self._step, loads=self._loads)
         self._loads = []
-        self._keep_loaded_blocks(scheduler_output, meta)
         # Sliding-window groups free blocks that fall out of the window while the request runs, and
         # vLLM may hand them to another request in the very next step: with such groups every store
         # queued in the previous step is finished before the next forward pass can rewrite a block.
@@ -343,7 +374,7 @@ class SchedulerHalf:
             st = self._reqs.get(rid)
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
-                st.state, st.hit_chunks = LookupState.NOT_SENT, 0
+                st.state, st.hit_chunks, st.load_failed = LookupState.NOT_SENT, 0, False
                 st.states.clear()  # its blocks are freed: offers made before are void
         self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -371,17 +402,6 @@ class SchedulerHalf:
             self._saves_last_step = True
         self._collect_orphans()
         return meta
-
-    @staticmethod
-    def _keep_loaded_blocks(scheduler_output: Any, meta: TierCacheMetadata) -> None:
-        """Take the blocks this step loads off vLLM's list of new blocks to zero (vLLM allows a
-        synchronous loader to do that): the worker loads before vLLM zeroes (it must, for recurrent
-        state), so zeroing would wipe them. The worker zeroes the blocks of a load that fails."""
-        to_zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
-        if not to_zero or not meta.loads:
-            return
-        loaded = {b for load in meta.loads for chunk in load.chunks for ids in chunk.block_ids for b in ids if b}
-        scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
 
     def _take_boundary_states(self, scheduler_output: Any) -> None:
         """Record the blocks vLLM hands over holding recurrent state at chunk boundaries."""
@@ -446,13 +466,27 @@ class SchedulerHalf:
 
     # -- step results and request end ---------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
-        """A step has run: release the tickets whose loads it carried."""
-        if not self._unfinished_steps:
-            return
-        done = self._unfinished_steps.popleft()
+        """A step has run: release the tickets whose loads it carried, and those of the asynchronous
+        loads the workers reported (``finished_recving``; failed ones are also in ``failed_recving``)."""
         tickets: list[int] = []
-        for step in [s for s in self._release_at if s <= done]:
-            tickets.extend(self._release_at.pop(step))
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            st = self._reqs.get(rid)
+            if st is None or not st.loading:
+                continue  # finished while loading: request_finished already scheduled the release
+            st.loading = False
+            if st.ticket:  # every worker is done copying from its slots
+                tickets.append(st.ticket)
+            st.ticket, st.slots, st.hit_chunks = 0, {}, 0
+            # On a failure vLLM frees the blocks and schedules the request again from its first
+            # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
+            st.load_failed = rid in failed
+        if self._unfinished_steps:
+            done = self._unfinished_steps.popleft()
+            for step in [s for s in self._release_at if s <= done]:
+                tickets.extend(self._release_at.pop(step))
+        if not tickets:
+            return
         client = self.link.client()
         if client is None:
             return  # the server forgot them (restart) or leases expire by themselves
@@ -472,6 +506,8 @@ class SchedulerHalf:
             return False, None
         if st.state is LookupState.WAITING_REPLY:
             self._orphans.append(st.pending_id)
+        # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers
+        # report it): released after the next step, which runs after the step carrying the load.
         self._drop_ticket(st)
         return st.saves_scheduled > 0, None
 

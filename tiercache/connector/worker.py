@@ -3,16 +3,20 @@
 * ``register_kv_caches`` (once, at start-up): check the derived layout against the real tensors,
   build per layer a page view per manager block over the KV memory, pick the copy engine for the
   tensors' device, connect, register the object groups of this rank and map the server's L1 arena.
-* Loads (``handle_preemptions``, at the very start of the step — the scheduler reports hits as
-  synchronous; ``start_load_kv`` is the fallback if that hook did not see the step). They must
-  precede vLLM's input preparation, not just the forward pass: in ``mamba_cache_mode="align"``
-  vLLM copies the recurrent state from the hit boundary's block into the running block there
-  (``preprocess_mamba``), so a state loaded later would never be used. The scheduler takes the
-  blocks it loads out of vLLM's zeroing list, which also runs after this hook.
-  The scheduler's lookup ticket has promoted the hit objects into L1; the worker pins them by key
-  (one round trip per step with loads), copies each into the request's blocks and releases them. A
-  chunk that cannot be loaded (server gone, object evicted, wrong size) puts its blocks into
-  ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+* Loads (``handle_preemptions``, at the very start of the step; ``start_load_kv`` is the fallback
+  if that hook did not see the step). The scheduler's lookup ticket has promoted the hit objects
+  into L1; the worker pins them by key (one round trip per step with loads), copies each into the
+  request's blocks and releases them. Two kinds (``RequestLoad.asynchronous``):
+
+  - synchronous (one KV-cache group, dense models): the request runs in this very step, so the copy
+    precedes the forward pass; a chunk that cannot be loaded (server gone, object evicted, wrong
+    size) puts its blocks into ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+  - asynchronous (several KV-cache groups, or recurrent state): vLLM parked the request in
+    ``WAITING_FOR_REMOTE_KVS`` and runs it in a later step. The copy is still done here, during
+    this step; the request is then reported in ``finished_recving`` (every worker reports each
+    request once, loaded or not), and a load with any failed chunk also in ``failed_recving``: vLLM
+    frees its blocks and computes the request from scratch. vLLM cannot map block ids back to
+    requests when there are several groups, so none are reported as load errors.
 * Recurrent groups (Mamba/GDN state): an object is one state page per layer (the unpadded bytes of
   the ``[blocks, 1, 1, state bytes]`` view); a save reads the block vLLM handed over for the chunk's
   end boundary, a load writes the block it assigned to the hit boundary (``ChunkLoad.state``).
@@ -80,6 +84,8 @@ class WorkerHalf:
         self._with_saves: set[str] = set()  # reqs that had saves: report each once finished
         self._finished_waiting: set[str] = set()
         self._load_errors: set[int] = set()
+        self._recv_done: set[str] = set()  # asynchronous loads done this step (reported once)
+        self._recv_failed: set[str] = set()  # ... of which some chunk failed
         self._loaded_step = -1  # the step whose loads are done (handle_preemptions or start_load_kv)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
@@ -124,7 +130,8 @@ class WorkerHalf:
     # -- loads ---------------------------------------------------------------------------------
     def start_load_kv(self, meta: TierCacheMetadata | None) -> None:
         """Pin this step's chunks by key (one round trip), copy them into their blocks, release.
-        Chunks that cannot be loaded put their blocks into the load errors (vLLM recomputes).
+        A synchronous load's failed chunks put their blocks into the load errors (vLLM recomputes);
+        an asynchronous load is reported done, and failed if any chunk failed (module docstring).
         Runs once per step: from ``handle_preemptions`` normally, else from vLLM's ``start_load_kv``."""
         if meta is None or not meta.loads or meta.step == self._loaded_step:
             return
@@ -147,6 +154,7 @@ class WorkerHalf:
         ]
         client = self.link.client()
         slots: list[Any] = [None] * len(keys)
+        loaded: list[bool] = []
         if client is not None and keys:
             try:
                 slots = client.pin(keys)
@@ -155,7 +163,6 @@ class WorkerHalf:
         try:
             arena = client.arena() if client is not None else None
             at = 0
-            loaded: list[bool] = []
             for chunk, groups in zip(chunks, wanted):
                 chunk_slots = slots[at : at + len(groups)]
                 at += len(groups)
@@ -169,18 +176,9 @@ class WorkerHalf:
                 if ok:
                     loaded_bytes += sum(s.nbytes for s in chunk_slots)
                 loaded.append(ok)
-            for i in {o for o, ok in zip(owner, loaded) if not ok}:
-                # With recurrent state, vLLM recomputing from a failed chunk would start from a state
-                # nobody loaded: fail the request's whole load, so it recomputes from its first block.
-                recurrent = any(g.is_recurrent for g in self._groups)
-                bad = [c for c, o, ok in zip(chunks, owner, loaded) if o == i and (recurrent or not ok)]
-                failed = {b for chunk in bad for ids in chunk.block_ids for b in ids if b}
-                # vLLM no longer zeroes these blocks (the scheduler took them off its list);
-                # a recurrent kernel reads its state block before writing it, so do it here.
-                self._zero_blocks(failed)
-                with self._lock:
-                    self._load_errors.update(failed)
         finally:
+            # Also after an unexpected error: a parked request nobody reports would wait forever.
+            self._report_loads(meta, owner, loaded)
             tokens = [s.token for s in slots if s is not None]
             if tokens and client is not None:
                 try:
@@ -191,6 +189,24 @@ class WorkerHalf:
             self.recorder.add("loaded_bytes", loaded_bytes)
             self.recorder.add("load_seconds", elapsed)
             self.recorder.add("load_durations", elapsed)
+
+    def _report_loads(self, meta: TierCacheMetadata, owner: list[int], loaded: list[bool]) -> None:
+        """Record each request's outcome (``loaded`` may be short: chunks not reached failed)."""
+        ok = loaded + [False] * (len(owner) - len(loaded))
+        with self._lock:
+            for i, load in enumerate(meta.loads):
+                chunks_ok = [k for o, k in zip(owner, ok) if o == i]
+                if load.asynchronous:
+                    self._recv_done.add(load.req_id)
+                    # Stores of a preempted earlier run of this request were flushed at the
+                    # preemption; the scheduler no longer holds the request for them either.
+                    self._with_saves.discard(load.req_id)
+                    if not (load.complete and all(chunks_ok)):
+                        self._recv_failed.add(load.req_id)
+                else:
+                    self._load_errors.update(
+                        b for chunk, k in zip(load.chunks, chunks_ok) if not k for ids in chunk.block_ids for b in ids if b
+                    )
 
     def _load_chunk(self, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]) -> bool:
         if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
@@ -222,14 +238,6 @@ class WorkerHalf:
                 rows = [layer.index_select(0, pos) for layer in src]
             self._copy.load(self._pages[g.kv_group], idx, rows)
         return True
-
-    def _zero_blocks(self, block_ids: set[int]) -> None:
-        if not block_ids:
-            return
-        idx = torch.tensor(sorted(block_ids), dtype=torch.long)
-        for pages in self._pages.values():
-            for layer in pages:
-                layer.view.index_fill_(0, idx.to(layer.view.device), 0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -359,8 +367,19 @@ class WorkerHalf:
         return sum(s.nbytes for s in slots if s is not None)
 
     # -- step results --------------------------------------------------------------------------
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` for this step: the asynchronous
+        loads done since the last call (failed ones in both of the last two), and the finished
+        requests whose blocks the scheduler held for our stores, once those are done."""
+        with self._lock:
+            recving, self._recv_done = self._recv_done, set()
+            failed, self._recv_failed = self._recv_failed, set()
+        sending, _ = self.get_finished(finished_req_ids)
+        return sending or set(), recving, failed
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Report requests whose blocks the scheduler held for our stores, once those are done.
+        """Report requests whose blocks the scheduler held for our stores, once those are done
+        (loads are reported by :meth:`transfer_results`, which calls this).
 
         Waits for the finishing requests' own queued stores (usually already done: they were
         queued steps ago), so a reported request's blocks are never read again.
