@@ -208,6 +208,16 @@ def test_a_corrupt_meta_header_in_data_mdb_is_a_miss(tmp_path: Path, clock: Fake
         assert list(tier.iter_keys()) == []
 
 
+def _copy_object_under_another_key(path: Path, src: ObjectKey, dst: ObjectKey) -> None:
+    """Behind the tier's back: ``src``'s frame and index record, stored again under ``dst``."""
+    env = raw_env(path)
+    data, meta = env.open_db(b"data"), env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(dst.to_bytes(), txn.get(src.to_bytes(), db=data), db=data)
+        txn.put(dst.to_bytes(), txn.get(src.to_bytes(), db=meta), db=meta)
+    env.close()
+
+
 def test_a_foreign_object_copied_under_another_key_is_a_miss(
     tmp_path: Path, clock: FakeClock
 ) -> None:
@@ -215,12 +225,7 @@ def test_a_foreign_object_copied_under_another_key_is_a_miss(
     a, b = make_key(1), make_key(2)
     with open_tier(path, clock) as tier:
         tier.put(a, payload_for(a, 4000))
-    env = raw_env(path)
-    data, meta = env.open_db(b"data"), env.open_db(b"meta")
-    with env.begin(write=True) as txn:
-        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=data), db=data)
-        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=meta), db=meta)
-    env.close()
+    _copy_object_under_another_key(path, a, b)
     with open_tier(path, clock) as tier:
         assert tier.contains(b)  # contains does not verify...
         assert tier.get(b) is None  # ...but a read never serves another key's bytes
@@ -316,12 +321,7 @@ def test_read_into_never_copies_an_object_stored_under_another_key(
     a, b = make_key(1), make_key(2)
     with open_tier(path, clock) as tier:
         tier.put(a, payload_for(a, 4000))
-    env = raw_env(path)
-    data, meta = env.open_db(b"data"), env.open_db(b"meta")
-    with env.begin(write=True) as txn:
-        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=data), db=data)
-        txn.put(b.to_bytes(), txn.get(a.to_bytes(), db=meta), db=meta)
-    env.close()
+    _copy_object_under_another_key(path, a, b)
     asked: list[int] = []
 
     def alloc(n: int) -> memoryview:
