@@ -148,6 +148,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (both servers drain and stop on it), then SIGKILL after 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 @dataclass
 class TierCacheServer:
     """``tiercache server --tiers l1,disk`` in a subprocess, on a socket and a disk dir under ``root``."""
@@ -206,13 +217,7 @@ class TierCacheServer:
             c.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM drains and stops
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self.proc = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
@@ -262,13 +267,7 @@ class LMCacheServer:
         raise RuntimeError("lmcache server did not listen within 120 s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self.proc = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
