@@ -328,7 +328,7 @@ class TieredEngine:
         """
         assert isinstance(item, ObjectKey) and self._l2 is not None
         key = item
-        pinned = self._timed_pin(self.l1, key)
+        pinned = self._hold_l1(key)
         if pinned is None:  # deleted or replaced meanwhile; nothing owed any more
             return
         try:
@@ -483,7 +483,7 @@ class TieredEngine:
         for key in needed_keys(groups, hashes, chunks):
             if key in ticket.handles:
                 continue
-            handle = self._timed_pin(self.l1, key)
+            handle = self._hold_l1(key)
             if handle is not None:
                 ticket.handles[key] = handle
             else:
@@ -522,7 +522,7 @@ class TieredEngine:
             t0 = perf_counter()
             self.l1.commit(dst[0])
             self.l1.stats.latency.observe("write", perf_counter() - t0)
-            pinned = self._timed_pin(self.l1, key)
+            pinned = self._hold_l1(key)
             if pinned is None:
                 break
             with self._lock:
@@ -617,6 +617,16 @@ class TieredEngine:
         handle = tier.pin(key)
         if handle is not None:
             tier.stats.latency.observe("read", perf_counter() - t0)
+        return handle
+
+    def _hold_l1(self, key: ObjectKey) -> ReadHandle | None:
+        """Pin ``key`` in L1 for the engine's own use (a ticket's hold, a write-through source): not
+        a hit or a miss, since it serves no reader; the reader's own pin (``get``, the server's pin
+        op) counts. Timed as an L1 ``read`` like every pin."""
+        t0 = perf_counter()
+        handle = self.l1.pin(key, count=False)
+        if handle is not None:
+            self.l1.stats.latency.observe("read", perf_counter() - t0)
         return handle
 
     # -- observation -----------------------------------------------------------------------------

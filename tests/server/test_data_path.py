@@ -116,3 +116,24 @@ def test_put_and_get_through_the_socket(start_server: StartServer) -> None:
         assert client.get(key) == b"kv" * 1000
         assert client.delete(key) == 1
         assert client.get(key) is None
+
+
+def test_a_lookup_then_a_load_of_its_chunks_counts_each_chunk_as_one_l1_hit(start_server: StartServer) -> None:
+    # The connector's path: a lookup (which pins the hit for its ticket), then the worker pins the
+    # same objects again to copy them. Hits are what lookups and reads found, not how many times a
+    # found object was pinned, or hit rates and bytes read would be inflated.
+    server = start_server()
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        stored = store_prompt(client, group, hashes)
+        before = client.stats()["tiers"]["l1"]
+        found = client.lookup(hashes, [group])
+        assert found.chunks == 4
+        slots = client.pin(list(stored))
+        assert all(s is not None for s in slots)
+        client.release([s.token for s in slots if s is not None])
+        client.release_ticket(found.ticket)
+        after = client.stats()["tiers"]["l1"]
+    assert after["hits"] - before["hits"] == 4
+    assert after["bytes_read"] - before["bytes_read"] == 4 * 64 * KiB

@@ -306,26 +306,29 @@ class L1Tier(Tier):
                     return i
             return len(keys)
 
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         """Lease the committed bytes of ``key`` (read-only view) for up to ``lease_ttl_s``. O(1).
 
         Arena memory is never corrupted by storage, so L1 trusts its bytes: verification happens when
         they arrive from L2/L3. Returns ``None`` (a counted miss) if ``key`` is not committed.
+        ``count=False`` is for the engine's own pins (holding a lookup's objects for its ticket, the
+        source of a write-through): they serve nobody, so they are neither hits nor misses.
         """
-        return self.pin_many([key])[0]
+        return self.pin_many([key], count=count)[0]
 
-    def pin_many(self, keys: Sequence[ObjectKey]) -> list[ReadHandle | None]:
+    def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
         """Pin several keys under one lock acquisition (what a load request of many chunks uses)."""
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            return [self._pin_locked(key, now) for key in keys]
+            return [self._pin_locked(key, now, count) for key in keys]
 
-    def _pin_locked(self, key: ObjectKey, now: float) -> ReadHandle | None:
+    def _pin_locked(self, key: ObjectKey, now: float, count: bool = True) -> ReadHandle | None:
         slot = self._objects.get(key)
         if slot is None:
-            self.stats.add("misses")
+            if count:
+                self.stats.add("misses")
             return None
         slot.pins += 1
         token = next(self._tokens)
@@ -333,7 +336,8 @@ class L1Tier(Tier):
         self._leases[token] = _Ticket(slot, expires_at)
         heapq.heappush(self._lease_deadlines, (expires_at, token))
         self._policy.on_access(key)
-        self.stats.hit(slot.nbytes)
+        if count:
+            self.stats.hit(slot.nbytes)
         buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
         return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
 
