@@ -240,9 +240,7 @@ def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
     vLLM's unified block size 384 (attention page >= the 131 KiB state page). Shapes come from transformers' own model
     class; matrices are drawn ~N(0, 1/fan_in) (q/k and lm_head larger) so outputs depend on the state.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers import Qwen3NextConfig
 
     config = Qwen3NextConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -254,6 +252,37 @@ def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
         torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         architectures=["Qwen3NextForCausalLM"],
     )
+    _save_seeded_gdn_checkpoint(directory, config, seed)
+
+
+def write_tiny_qwen3_5(directory: Path, seed: int) -> None:
+    """A tiny Qwen3.5 (``Qwen3_5ForCausalLM``, text-only) with seeded random weights: layer 0 Gated
+    DeltaNet linear attention, layer 1 full (gated) attention, dense MLPs. Same dims as
+    :func:`write_tiny_qwen3_next` (linear head dim 128, head dim 64, bfloat16 in the engine), so vLLM's
+    unified block size is 384 here too. vLLM's Qwen3.5 path imports torchvision: run its engine with
+    :func:`write_torchvision_stub` on ``PYTHONPATH`` where torchvision is absent.
+    """
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=1, linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
+        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        architectures=["Qwen3_5ForCausalLM"],
+    )
+    _save_seeded_gdn_checkpoint(directory, config, seed)
+
+
+def _save_seeded_gdn_checkpoint(directory: Path, config: Any, seed: int) -> None:
+    """Shapes from transformers' own model class; matrices ~N(0, 1/fan_in) (q/k and lm_head larger)
+    so outputs depend on the state; 1-D parameters (norms, A_log, dt_bias) keep transformers' init."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)  # transformers' own init (1-D parameters: norms, A_log, dt_bias) is kept
     shapes = AutoModelForCausalLM.from_config(config).state_dict()
     g = torch.Generator().manual_seed(seed)
@@ -281,6 +310,31 @@ def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
     save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
+TORCHVISION_STUB = {
+    # transformers' image processors (imported by vLLM's Qwen3.5 model module through Qwen3-VL)
+    # import these torchvision modules and names at import time; nothing calls them for text.
+    "torchvision/__init__.py": '__version__ = "0.0.0+stub"\n',
+    "torchvision/io.py": "ImageReadMode = decode_image = None\n",
+    "torchvision/transforms/__init__.py": (
+        "import enum\n\n\nclass InterpolationMode(enum.Enum):\n"
+        + "".join(f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX", "HAMMING", "LANCZOS"))
+    ),
+    "torchvision/transforms/functional.py": "pil_to_tensor = None\n",
+    "torchvision/transforms/v2/__init__.py": "",
+    "torchvision/transforms/v2/functional.py": "",
+}
+
+
+def write_torchvision_stub(directory: Path) -> Path:
+    """An import-only ``torchvision`` package under ``directory`` (for an engine's PYTHONPATH only):
+    the vLLM CPU venv has no torchvision, yet vLLM's Qwen3.5 module imports it unconditionally."""
+    for rel, text in TORCHVISION_STUB.items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return directory
 
 
 def make_prompts(lengths: list[int], seed: int = 7, vocab: int = 512) -> list[list[int]]:

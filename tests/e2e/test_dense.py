@@ -52,14 +52,15 @@ class Run:
 
 def run_engine(
     model: Path, server: str, prompts_file: Path, out: Path, *, multiprocess: bool = False,
-    engine_args: dict | None = None,
+    engine_args: dict | None = None, extra_path: Path | None = None,
 ) -> Run:
+    """Run one engine process; ``extra_path`` is prepended to its PYTHONPATH (e.g. an import stub)."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONPATH=os.pathsep.join([*([str(extra_path)] if extra_path else []), str(ROOT), env.get("PYTHONPATH", "")]),
     )
     cmd = [sys.executable, "-m", "tests.e2e.engine_run", "--model", str(model), "--server", server,
            "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {})]

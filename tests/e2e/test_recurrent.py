@@ -1,5 +1,5 @@
-"""A recurrent-state hybrid (tiny Qwen3-Next: layer 0 Gated DeltaNet linear attention, layer 1 full
-attention) on a real vLLM CPU engine in ``mamba_cache_mode="align"``, end to end through a real
+"""A recurrent-state hybrid (tiny Qwen3-Next, and tiny Qwen3.5: layer 0 Gated DeltaNet linear
+attention, layer 1 full attention) on a real vLLM CPU engine in ``mamba_cache_mode="align"``, end to end through a real
 tiercache server.
 
 vLLM unifies the block size to N = 384 tokens and keeps two KV-cache groups: a ``MambaSpec`` group
@@ -13,8 +13,12 @@ checkpoints every 768 tokens (``prefix_cache_retention_interval``), so it keeps 
 and 1536 and hands those blocks to the connector: prompts of 1000, 1000, 1600 and 1600 tokens store
 12 full-attention objects and 6 state objects, and a fresh engine may load 768, 768, 1536 and 1536
 tokens (restorable boundaries 2 and 4; the states at 384 and 1152 never
-existed, which the rule copes with). Two engine runs in all (a cold one and a fresh one), to keep
-the test's cost near a minute on two cores.
+existed, which the rule copes with). Two engine runs per model (a cold one and a fresh one), to keep
+the cost near a minute per model on two cores.
+
+Qwen3.5 (``Qwen3_5ForCausalLM``) is the same layout without MoE; vLLM's Qwen3.5 module imports
+torchvision (through transformers' Qwen2-VL image processor), absent from the CPU venv, so its engines
+run with an import-only torchvision stub from the test's temp dir on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import make_prompts, write_tiny_qwen3_next
+from tests.e2e.engine_run import (
+    make_prompts,
+    write_tiny_qwen3_5,
+    write_tiny_qwen3_next,
+    write_torchvision_stub,
+)
 from tests.e2e.objects import chunk_index, stored_objects
 from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
@@ -67,21 +76,29 @@ class Setup:
     prompt_ids: list[list[int]]
     server: ServerProcess
     cold: Run
+    name: str
+    extra_path: Path | None
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("e2e-qwen3-next")
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"e2e-{name}")
     model = tmp / "model"
-    write_tiny_qwen3_next(model, seed=1234)
+    extra_path = None
+    if name == "qwen3_5":
+        write_tiny_qwen3_5(model, seed=1234)
+        extra_path = write_torchvision_stub(tmp / "stub")
+    else:
+        write_tiny_qwen3_next(model, seed=1234)
     ids = make_prompts(LENGTHS)
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(ids))
     server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
     try:
         server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=ENGINE_ARGS)
-        yield Setup(tmp, model, prompts, ids, server, cold)
+        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=ENGINE_ARGS, extra_path=extra_path)
+        yield Setup(tmp, model, prompts, ids, server, cold, name, extra_path)
     finally:
         server.stop()
 
@@ -130,11 +147,11 @@ def test_fresh_engine_restores_states_and_the_controls_fail(setup: Setup) -> Non
         assert c.delete(states[(2, 3)])
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
     run = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "warm.json",
-                     engine_args=ENGINE_ARGS, multiprocess=MULTIPROCESS)
+                     engine_args=ENGINE_ARGS, multiprocess=MULTIPROCESS, extra_path=setup.extra_path)
     hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
     diff = [max(abs(a - b) for a, b in zip(w, c)) for w, c in zip(run.logprobs, setup.cold.logprobs)]
     mode = "multiprocess" if MULTIPROCESS else "in-process"
-    print(f"\n[e2e qwen3-next gdn+full, {mode}] cached tokens {run.num_cached} (server chunk hits "
+    print(f"\n[e2e {setup.name} gdn+full, {mode}] cached tokens {run.num_cached} (server chunk hits "
           f"{hits}); max |logprob diff|: intact {diff[0]:.3g} and {diff[3]:.3g}, foreign state "
           f"{diff[1]:.3g}, last state deleted {diff[2]:.3g}")
     assert run.num_cached == [768, 768, 768, 1536]
