@@ -59,53 +59,15 @@ def log(msg: str) -> None:
 def write_llama(directory: Path, args: argparse.Namespace) -> None:
     """A Llama checkpoint with seeded random weights (``model.safetensors``), so the first token and
     its logprob depend on the KV: vLLM's dummy weights give flat logits that hide a wrong load."""
-    import torch
-    from safetensors.torch import save_file
+    # Imported here, once main() has put the checkout first on sys.path.
+    from tiercache.testing import tiny_llama_config, write_tiny_checkpoint
 
-    h, hd, layers = args.hidden, args.head_dim, args.layers
-    nq, nkv, vocab, inter = args.heads, args.kv_heads, args.vocab, 2 * args.hidden
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": nq,
-        "num_key_value_heads": nkv,
-        "head_dim": hd,
-        "max_position_embeddings": max_model_len(args),
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": args.dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    g = torch.Generator().manual_seed(args.seed)
-
-    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
-        # ~N(0, 1/fan_in); q/k and lm_head a few times larger so attention and logits are peaked.
-        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
-
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
-        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
-        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
-        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
-        w[p + "mlp.up_proj.weight"] = mat(inter, h)
-        w[p + "mlp.down_proj.weight"] = mat(h, inter)
-        w[p + "input_layernorm.weight"] = torch.ones(h)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    w["model.norm.weight"] = torch.ones(h)
-    w["lm_head.weight"] = mat(vocab, h, 8.0)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+    cfg = tiny_llama_config(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, max_position_embeddings=max_model_len(args),
+        torch_dtype=args.dtype,
+    )
+    write_tiny_checkpoint(directory, cfg, args.seed)
 
 
 def make_prompts(args: argparse.Namespace, rnd: int) -> tuple[list[list[int]], list[int]]:
@@ -498,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lmcache_python:
         args.lmcache_python = os.path.abspath(args.lmcache_python)
     sys.path.insert(0, str(REPO))  # tiercache from the checkout when it is not installed
-    for mod in ("vllm", "torch", "safetensors"):
+    for mod in ("vllm", "torch", "safetensors", "transformers"):
         if importlib.util.find_spec(mod) is None:
             print(f"error: {mod} is not importable with {sys.executable}; run with the vLLM venv "
                   f"(e.g. .venv-vllm/bin/python benchmarks/e2e_ttft.py)", file=sys.stderr)

@@ -20,172 +20,26 @@ import random
 from pathlib import Path
 from typing import Any
 
+from tiercache.testing import tiny_llama_config, write_tiny_checkpoint
+
 MiB = 1 << 20
 
 
 def write_tiny_llama(directory: Path, seed: int) -> None:
     """A tiny Llama checkpoint with seeded random weights, so outputs depend on the KV."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    g = torch.Generator().manual_seed(seed)
-
-    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
-
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
-        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
-        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
-        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
-        w[p + "mlp.up_proj.weight"] = mat(inter, h)
-        w[p + "mlp.down_proj.weight"] = mat(h, inter)
-        w[p + "input_layernorm.weight"] = torch.ones(h)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    w["model.norm.weight"] = torch.ones(h)
-    w["lm_head.weight"] = mat(vocab, h, 8.0)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+    write_tiny_checkpoint(directory, tiny_llama_config(), seed)
 
 
-def write_tiny_gemma3(directory: Path, seed: int, sliding_window: int = 64) -> None:
-    """A tiny Gemma 3 (``Gemma3ForCausalLM``) with seeded random weights: layer 0 attends over a
-    sliding window of ``sliding_window`` tokens, layer 1 over everything (two KV-cache groups)."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "vocab_size": 512,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": sliding_window,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_local_base_freq": 10000.0,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
-    g = torch.Generator().manual_seed(seed)
-
-    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) * (scale / cols**0.5)
-
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) / h**0.5}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = mat(nq * hd, h, 4.0)
-        w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, h, 4.0)
-        w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, h)
-        w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
-        w[p + "self_attn.q_norm.weight"] = torch.zeros(hd)  # Gemma norms scale by (1 + weight)
-        w[p + "self_attn.k_norm.weight"] = torch.zeros(hd)
-        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
-        w[p + "mlp.up_proj.weight"] = mat(inter, h)
-        w[p + "mlp.down_proj.weight"] = mat(h, inter)
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
-            w[p + norm + ".weight"] = torch.zeros(h)
-    w["model.norm.weight"] = torch.zeros(h)
-    w["lm_head.weight"] = mat(vocab, h, 8.0)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
-
-
-def write_tiny_checkpoint(directory: Path, cfg: dict, seed: int) -> None:
-    """A tiny checkpoint of any architecture transformers knows, with seeded random weights.
-
-    transformers builds the model from ``cfg`` only to name and shape the parameters (the names vLLM
-    loads); the values are redrawn from ``seed``: matrices ~N(0, 1/fan_in) (q/k projections 4x,
-    the LM head 8x, so attention is sharp and logits spread), embeddings ~N(0, 1/hidden), norm
-    scales 1, biases 0, attention sinks ~N(0, 1). Outputs then depend on the prompt and the KV.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    with torch.device("meta"):
-        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(directory))).state_dict()
-    g = torch.Generator().manual_seed(seed)
-    hidden = int(cfg["hidden_size"])
-    w: dict[str, torch.Tensor] = {}
-    for name, meta in shapes.items():
-        shape = tuple(meta.shape)
-        leaf = name.rsplit(".", 1)[-1]
-        if "embed_tokens" in name:
-            w[name] = torch.randn(shape, generator=g) / hidden**0.5
-        elif leaf == "sinks":
-            w[name] = torch.randn(shape, generator=g)
-        elif len(shape) >= 2:
-            # Experts are [experts, in, out] in transformers' layout; linears are [out, in].
-            fan_in = shape[-2] if len(shape) == 3 else shape[-1]
-            scale = 8.0 if "lm_head" in name else 4.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-            w[name] = torch.randn(shape, generator=g) * (scale / fan_in**0.5)
-        elif "norm" in name or leaf in ("layer_scalar", "scale"):
-            w[name] = torch.ones(shape)
-        else:
-            w[name] = torch.zeros(shape)
-    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
-
-
-TINY_GEMMA4: dict = {
-    # Gemma 4: the sliding layer (head 32) and the full layer (head 64) have pages of different size
-    # per token, so vLLM gives the sliding group 64-token blocks and the full group 32-token ones.
-    "architectures": ["Gemma4ForCausalLM"],
-    "model_type": "gemma4_text",
+SLIDING_AND_FULL: dict = {
+    # What the tiny two-group models share: the tests' dims, layer 0 attends over a sliding window of
+    # 64 tokens (1 chunk of 64), layer 1 over everything.
     "vocab_size": 512,
-    "vocab_size_per_layer_input": 512,
-    "hidden_size_per_layer_input": 0,
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "global_head_dim": 64,
     "sliding_window": 64,
     "layer_types": ["sliding_attention", "full_attention"],
     "max_position_embeddings": 1024,
@@ -196,23 +50,46 @@ TINY_GEMMA4: dict = {
     "pad_token_id": 0,
 }
 
+TINY_GEMMA3: dict = {
+    # Gemma 3: a sliding and a full-attention layer with the same head size (two KV-cache groups).
+    **SLIDING_AND_FULL,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_local_base_freq": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+
+
+def write_tiny_gemma3(directory: Path, seed: int) -> None:
+    """A tiny Gemma 3 (``Gemma3ForCausalLM``, :data:`TINY_GEMMA3`) with seeded random weights."""
+    write_tiny_checkpoint(directory, TINY_GEMMA3, seed, norm_weight=0.0)  # Gemma norms scale by 1 + weight
+
+
+TINY_GEMMA4: dict = {
+    # Gemma 4: the sliding layer (head 32) and the full layer (head 64) have pages of different size
+    # per token, so vLLM gives the sliding group 64-token blocks and the full group 32-token ones.
+    **SLIDING_AND_FULL,
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "vocab_size_per_layer_input": 512,
+    "hidden_size_per_layer_input": 0,
+    "global_head_dim": 64,
+}
+
 TINY_GPT_OSS: dict = {
     # gpt-oss: sliding window 64 + full attention with sinks, MoE; vLLM puts the sliding window on
     # even layers whatever layer_types says, so layer_types states just that.
+    **SLIDING_AND_FULL,
     "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",
-    "vocab_size": 512,
-    "hidden_size": 128,
     "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
-    "sliding_window": 64,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "max_position_embeddings": 1024,
     # vLLM's gpt-oss always builds YaRN rope from these keys (as in the released checkpoints).
     "rope_parameters": {
         "rope_type": "yarn",
@@ -223,11 +100,6 @@ TINY_GPT_OSS: dict = {
         "beta_slow": 1.0,
         "truncate": False,
     },
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
 }
 
 

@@ -51,7 +51,7 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("e2e-gemma3")
     model = tmp / "model"
-    write_tiny_gemma3(model, seed=1234, sliding_window=64)
+    write_tiny_gemma3(model, seed=1234)
     ids = make_prompts(LENGTHS)
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(ids))

@@ -52,7 +52,7 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("load-failure-gemma3")
     model = tmp / "model"
-    write_tiny_gemma3(model, seed=1234, sliding_window=64)
+    write_tiny_gemma3(model, seed=1234)
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(make_prompts(LENGTHS, seed=11)))
     server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
