@@ -11,13 +11,8 @@ load 3, 2, 4 and 2 chunks (it must compute at least one token itself: 257 = 4 ch
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,90 +20,23 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.engine_run import write_tiny_llama
+from tests.e2e.setup import MiB, Setup, cold_setup, engine_stats, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.keys import ObjectKey
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
 LENGTHS = [200, 150, 257, 130]
 EXPECTED_CACHED = [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]  # [192, 128, 256, 128]
 STORED_CHUNKS = sum(n // CHUNK for n in LENGTHS)  # 11
-MiB = 1 << 20
-
-
-@dataclass
-class Run:
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    num_cached: list[int]
-    log: str = ""
-
-    def max_logprob_diff(self, other: Run) -> float:
-        return max(abs(a - b) for p, q in zip(self.logprobs, other.logprobs) for a, b in zip(p, q))
-
-
-def run_engine(
-    model: Path, server: str, prompts_file: Path, out: Path, *, multiprocess: bool = False,
-    engine_args: dict | None = None, extra_path: Path | None = None,
-) -> Run:
-    """Run one engine process; ``extra_path`` is prepended to its PYTHONPATH (e.g. an import stub)."""
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([*([str(extra_path)] if extra_path else []), str(ROOT), env.get("PYTHONPATH", "")]),
-    )
-    cmd = [sys.executable, "-m", "tests.e2e.engine_run", "--model", str(model), "--server", server,
-           "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {})]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    data = json.loads(out.read_text())
-    return Run(data["tokens"], data["logprobs"], data["num_cached"], proc.stderr)
-
-
-def engine_stats(server: ServerProcess) -> dict[str, int]:
-    with server.client() as c:
-        return c.stats()["engine"]
-
-
-def wait_for_stores(server: ServerProcess, at_least: int, deadline_s: float = 30.0) -> int:
-    """The last stores of a run may still be committing when its process exits: poll, don't sleep."""
-    end = time.monotonic() + deadline_s
-    while True:
-        stores = engine_stats(server)["stores"]
-        if stores >= at_least or time.monotonic() > end:
-            return stores
-        time.sleep(0.05)
-
-
-@dataclass
-class Setup:
-    tmp: Path
-    model: Path
-    prompts: Path
-    server: ServerProcess
-    cold: Run
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(make_prompts(LENGTHS)))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
-    try:
-        server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json")
-        yield Setup(tmp, model, prompts, server, cold)
-    finally:
-        server.stop()
+    with cold_setup(tmp_path_factory.mktemp("e2e"), write_tiny_llama, LENGTHS, chunk=CHUNK) as s:
+        yield s
 
 
 def test_cold_run_stores_every_full_prompt_chunk(setup: Setup) -> None:
@@ -122,7 +50,7 @@ def test_cold_run_stores_every_full_prompt_chunk(setup: Setup) -> None:
 def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: bool) -> None:
     wait_for_stores(setup.server, STORED_CHUNKS)
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    warm = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / f"warm-{multiprocess}.json", multiprocess=multiprocess)
+    warm = setup.run(f"warm-{multiprocess}", multiprocess=multiprocess)
     hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
     diff = warm.max_logprob_diff(setup.cold)
     print(f"\n[e2e dense {'mp' if multiprocess else 'inproc'}] cached tokens {warm.num_cached} "
@@ -150,7 +78,7 @@ def test_corrupted_store_changes_the_output(setup: Setup) -> None:
             assert c.put(key, rng.standard_normal(len(data) // 4).astype(np.float32).tobytes())
     assert len(originals) == STORED_CHUNKS
     try:
-        bad = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "corrupt.json")
+        bad = setup.run("corrupt")
     finally:
         with setup.server.client() as c:
             for key, data in originals.items():
@@ -166,11 +94,11 @@ def test_other_weights_at_the_same_path_get_no_hits(setup: Setup) -> None:
     """Replacing the checkpoint at the same path changes the weights identity in the fingerprint."""
     model = setup.tmp / "swapped-model"
     write_tiny_llama(model, seed=1)
-    first = run_engine(model, setup.server.endpoint, setup.prompts, setup.tmp / "swap-a.json")
+    first = setup.run("swap-a", model=model)
     assert first.num_cached == [0] * len(LENGTHS)
     write_tiny_llama(model, seed=2)  # same path, same config, other weights
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    second = run_engine(model, setup.server.endpoint, setup.prompts, setup.tmp / "swap-b.json")
+    second = setup.run("swap-b", model=model)
     print(f"\n[e2e dense swapped weights] cached tokens {second.num_cached}")
     assert second.num_cached == [0] * len(LENGTHS)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
@@ -180,7 +108,7 @@ def test_other_weights_at_the_same_path_get_no_hits(setup: Setup) -> None:
 def test_engine_runs_without_a_server(setup: Setup) -> None:
     """Server down: every request is a miss, the outputs are the cold run's, nothing hangs."""
     start = time.monotonic()
-    run = run_engine(setup.model, f"ipc://{setup.tmp}/nobody-listens.sock", setup.prompts, setup.tmp / "down.json")
+    run = setup.run("down", server=f"ipc://{setup.tmp}/nobody-listens.sock")
     assert run.num_cached == [0] * len(LENGTHS)
     assert run.tokens == setup.cold.tokens
     assert run.max_logprob_diff(setup.cold) <= 1e-5
@@ -193,7 +121,7 @@ def test_chunk_size_not_a_multiple_of_the_block_size_fails_at_start(setup: Setup
     try:
         server.wait_ready()
         with pytest.raises(AssertionError) as failed:
-            run_engine(setup.model, server.endpoint, setup.prompts, tmp_path / "never.json")
+            setup.run("never", server=server.endpoint)
     finally:
         server.stop()
     message = str(failed.value)

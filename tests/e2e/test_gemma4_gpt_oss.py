@@ -16,24 +16,21 @@ beyond the tolerance (negative controls: each group's loaded KV is really placed
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import (
-    TINY_GEMMA4,
-    TINY_GPT_OSS,
-    make_prompts,
-    write_tiny_checkpoint,
-)
-from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
-from tests.server.serverproc import ServerProcess, ServerSpec
+from tests.e2e.engine_run import TINY_GEMMA4, TINY_GPT_OSS
+from tests.e2e.objects import stored_manifests
+from tests.e2e.setup import Run, Setup, cold_setup, engine_stats
+from tests.server.serverproc import ServerProcess
 from tiercache.keys import ExtraKeys, GroupKind, ObjectKey, PrefixHasher
+from tiercache.testing import write_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +39,6 @@ LENGTHS = [200, 150, 180]  # A: clean, B: noise in a sliding object, C: noise in
 CLEAN, NOISY_SLIDING, NOISY_FULL = 0, 1, 2
 EXPECTED_CACHED = [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]  # [192, 128, 128]
 STORED_CHUNKS = sum(n // CHUNK for n in LENGTHS)  # 3 + 2 + 2 = 7 per group
-MiB = 1 << 20
 
 MODELS = {
     # name: (config, block size per group kind)
@@ -51,11 +47,11 @@ MODELS = {
 }
 
 
-@dataclass
-class Setup:
-    name: str
+@dataclass(kw_only=True)
+class ModelSetup(Setup):
+    """The cold run of one model, and a fresh engine's run after two objects got noise."""
+
     block_sizes: dict[GroupKind, int]
-    cold: Run
     warm: Run
     stored: dict[ObjectKey, GroupKind]  # after the cold run
     object_bytes: dict[GroupKind, int]
@@ -66,20 +62,9 @@ class Setup:
 
 def _stored(server: ServerProcess) -> tuple[dict[ObjectKey, GroupKind], dict[GroupKind, int]]:
     """Every stored object with its group kind, and each kind's block size from its manifest."""
-    out: dict[ObjectKey, GroupKind] = {}
-    blocks: dict[GroupKind, int] = {}
-    with server.client() as c:
-        keys, _ = c.list_keys(tier="l1")
-        manifests = {}
-        for listed in keys:
-            key = ObjectKey.from_bytes(listed.key)
-            if key.fingerprint.raw not in manifests:
-                manifests[key.fingerprint.raw] = c.manifest(key.fingerprint)
-            manifest = manifests[key.fingerprint.raw]
-            assert manifest is not None
-            out[key] = manifest.group_kind
-            blocks[manifest.group_kind] = manifest.kernel_block_size
-    return out, blocks
+    manifests = stored_manifests(server)
+    return ({key: m.group_kind for key, m in manifests.items()},
+            {m.group_kind: m.kernel_block_size for m in manifests.values()})
 
 
 def _last_hit_chunk_key(stored: dict[ObjectKey, GroupKind], prompt: list[int], hit_tokens: int, kind: GroupKind) -> ObjectKey:
@@ -91,44 +76,34 @@ def _last_hit_chunk_key(stored: dict[ObjectKey, GroupKind], prompt: list[int], h
 
 
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelSetup]:
     name: str = request.param
     cfg, block_sizes = MODELS[name]
-    tmp = tmp_path_factory.mktemp(f"e2e-{name}")
-    model = tmp / "model"
-    write_tiny_checkpoint(model, cfg, seed=1234)
-    ids = make_prompts(LENGTHS, seed=11)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(ids))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
-    try:
-        server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json")
-        wait_for_stores(server, 2 * STORED_CHUNKS)
-        stored, group_blocks = _stored(server)
+    with cold_setup(tmp_path_factory.mktemp(f"e2e-{name}"), partial(write_tiny_checkpoint, cfg=cfg), LENGTHS,
+                    chunk=CHUNK, name=name, prompt_seed=11, wait_for_stored=2 * STORED_CHUNKS) as base:
+        stored, group_blocks = _stored(base.server)
         rng = np.random.default_rng(0)
         corrupted: dict[int, ObjectKey] = {}
         object_bytes: dict[GroupKind, int] = {}
-        with server.client() as c:
+        with base.server.client() as c:
             for key, kind in stored.items():
                 data = c.get(key)
                 assert data is not None
                 object_bytes[kind] = len(data)
             for prompt, kind in ((NOISY_SLIDING, GroupKind.SLIDING_WINDOW), (NOISY_FULL, GroupKind.FULL_ATTENTION)):
-                key = _last_hit_chunk_key(stored, ids[prompt], EXPECTED_CACHED[prompt], kind)
+                key = _last_hit_chunk_key(stored, base.prompt_ids[prompt], EXPECTED_CACHED[prompt], kind)
                 size = object_bytes[kind]
                 c.delete(key)
                 assert c.put(key, rng.standard_normal(size // 4).astype(np.float32).tobytes())
                 corrupted[prompt] = key
-        hits_before = engine_stats(server)["lookup_chunks_hit"]
-        warm = run_engine(model, server.endpoint, prompts, tmp / "warm.json")
-        hits = engine_stats(server)["lookup_chunks_hit"] - hits_before
-        yield Setup(name, block_sizes, cold, warm, stored, object_bytes, group_blocks, hits, corrupted)
-    finally:
-        server.stop()
+        hits_before = engine_stats(base.server)["lookup_chunks_hit"]
+        warm = base.run("warm")
+        hits = engine_stats(base.server)["lookup_chunks_hit"] - hits_before
+        yield ModelSetup.of(base, block_sizes=block_sizes, warm=warm, stored=stored, object_bytes=object_bytes,
+                            group_block_sizes=group_blocks, chunk_hits=hits, corrupted=corrupted)
 
 
-def test_cold_run_stores_every_chunk_of_both_groups_with_their_block_sizes(setup: Setup) -> None:
+def test_cold_run_stores_every_chunk_of_both_groups_with_their_block_sizes(setup: ModelSetup) -> None:
     assert setup.cold.num_cached == [0] * len(LENGTHS)
     kinds = list(setup.stored.values())
     assert kinds.count(GroupKind.SLIDING_WINDOW) == STORED_CHUNKS
@@ -141,7 +116,7 @@ def test_cold_run_stores_every_chunk_of_both_groups_with_their_block_sizes(setup
     assert setup.object_bytes[full] * per_chunk[sliding] == setup.object_bytes[sliding] * per_chunk[full]
 
 
-def test_fresh_engine_loads_and_matches_the_cold_run(setup: Setup) -> None:
+def test_fresh_engine_loads_and_matches_the_cold_run(setup: ModelSetup) -> None:
     warm, cold = setup.warm, setup.cold
     diff = max(abs(a - b) for a, b in zip(warm.logprobs[CLEAN], cold.logprobs[CLEAN]))
     print(f"\n[e2e {setup.name}] cached tokens {warm.num_cached} (server chunk hits {setup.chunk_hits}), "
@@ -153,7 +128,7 @@ def test_fresh_engine_loads_and_matches_the_cold_run(setup: Setup) -> None:
 
 
 @pytest.mark.parametrize("prompt", [NOISY_SLIDING, NOISY_FULL], ids=["sliding-group", "full-group"])
-def test_noise_in_one_loaded_object_changes_the_output(setup: Setup, prompt: int) -> None:
+def test_noise_in_one_loaded_object_changes_the_output(setup: ModelSetup, prompt: int) -> None:
     """Negative control: the fresh engine loaded the noisy object (the hit is whole) and its
     logprobs for that prompt move far beyond the tolerance the clean prompt meets."""
     diff = max(abs(a - b) for a, b in zip(setup.warm.logprobs[prompt], setup.cold.logprobs[prompt]))

@@ -12,20 +12,16 @@ chunks (192 and 256 tokens).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import make_prompts, write_tiny_gemma3
+from tests.e2e.engine_run import write_tiny_gemma3
 from tests.e2e.objects import chunk_index, stored_objects
-from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
-from tests.server.serverproc import ServerProcess, ServerSpec
+from tests.e2e.setup import Setup, cold_setup, engine_stats, wait_for_stores
 from tiercache.keys import GroupKind, ObjectKey
 
 pytestmark = pytest.mark.e2e
@@ -34,34 +30,12 @@ CHUNK = 64
 LENGTHS = [200, 257]
 EXPECTED_CACHED = [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]  # [192, 256]
 STORED_CHUNKS = sum(n // CHUNK for n in LENGTHS)  # 7
-MiB = 1 << 20
-
-
-@dataclass
-class Setup:
-    tmp: Path
-    model: Path
-    prompts: Path
-    prompt_ids: list[list[int]]
-    server: ServerProcess
-    cold: Run
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("e2e-gemma3")
-    model = tmp / "model"
-    write_tiny_gemma3(model, seed=1234)
-    ids = make_prompts(LENGTHS)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(ids))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
-    try:
-        server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json")
-        yield Setup(tmp, model, prompts, ids, server, cold)
-    finally:
-        server.stop()
+    with cold_setup(tmp_path_factory.mktemp("e2e-gemma3"), write_tiny_gemma3, LENGTHS, chunk=CHUNK) as s:
+        yield s
 
 
 def _in_window(setup: Setup, key: ObjectKey, index: dict[bytes, tuple[int, int]]) -> bool:
@@ -91,7 +65,7 @@ def test_hit_needs_only_the_trailing_window_chunk_of_the_sliding_group(setup: Se
                 assert c.delete(key)
     assert len(removed) == STORED_CHUNKS - len(LENGTHS)  # 5: chunks 0-1 of prompt 0, 0-2 of prompt 1
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    warm = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "warm.json")
+    warm = setup.run("warm")
     hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
     diff = warm.max_logprob_diff(setup.cold)
     print(f"\n[e2e gemma3 sliding+full] cached tokens {warm.num_cached} (server chunk hits {hits}), "
@@ -118,7 +92,7 @@ def test_noise_in_the_sliding_window_chunk_changes_the_output(setup: Setup) -> N
                 c.delete(key)
                 assert c.put(key, rng.standard_normal(len(data) // 4).astype(np.float32).tobytes())
     assert len(originals) == len(LENGTHS)
-    bad = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "corrupt.json")
+    bad = setup.run("corrupt")
     diff = bad.max_logprob_diff(setup.cold)
     print(f"\n[e2e gemma3 corrupt sliding] cached tokens {bad.num_cached}, max |logprob diff| {diff:.3g}")
     assert bad.num_cached == EXPECTED_CACHED

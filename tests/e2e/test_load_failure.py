@@ -14,61 +14,22 @@ stores, lookups, hits, loads and load failures must show in vLLM's Prometheus me
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
-from tests.server.serverproc import ServerProcess, ServerSpec
+from tests.e2e.engine_run import write_tiny_llama
+from tests.e2e.setup import LOAD_FAILURE_RUN, Run, Setup, cold_setup
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
 LENGTHS = [200, 150, 130]  # hits of 3, 2 and 2 chunks; the pin of each loses chunk 1
 HIT_CHUNKS = sum((n - 1) // CHUNK for n in LENGTHS)  # 7
-MiB = 1 << 20
 RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
-
-
-@dataclass
-class Run:
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    num_cached: list[int]
-    metrics: dict[str, float]
-    log: str
-
-    def max_logprob_diff(self, other: Run) -> float:
-        return max(abs(a - b) for p, q in zip(self.logprobs, other.logprobs) for a, b in zip(p, q))
-
-
-def run_engine(module: str, model: Path, server: str, prompts: Path, out: Path, *extra: str) -> Run:
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the launcher's patch must be in the engine's process
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    cmd = [sys.executable, "-m", module, *extra, "--model", str(model), "--server", server,
-           "--prompts", str(prompts), "--out", str(out), "--log-stats"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    data: dict[str, Any] = json.loads(out.read_text())
-    return Run(data["tokens"], data["logprobs"], data["num_cached"], data.get("metrics", {}), proc.stdout + proc.stderr)
 
 
 def kv_transfer_lines(log: str) -> list[str]:
@@ -86,41 +47,17 @@ def logged_total(lines: list[str], field: str) -> int:
     return total
 
 
-@dataclass
-class Setup:
-    tmp: Path
-    model: Path
-    prompts: Path
-    server: ServerProcess
-    cold: Run
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("load-failure")
-    model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(make_prompts(LENGTHS, seed=11)))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
-    try:
-        server.wait_ready()
-        cold = run_engine("tests.e2e.engine_run", model, server.endpoint, prompts, tmp / "cold.json")
-        stored = sum(n // CHUNK for n in LENGTHS)
-        with server.client() as c:  # stores of the last request may commit after the run's end
-            for _ in range(600):
-                if c.stats()["engine"]["stores"] >= stored:
-                    break
-                time.sleep(0.05)
-        yield Setup(tmp, model, prompts, server, cold)
-    finally:
-        server.stop()
+    """Every run reports vLLM's stats; the failing runs start only once every stored chunk is in."""
+    with cold_setup(tmp_path_factory.mktemp("load-failure"), write_tiny_llama, LENGTHS, chunk=CHUNK, prompt_seed=11,
+                    log_stats=True, wait_for_stored=sum(n // CHUNK for n in LENGTHS)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def failing(setup: Setup) -> Run:
-    return run_engine("tests.e2e.load_failure_run", setup.model, setup.server.endpoint, setup.prompts,
-                      setup.tmp / "failing.json")
+    return setup.run("failing", module=LOAD_FAILURE_RUN)
 
 
 def test_cold_run_reports_lookups_and_stores_in_vllm_metrics(setup: Setup) -> None:
@@ -168,8 +105,7 @@ def test_the_failing_run_reports_hits_loads_and_failures(failing: Run) -> None:
 
 def test_without_reporting_load_errors_the_output_is_wrong(setup: Setup) -> None:
     """Negative control: hide the load errors; vLLM computes on blocks no one wrote."""
-    hidden = run_engine("tests.e2e.load_failure_run", setup.model, setup.server.endpoint, setup.prompts,
-                        setup.tmp / "hidden.json", "--hide-load-errors")
+    hidden = setup.run("hidden", module=LOAD_FAILURE_RUN, launcher_args=["--hide-load-errors"])
     diff = hidden.max_logprob_diff(setup.cold)
     print(f"\n[e2e load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}")
     assert hidden.num_cached == [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]

@@ -23,10 +23,8 @@ run with an import-only torchvision stub from the test's temp dir on their PYTHO
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,14 +32,18 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import (
-    make_prompts,
     write_tiny_qwen3_5,
     write_tiny_qwen3_next,
     write_torchvision_stub,
 )
 from tests.e2e.objects import chunk_index, stored_objects
-from tests.e2e.test_dense import Run, engine_stats, run_engine, wait_for_stores
-from tests.server.serverproc import ServerProcess, ServerSpec
+from tests.e2e.setup import (
+    ModelWriter,
+    Setup,
+    cold_setup,
+    engine_stats,
+    wait_for_stores,
+)
 from tiercache.keys import GroupKind, ObjectKey
 
 pytestmark = pytest.mark.e2e
@@ -62,45 +64,21 @@ ENGINE_ARGS = {
     # request); a periodic interval also keeps the state every STEP tokens, so it can be stored.
     "prefix_cache_retention_interval": STEP,
 }
-MiB = 1 << 20
 # vLLM's multiprocess mode (scheduler and worker in separate processes, as ``vllm serve`` runs) costs
 # ~50 s more per engine on two cores; it passes too, but CI's budget runs the fresh engine in-process.
 MULTIPROCESS = os.environ.get("TIERCACHE_E2E_MULTIPROCESS", "0") == "1"
-
-
-@dataclass
-class Setup:
-    tmp: Path
-    model: Path
-    prompts: Path
-    prompt_ids: list[list[int]]
-    server: ServerProcess
-    cold: Run
-    name: str
-    extra_path: Path | None
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     name = request.param
     tmp = tmp_path_factory.mktemp(f"e2e-{name}")
-    model = tmp / "model"
-    extra_path = None
-    if name == "qwen3_5":
-        write_tiny_qwen3_5(model, seed=1234)
-        extra_path = write_torchvision_stub(tmp / "stub")
-    else:
-        write_tiny_qwen3_next(model, seed=1234)
-    ids = make_prompts(LENGTHS)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(ids))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK}))
-    try:
-        server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=ENGINE_ARGS, extra_path=extra_path)
-        yield Setup(tmp, model, prompts, ids, server, cold, name, extra_path)
-    finally:
-        server.stop()
+    write_model: ModelWriter = write_tiny_qwen3_next
+    extra_path: Path | None = None
+    if name == "qwen3_5":  # vLLM's Qwen3.5 module imports torchvision, absent from the CPU venv
+        write_model, extra_path = write_tiny_qwen3_5, write_torchvision_stub(tmp / "stub")
+    with cold_setup(tmp, write_model, LENGTHS, chunk=CHUNK, name=name, engine_args=ENGINE_ARGS, extra_path=extra_path) as s:
+        yield s
 
 
 def _state_objects(setup: Setup) -> dict[tuple[int, int], ObjectKey]:
@@ -146,8 +124,7 @@ def test_fresh_engine_restores_states_and_the_controls_fail(setup: Setup) -> Non
         assert c.put(states[(1, 1)], foreign)
         assert c.delete(states[(2, 3)])
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    run = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "warm.json",
-                     engine_args=ENGINE_ARGS, multiprocess=MULTIPROCESS, extra_path=setup.extra_path)
+    run = setup.run("warm", multiprocess=MULTIPROCESS)
     hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
     diff = [max(abs(a - b) for a, b in zip(w, c)) for w, c in zip(run.logprobs, setup.cold.logprobs)]
     mode = "multiprocess" if MULTIPROCESS else "in-process"

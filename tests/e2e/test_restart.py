@@ -7,9 +7,7 @@ process) and talks to a *new* server process whose L1 is empty, so each hit come
 
 from __future__ import annotations
 
-import json
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,34 +18,31 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.conftest import S3Endpoint
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
-from tests.e2e.test_dense import (
-    CHUNK,
-    EXPECTED_CACHED,
-    LENGTHS,
-    STORED_CHUNKS,
+from tests.e2e.engine_run import write_tiny_llama
+from tests.e2e.setup import (
+    MiB,
     Run,
+    Setup,
+    cold_setup,
     engine_stats,
-    run_engine,
+    wait_for,
     wait_for_stores,
 )
+from tests.e2e.test_dense import CHUNK, EXPECTED_CACHED, LENGTHS, STORED_CHUNKS
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
 
 pytestmark = pytest.mark.e2e
 
-MiB = 1 << 20
 CORRUPT_PROMPT, CORRUPT_CHUNK = 0, 1  # prompt 0 (200 tokens, 3 chunks): chunk 1 of 0..2
 
 
-@dataclass
-class Setup:
-    tmp: Path
-    model: Path
-    prompts: Path
+@dataclass(kw_only=True)
+class RestartSetup(Setup):
+    """The cold run through a server with L2 and L3 (stopped since), and where its tiers are."""
+
     s3_url: str
     bucket: str
-    cold: Run
     corrupt_target: bytes  # the stored object of (CORRUPT_PROMPT, CORRUPT_CHUNK)
 
 
@@ -56,56 +51,39 @@ def _spec(setup_tmp: Path, name: str, disk: Path, s3_url: str | None, bucket: st
                       disk_budget=64 * MiB, s3_url=s3_url, s3_bucket=bucket, options={"chunk_size": CHUNK})
 
 
-def _wait(server: ServerProcess, name: str, at_least: int, deadline_s: float = 30.0) -> int:
-    end = time.monotonic() + deadline_s
-    while True:
-        n = engine_stats(server)[name]
-        if n >= at_least or time.monotonic() > end:
-            return n
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) -> Iterator[Setup]:
+def setup(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) -> Iterator[RestartSetup]:
     tmp = tmp_path_factory.mktemp("e2e-restart")
-    model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    ids = make_prompts(LENGTHS)
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(ids))
     bucket = f"e2e-restart-{uuid.uuid4().hex[:8]}"
-    server = ServerProcess(_spec(tmp, "first", tmp / "l2", s3_server.url, bucket))
-    try:
-        server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json")
-        assert wait_for_stores(server, STORED_CHUNKS) == STORED_CHUNKS
-        assert _wait(server, "l2_writes", STORED_CHUNKS) == STORED_CHUNKS
-        assert _wait(server, "l3_writes", STORED_CHUNKS) == STORED_CHUNKS
-        target = PrefixHasher(CHUNK, ExtraKeys()).update(ids[CORRUPT_PROMPT])[CORRUPT_CHUNK]
-        with server.client() as c:
+    with cold_setup(tmp, write_tiny_llama, LENGTHS, chunk=CHUNK, spec=_spec(tmp, "first", tmp / "l2", s3_server.url, bucket)) as base:
+        assert wait_for_stores(base.server, STORED_CHUNKS) == STORED_CHUNKS
+        assert wait_for(base.server, "l2_writes", STORED_CHUNKS) == STORED_CHUNKS
+        assert wait_for(base.server, "l3_writes", STORED_CHUNKS) == STORED_CHUNKS
+        target = PrefixHasher(CHUNK, ExtraKeys()).update(base.prompt_ids[CORRUPT_PROMPT])[CORRUPT_CHUNK]
+        with base.server.client() as c:
             keys, _ = c.list_keys(tier="l1")
             [key] = [ObjectKey.from_bytes(k.key) for k in keys if ObjectKey.from_bytes(k.key).prefix_hash == target]
             data = c.get(key)
             assert data is not None
-    finally:
-        server.stop()
-    yield Setup(tmp, model, prompts, s3_server.url, bucket, cold, data)
+    # The first server is stopped: every later engine talks to a new one whose L1 is empty.
+    yield RestartSetup.of(base, s3_url=s3_server.url, bucket=bucket, corrupt_target=data)
 
 
-def _warm(setup: Setup, name: str, disk: Path, s3: bool) -> tuple[Run, dict[str, int]]:
+def _warm(setup: RestartSetup, name: str, disk: Path, s3: bool) -> tuple[Run, dict[str, int]]:
     server = ServerProcess(_spec(setup.tmp, name, disk, setup.s3_url if s3 else None, setup.bucket))
     try:
         server.wait_ready()
-        run = run_engine(setup.model, server.endpoint, setup.prompts, setup.tmp / f"{name}.json")
+        run = setup.run(name, server=server.endpoint)
         return run, engine_stats(server)
     finally:
         server.stop()
 
 
-def test_restarted_server_serves_hits_from_l2(setup: Setup) -> None:
-    warm, stats = _warm(setup, "restart-l2", setup.tmp / "l2", s3=False)
+def _assert_hits_promoted_and_output_matches(setup: RestartSetup, tier: str, warm: Run, stats: dict[str, int]) -> None:
+    """The fresh engine hit every chunk it may, each promoted from ``tier`` into the new server's
+    empty L1, and reproduced the cold run."""
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e restart L2] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
+    print(f"\n[e2e restart {tier}] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
           f"promotions {stats['promotions']}, max |logprob diff| {diff:.3g}")
     assert warm.num_cached == EXPECTED_CACHED
     assert stats["promotions"] >= sum(EXPECTED_CACHED) // CHUNK
@@ -113,20 +91,19 @@ def test_restarted_server_serves_hits_from_l2(setup: Setup) -> None:
     assert diff <= 1e-5
 
 
-def test_wiped_l2_serves_hits_from_s3(setup: Setup) -> None:
+def test_restarted_server_serves_hits_from_l2(setup: RestartSetup) -> None:
+    warm, stats = _warm(setup, "restart-l2", setup.tmp / "l2", s3=False)
+    _assert_hits_promoted_and_output_matches(setup, "L2", warm, stats)
+
+
+def test_wiped_l2_serves_hits_from_s3(setup: RestartSetup) -> None:
     fresh = setup.tmp / "l2-wiped"
     shutil.rmtree(fresh, ignore_errors=True)
     warm, stats = _warm(setup, "restart-l3", fresh, s3=True)
-    diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e restart L3] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
-          f"promotions {stats['promotions']}, max |logprob diff| {diff:.3g}")
-    assert warm.num_cached == EXPECTED_CACHED
-    assert stats["promotions"] >= sum(EXPECTED_CACHED) // CHUNK
-    assert warm.tokens == setup.cold.tokens
-    assert diff <= 1e-5
+    _assert_hits_promoted_and_output_matches(setup, "L3", warm, stats)
 
 
-def test_corrupted_chunk_in_l2_misses_from_there_on(setup: Setup) -> None:
+def test_corrupted_chunk_in_l2_misses_from_there_on(setup: RestartSetup) -> None:
     """Flip bytes of one stored chunk inside LMDB's data.mdb (server stopped): that chunk and the
     later ones of its prompt miss (the disk tier's checksum catches it), the output is the cold run's."""
     mdb = next((setup.tmp / "l2").rglob("data.mdb"))
