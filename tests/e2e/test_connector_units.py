@@ -34,11 +34,31 @@ def test_settings_defaults_and_prefixed_keys() -> None:
         ({"server": "localhost:5600"}, "ipc://"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"tiercache.chunk_size": 256}, "unknown"),
+        ({"overlap_loads": "sometimes"}, "overlap_loads"),
     ],
 )
 def test_settings_errors_name_the_key(extra: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, None), (True, True), ("false", False), ("On", True), (0, False)]
+)
+def test_overlap_loads_is_automatic_unless_set(value: object, expected: bool | None) -> None:
+    extra = {} if value is None else {"overlap_loads": value}
+    assert ConnectorSettings.from_extra_config(extra).overlap_loads is expected
+
+
+def test_only_explicitly_overlapped_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """Per-layer waits cannot run inside a FULL CUDA graph; the automatic default (no overlap on
+    CUDA) keeps vLLM's CUDA graph mode."""
+    pytest.importorskip("vllm")
+    from tiercache.connector import TierCacheConnector
+
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({"overlap_loads": True}) is True
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({}) is False
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({"overlap_loads": False}) is False
 
 
 def test_auth_secret_is_never_printed() -> None:
@@ -456,10 +476,25 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
     w._idle = threading.Condition(w._lock)
     w._recv_done, w._recv_failed, w._pending, w._with_saves, w._finished_waiting = set(), set(), {}, set(), set()
+    w._loads, w._sync_load, w._overlap = [], None, True
+    w.order_layers(["attn", "gdn"])
     w.stats = {"loaded_chunks": 0, "load_failures": 0}
     w.recorder = StatsRecorder()
     w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
     return w, arena
+
+
+def _reported(w: object, deadline_s: float = 10.0) -> tuple[set[str], set[str], set[str]]:
+    """The first non-empty ``transfer_results`` (an asynchronous load is written in the background
+    and reported at the end of the first step after its writes are done)."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while True:
+        result = w.transfer_results(set())  # type: ignore[attr-defined]
+        if any(result) or time.monotonic() > end:
+            return result  # type: ignore[no-any-return]
+        time.sleep(0.001)
 
 
 def _two_chunk_hit(asynchronous: bool = True) -> object:
@@ -477,13 +512,13 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     meta = _two_chunk_hit()
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     w.start_load_kv(meta)  # type: ignore[attr-defined]  # already done by handle_preemptions: no-op
+    assert _reported(w) == (set(), {"r"}, set())
     pages = {g: [pv.view for pv in layers] for g, layers in w._pages.items()}  # type: ignore[attr-defined]
     assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
     assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
     assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
     assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]  # reported once
 
 
@@ -493,7 +528,7 @@ def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() ->
     to requests with several KV-cache groups."""
     w, _ = _recurrent_worker([32, 32, 4])
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
     assert w.stats == {"loaded_chunks": 1, "load_failures": 1}  # type: ignore[attr-defined]
 
@@ -506,11 +541,11 @@ def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy()
 
     w, _ = _recurrent_worker([])
     w.handle_preemptions(TierCacheMetadata(step=1, loads=[RequestLoad("r", [], asynchronous=True, complete=False)]))  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
     w, _ = _recurrent_worker([32, 32, 8])
     w.link = type("DownLink", (), {"client": lambda self: None})()  # type: ignore[attr-defined]
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
 
 
 def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
@@ -519,7 +554,7 @@ def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
     w, _ = _recurrent_worker([32, 32, 8])
     w._with_saves.add("r")  # type: ignore[attr-defined]
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, set())
     assert w.transfer_results({"r"}) == (set(), set(), set())  # type: ignore[attr-defined]
 
 

@@ -82,7 +82,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete before the forward pass (they are copied in handle_preemptions)
+        """Called by every attention layer before it reads its KV: wait for that layer's loaded pages."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are whole chunks of every layer, queued in wait_for_save
@@ -112,6 +114,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """This half's stats since the last call (vLLM calls it every step, in both roles)."""
         half = self._worker if self._worker is not None else self._scheduler
         return half.take_stats() if half is not None else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True when loads are explicitly set to overlap the forward pass (``overlap_loads``): the
+        layer-by-layer waits run only between PIECEWISE CUDA graph pieces, never in a FULL graph."""
+        return ConnectorSettings.from_extra_config(extra_config).overlap_loads is True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats:
