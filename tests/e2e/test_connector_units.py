@@ -418,6 +418,12 @@ def test_recurrent_config_errors_name_the_fix(kw: dict[str, object], words: str)
         _recurrent(**kw)
 
 
+def test_recurrent_mode_error_names_prefix_caching_too() -> None:
+    """vLLM 0.33 derives mamba_cache_mode from prefix caching (--mamba-cache-mode is a no-op there)."""
+    with pytest.raises(ConfigError, match="--enable-prefix-caching"):
+        _recurrent(mamba_cache_mode="none")
+
+
 def test_the_vllm_plugin_entry_point_is_installed() -> None:
     import importlib.metadata
 
@@ -571,3 +577,54 @@ def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == {3, 4}  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]
+
+
+# -- vLLM >= 0.33 sleep-mode hooks (0.32 never calls them; the tests call them directly) -------------
+
+
+def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
+    """``unregister_kv_caches`` (called before sleep mode releases the KV memory) returns only once
+    the stores queued for the save thread are done; ``restore_kv_caches`` needs nothing. Where the
+    installed vLLM declares the hooks (0.33+), ours take the same arguments."""
+    pytest.importorskip("vllm")
+    import inspect
+    import threading
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from tiercache.connector.connector import TierCacheConnector
+    from tiercache.connector.worker import WorkerHalf
+
+    for name in ("unregister_kv_caches", "restore_kv_caches"):
+        base = getattr(KVConnectorBase_V1, name, None)
+        if base is not None:
+            assert list(inspect.signature(base).parameters) == list(inspect.signature(getattr(TierCacheConnector, name)).parameters)
+
+    w = WorkerHalf.__new__(WorkerHalf)
+    w._lock = threading.Lock()
+    w._idle = threading.Condition(w._lock)
+    w._pending = {"r": 2}
+    done: list[float] = []
+
+    def save_thread() -> None:  # what WorkerHalf._save_loop does when a batch is stored
+        time.sleep(0.2)
+        with w._idle:
+            del w._pending["r"]
+            done.append(time.monotonic())
+            w._idle.notify_all()
+
+    c = TierCacheConnector.__new__(TierCacheConnector)
+    c._worker, c._scheduler = w, None
+    t = threading.Thread(target=save_thread)
+    t.start()
+    c.unregister_kv_caches()
+    returned = time.monotonic()
+    t.join()
+    assert done and done[0] <= returned and w._pending == {}
+    c.unregister_kv_caches()  # idempotent: nothing queued
+    c.restore_kv_caches()
+    s = TierCacheConnector.__new__(TierCacheConnector)
+    s._worker, s._scheduler = None, object()
+    s.unregister_kv_caches()  # the scheduler's instance holds no KV memory
+    s.restore_kv_caches()

@@ -73,6 +73,17 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    # Sleep mode: vLLM >= 0.33 calls these around discarding and re-mapping the KV cache (0.32 has no
+    # such hooks and never calls them). The tensors keep their addresses across a sleep; only the
+    # stores still queued must not read blocks whose memory is being released.
+    def unregister_kv_caches(self) -> None:
+        """Before sleep mode discards the KV cache: finish the queued stores (they read its blocks)."""
+        if self._worker is not None:
+            self._worker._wait_idle(None)
+
+    def restore_kv_caches(self) -> None:
+        return  # after wake-up: same tensors at the same addresses, nothing to re-register
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
             self._worker.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
