@@ -584,8 +584,9 @@ def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
 
 def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
     """``unregister_kv_caches`` (called before sleep mode releases the KV memory) returns only once
-    the stores queued for the save thread are done; ``restore_kv_caches`` needs nothing. Where the
-    installed vLLM declares the hooks (0.33+), ours take the same arguments."""
+    the loads writing into the KV cache and the stores queued for the save thread are done;
+    ``restore_kv_caches`` needs nothing. Where the installed vLLM declares the hooks (0.33+), ours
+    take the same arguments."""
     pytest.importorskip("vllm")
     import inspect
     import threading
@@ -594,25 +595,23 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     from tiercache.connector.connector import TierCacheConnector
-    from tiercache.connector.worker import WorkerHalf
 
     for name in ("unregister_kv_caches", "restore_kv_caches"):
         base = getattr(KVConnectorBase_V1, name, None)
         if base is not None:
             assert list(inspect.signature(base).parameters) == list(inspect.signature(getattr(TierCacheConnector, name)).parameters)
 
-    w = WorkerHalf.__new__(WorkerHalf)
-    w._lock = threading.Lock()
-    w._idle = threading.Condition(w._lock)
-    w._pending = {"r": 2}
+    w, _ = _recurrent_worker([32, 32, 8])
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]  # an asynchronous load in flight
+    w._pending = {"r": 2}  # type: ignore[attr-defined]
     done: list[float] = []
 
     def save_thread() -> None:  # what WorkerHalf._save_loop does when a batch is stored
         time.sleep(0.2)
-        with w._idle:
-            del w._pending["r"]
+        with w._idle:  # type: ignore[attr-defined]
+            del w._pending["r"]  # type: ignore[attr-defined]
             done.append(time.monotonic())
-            w._idle.notify_all()
+            w._idle.notify_all()  # type: ignore[attr-defined]
 
     c = TierCacheConnector.__new__(TierCacheConnector)
     c._worker, c._scheduler = w, None
@@ -621,7 +620,9 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
     c.unregister_kv_caches()
     returned = time.monotonic()
     t.join()
-    assert done and done[0] <= returned and w._pending == {}
+    assert done and done[0] <= returned and w._pending == {}  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]  # the load is done
+    assert w._pages[1][0].view[7].tolist() == [3] * 8  # type: ignore[attr-defined]
     c.unregister_kv_caches()  # idempotent: nothing queued
     c.restore_kv_caches()
     s = TierCacheConnector.__new__(TierCacheConnector)

@@ -75,11 +75,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # Sleep mode: vLLM >= 0.33 calls these around discarding and re-mapping the KV cache (0.32 has no
     # such hooks and never calls them). The tensors keep their addresses across a sleep; only the
-    # stores still queued must not read blocks whose memory is being released.
+    # loads and stores still in flight must not touch blocks whose memory is being released.
     def unregister_kv_caches(self) -> None:
-        """Before sleep mode discards the KV cache: finish the queued stores (they read its blocks)."""
+        """Before sleep mode discards the KV cache: finish the loads writing into it and the queued
+        stores reading from it."""
         if self._worker is not None:
-            self._worker._wait_idle(None)
+            self._worker.quiesce()
 
     def restore_kv_caches(self) -> None:
         return  # after wake-up: same tensors at the same addresses, nothing to re-register

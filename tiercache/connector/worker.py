@@ -342,6 +342,12 @@ class WorkerHalf:
             self._wait_idle(None)
         self.start_load_kv(meta)
 
+    def quiesce(self) -> None:
+        """Finish every load in flight (reported as usual) and every queued store: afterwards the
+        connector touches no KV block until the next step."""
+        self._finish_loads(wait=True)
+        self._wait_idle(None)
+
     def _wait_idle(self, req_id: str | None) -> None:
         with self._idle:
             while (self._pending.get(req_id, 0) if req_id is not None else any(self._pending.values())):
