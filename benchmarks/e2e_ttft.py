@@ -527,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk_size % args.block_size:
         print(f"error: --chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}", file=sys.stderr)
         return 2
+    if "tiercache-inline" in systems and "tiercache" not in systems:
+        systems.insert(systems.index("tiercache-inline"), "tiercache")  # its cold run stores the chunks
     skipped: list[str] = []
     if "lmcache" in systems and not (args.lmcache_python and Path(args.lmcache_python).exists()):
         systems.remove("lmcache")
@@ -539,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {"recompute": Row("recompute (no connector)", "cold run; every request recomputes"),
             "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt")}
-    if "tiercache-inline" in systems and "tiercache" not in systems:
-        systems.insert(systems.index("tiercache-inline"), "tiercache")  # its cold run stores the chunks
     if "tiercache" in systems:
         rows["tiercache"] = Row("tiercache (L1 hit)", "server --tiers l1,disk; fresh engine")
         if "tiercache-inline" in systems:

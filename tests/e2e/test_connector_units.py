@@ -43,16 +43,16 @@ def test_settings_errors_name_the_key(extra: dict[str, object], words: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"), [(None, None), (True, True), ("false", False), ("On", True), (0, False)]
+    ("value", "expected"), [(None, False), (True, True), ("false", False), ("On", True), (0, False)]
 )
-def test_overlap_loads_is_automatic_unless_set(value: object, expected: bool | None) -> None:
+def test_overlap_loads_is_off_unless_set(value: object, expected: bool) -> None:
     extra = {} if value is None else {"overlap_loads": value}
     assert ConnectorSettings.from_extra_config(extra).overlap_loads is expected
 
 
 def test_only_explicitly_overlapped_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
-    """Per-layer waits cannot run inside a FULL CUDA graph; the automatic default (no overlap on
-    CUDA) keeps vLLM's CUDA graph mode."""
+    """Per-layer waits cannot run inside a FULL CUDA graph; the default (no overlap) keeps vLLM's
+    CUDA graph mode."""
     pytest.importorskip("vllm")
     from tiercache.connector import TierCacheConnector
 
@@ -526,6 +526,14 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]  # reported once
+
+
+def test_without_overlap_an_asynchronous_load_is_reported_in_the_step_that_starts_it() -> None:
+    w, _ = _recurrent_worker([32, 32, 8])
+    w._overlap = False  # type: ignore[attr-defined]  # the default
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert w._pages[1][0].view[7].tolist() == [3] * 8  # type: ignore[attr-defined]
 
 
 def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() -> None:

@@ -129,9 +129,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True when loads are explicitly set to overlap the forward pass (``overlap_loads``): the
-        layer-by-layer waits run only between PIECEWISE CUDA graph pieces, never in a FULL graph."""
-        return ConnectorSettings.from_extra_config(extra_config).overlap_loads is True
+        """True when loads overlap the forward pass (``overlap_loads``): the layer-by-layer waits
+        run only between PIECEWISE CUDA graph pieces, never in a FULL graph."""
+        return ConnectorSettings.from_extra_config(extra_config).overlap_loads
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats:

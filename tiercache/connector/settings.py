@@ -8,9 +8,8 @@ Keys (all optional)::
     retry_s       while the server is unreachable, how often to try again, seconds (default 5.0)
     weights_id    override the weights identity put into the layout fingerprint (default: the
                   model revision, else a content fingerprint of the checkpoint files)
-    overlap_loads write loaded pages layer by layer while the forward pass runs (true/false;
-                  default: on for a CPU KV cache, off on CUDA, where it makes vLLM switch CUDA
-                  graphs to PIECEWISE mode)
+    overlap_loads write loaded pages layer by layer while the forward pass runs (default false;
+                  on CUDA, true makes vLLM switch CUDA graphs to PIECEWISE mode)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -36,7 +35,7 @@ class ConnectorSettings:
     auth_secret: str | None = field(default=None, repr=False)  # never printed or logged
     retry_s: float = 5.0
     weights_id: str | None = None
-    overlap_loads: bool | None = None  # None: decided from the KV cache's device
+    overlap_loads: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -68,7 +67,7 @@ class ConnectorSettings:
                 auth_secret=str(raw["auth_secret"]) if raw.get("auth_secret") else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
                 retry_s=float(raw.get("retry_s", 5.0)),
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
-                overlap_loads=_flag(raw["overlap_loads"]) if raw.get("overlap_loads") is not None else None,
+                overlap_loads=_flag(raw.get("overlap_loads", False)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc

@@ -5,18 +5,25 @@
   tensors' device, connect, register the object groups of this rank and map the server's L1 arena.
 * Loads (``handle_preemptions``, at the very start of the step; ``start_load_kv`` is the fallback
   if that hook did not see the step). The scheduler's lookup ticket has promoted the hit objects
-  into L1; the worker pins them by key (one round trip per step with loads), copies each into the
-  request's blocks and releases them. Two kinds (``RequestLoad.asynchronous``):
+  into L1; the worker pins them by key (one round trip per step with loads) and starts a load job
+  (:mod:`~tiercache.connector.loads`) that writes them into the requests' blocks in the layers'
+  forward order; the pins are released once the job is finished. Two kinds
+  (``RequestLoad.asynchronous``):
 
-  - synchronous (one KV-cache group, dense models): the request runs in this very step, so the copy
-    precedes the forward pass; a chunk that cannot be loaded (server gone, object evicted, wrong
-    size) puts its blocks into ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+  - synchronous (one KV-cache group, dense models): the request runs in this very step. With
+    ``overlap_loads`` the writes run during the forward pass and ``wait_for_layer_load`` holds each
+    attention layer until its pages are written; without (the default), they precede the forward
+    pass (on CUDA: ordered before it on the device, the host does not wait). The job is finished
+    at the end of the step (``wait_for_save``); a chunk that cannot be loaded (server gone, object
+    evicted, wrong size, a failed write) puts its blocks into ``get_block_ids_with_load_errors``
+    and vLLM recomputes them.
   - asynchronous (several KV-cache groups, or recurrent state): vLLM parked the request in
-    ``WAITING_FOR_REMOTE_KVS`` and runs it in a later step. The copy is still done here, during
-    this step; the request is then reported in ``finished_recving`` (every worker reports each
-    request once, loaded or not), and a load with any failed chunk also in ``failed_recving``: vLLM
-    frees its blocks and computes the request from scratch. vLLM cannot map block ids back to
-    requests when there are several groups, so none are reported as load errors.
+    ``WAITING_FOR_REMOTE_KVS`` and runs it in a later step. At the end of the first step after its
+    job is done (this very step unless writes overlap) the request is reported in
+    ``finished_recving`` (every worker reports each request once, loaded or not), and a load with
+    any failed chunk also in ``failed_recving``: vLLM frees its blocks and computes the request
+    from scratch. vLLM cannot map block ids back to requests when there are several groups, so
+    none are reported as load errors.
 * Recurrent groups (Mamba/GDN state): an object is one state page per layer (the unpadded bytes of
   the ``[blocks, 1, 1, state bytes]`` view); a save reads the block vLLM handed over for the chunk's
   end boundary, a load writes the block it assigned to the hit boundary (``ChunkLoad.state``).
@@ -108,7 +115,10 @@ class WorkerHalf:
         self._sync_load: _StepLoad | None = None  # this step's load the forward pass waits for
         self._layer_order: list[str] = []  # every KV layer, in forward order
         self._layer_position: dict[str, int] = {}
-        self._overlap = False  # write synchronous loads while the forward pass runs (register_kv_caches)
+        # Writes may still run when the forward pass starts. Off by default: on CPU the writing
+        # thread competes with the forward pass's threads (hit TTFT measured 97 ms overlapped vs
+        # 67 ms not, docs/benchmarks.md); on CUDA the per-layer waits need PIECEWISE CUDA graphs.
+        self._overlap = settings.overlap_loads
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
         self.link = ServerLink(settings, "vllm-worker", self._on_connect)
@@ -128,10 +138,6 @@ class WorkerHalf:
         self._kv_caches = kv_caches
         self.order_layers(kv_caches)
         self._copy = select_copy_engine(kv_caches.values())
-        # Overlapping loads with the forward pass needs vLLM to call wait_for_layer_load at every
-        # attention layer, which CUDA graphs skip unless PIECEWISE (requires_piecewise_for_cudagraph).
-        overlap = self._settings.overlap_loads
-        self._overlap = overlap if overlap is not None else self._copy.name == "cpu"
         self.link.start()
         self._saver = threading.Thread(target=self._save_loop, name="tiercache-connector-save", daemon=True)
         self._saver.start()
@@ -192,8 +198,8 @@ class WorkerHalf:
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
         load = _StepLoad(meta, owner, client, [s.token for s in slots if s is not None], started)
-        # A synchronous load feeds this very step's forward pass; an asynchronous one is written
-        # while vLLM keeps the request parked (never waited for by the forward pass).
+        # A synchronous load feeds this very step's forward pass (which may wait for it layer by
+        # layer); an asynchronous one is reported once its writes are done, maybe steps later.
         sync = not all(r.asynchronous for r in meta.loads)
         try:
             arena = client.arena() if client is not None else None
@@ -213,7 +219,7 @@ class WorkerHalf:
                     load.nbytes[i] = sum(s.nbytes for s in chunk_slots)
                 load.planned.append(writes is not None)
             assert self._copy is not None
-            load.job = self._copy.start_load(plan, overlap=self._overlap or not sync)
+            load.job = self._copy.start_load(plan, overlap=self._overlap)
         finally:
             # Also after an unexpected error (no job): a parked request nobody reports would wait
             # forever, and its pins would outlive it.
@@ -338,6 +344,8 @@ class WorkerHalf:
     def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
         """The first hook of every step, before vLLM prepares inputs: finish queued saves whose
         blocks may be rewritten (``meta.flush``), then do this step's loads (see module docstring)."""
+        if self._sync_load is not None:  # the last step ended without its end-of-step hooks
+            self._finish_loads(wait=False)
         if meta is not None and meta.flush:
             self._wait_idle(None)
         self.start_load_kv(meta)
