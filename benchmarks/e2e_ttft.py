@@ -182,13 +182,13 @@ class TierCacheServer:
         stop_process(self.proc)
         self.proc = None
 
-    def kv_transfer_config(self) -> dict[str, Any]:
+    def kv_transfer_config(self, **extra: Any) -> dict[str, Any]:
         return {
             "kv_connector": "TierCacheConnector",
             "kv_connector_module_path": "tiercache.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"server": self.endpoint, "timeout_s": 5.0},
+            "kv_connector_extra_config": {"server": self.endpoint, "timeout_s": 5.0, **extra},
         }
 
 
@@ -380,6 +380,20 @@ class RoundCtx:
         self.rows[key].ref += cold["prompts"]
         self.rows[key].base += self.base["prompts"]
 
+    def hit_only(self, key: str, of: str, ktc: dict[str, Any]) -> None:
+        """A fresh engine on the prompts row ``of``'s cold run stored (compared with that cold run)."""
+        n = len(self.prompts)
+        try:
+            hit = run_engine(self.args, self.work, f"r{self.rnd}-{key}", self.args.python, ktc, self.prompts, self.warm)
+        except RuntimeError as exc:
+            log(str(exc))
+            self.failures.append(f"{key} round {self.rnd + 1}: {str(exc).splitlines()[0]}")
+            return
+        self.rows[key].cold += self.rows[of].cold[-n:]
+        self.rows[key].hit += hit["prompts"]
+        self.rows[key].ref += self.rows[of].cold[-n:]
+        self.rows[key].base += self.base["prompts"]
+
 
 def add_recompute(rows: dict[str, Row], res: dict[str, Any]) -> None:
     """Samples of a no-connector engine: its first pass is the recompute baseline, its in-process
@@ -436,7 +450,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long")
     s = ap.add_argument_group("systems")
     s.add_argument("--systems", default="tiercache,example,lmcache",
-                   help="comma list of systems besides the recompute baseline (always run): tiercache, example, lmcache")
+                   help="comma list of systems besides the recompute baseline (always run): tiercache, example, "
+                   "lmcache; also tiercache-inline: a second tiercache hit with overlap_loads=false (loads "
+                   "written before the forward pass instead of layer by layer during it)")
     s.add_argument("--no-bracket", action="store_true",
                    help="run the recompute baseline only at the start of each round, not also at its end")
     s.add_argument("--no-disk-hit", action="store_true",
@@ -466,13 +482,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"(e.g. .venv-vllm/bin/python benchmarks/e2e_ttft.py)", file=sys.stderr)
             return 2
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
-    unknown = set(systems) - {"tiercache", "example", "lmcache"}
+    unknown = set(systems) - {"tiercache", "tiercache-inline", "example", "lmcache"}
     if unknown:
         print(f"error: unknown --systems {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.chunk_size % args.block_size:
         print(f"error: --chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}", file=sys.stderr)
         return 2
+    if "tiercache-inline" in systems and "tiercache" not in systems:
+        systems.insert(systems.index("tiercache-inline"), "tiercache")  # its cold run stores the chunks
     skipped: list[str] = []
     if "lmcache" in systems and not (args.lmcache_python and Path(args.lmcache_python).exists()):
         systems.remove("lmcache")
@@ -487,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt")}
     if "tiercache" in systems:
         rows["tiercache"] = Row("tiercache (L1 hit)", "server --tiers l1,disk; fresh engine")
+        if "tiercache-inline" in systems:
+            rows["tiercache_inline"] = Row("tiercache (L1 hit, loads not overlapped)", "overlap_loads=false")
         if not args.no_disk_hit:
             rows["tiercache_disk"] = Row("tiercache (disk hit, server restarted)", "L1 empty, chunks promoted from LMDB")
     if "example" in systems:
@@ -516,18 +536,12 @@ def main(argv: list[str] | None = None) -> int:
             if tc is not None:
                 rd.pair("tiercache", args.python, tc.kv_transfer_config())
                 server_stats.append({"round": rnd, "after": "tiercache hit", "stats": tc.stats()})
+                if "tiercache-inline" in systems:
+                    rd.hit_only("tiercache_inline", "tiercache", tc.kv_transfer_config(overlap_loads=False))
                 if not args.no_disk_hit:
                     tc.stop()
                     tc.start()  # same disk dir, empty L1: hits must be promoted from the disk tier
-                    try:
-                        hit = run_engine(args, work, f"r{rnd}-tiercache-disk-hit", args.python, tc.kv_transfer_config(), prompts, warm)
-                        rows["tiercache_disk"].cold += rows["tiercache"].cold[-len(prompts):]
-                        rows["tiercache_disk"].hit += hit["prompts"]
-                        rows["tiercache_disk"].ref += rows["tiercache"].cold[-len(prompts):]
-                        rows["tiercache_disk"].base += base["prompts"]
-                    except RuntimeError as exc:
-                        log(str(exc))
-                        failures.append(f"tiercache disk round {rnd + 1}: {str(exc).splitlines()[0]}")
+                    rd.hit_only("tiercache_disk", "tiercache", tc.kv_transfer_config())
                     server_stats.append({"round": rnd, "after": "tiercache disk hit", "stats": tc.stats()})
             if "example" in systems:
                 store = work / "example-store"

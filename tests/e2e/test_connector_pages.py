@@ -13,7 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="page views need torch (the vLLM environment has it)")
 
-from tiercache.connector.copy import CpuPageCopy, CudaPageCopy, select_copy_engine  # noqa: E402
+from tiercache.connector.copy import (  # noqa: E402
+    CpuPageCopy,
+    CudaPageCopy,
+    PageCopyEngine,
+    select_copy_engine,
+)
+from tiercache.connector.loads import PageWrite  # noqa: E402
 from tiercache.connector.pages import PageView, page_view  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
 
@@ -24,6 +30,13 @@ HEADS, HEAD = 2, 8
 DTYPE = torch.bfloat16
 ES = 2
 MANAGER_PAGE = 2 * K * KERNEL_BLOCK * HEADS * HEAD * ES  # K and V of 16 tokens
+
+
+
+def load(engine: PageCopyEngine, pages: list[PageView], ids: torch.Tensor, srcs: list[torch.Tensor], overlap: bool = False) -> None:
+    """Write ``srcs[layer]`` into blocks ``ids`` of ``pages[layer]`` through the engine's load job."""
+    job = engine.start_load([[PageWrite(0, pv, ids, src)] for pv, src in zip(pages, srcs, strict=True)], overlap)
+    assert job.finish() == set()
 
 
 def _fill(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +98,9 @@ def test_a_page_is_the_manager_blocks_kernel_blocks_in_physical_order(layout: st
         assert row.numpy().tobytes() == _expected_page(t, layout, b)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(layout: str) -> None:
+def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(layout: str, overlap: bool) -> None:
     src_t, src = LAYOUTS[layout]()
     dst_t, dst = LAYOUTS[layout]()
     dst_t.zero_()
@@ -95,7 +109,7 @@ def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(layou
     save_ids = torch.tensor([4, 2, 5, 1])
     engine.save(engine.save_point(), [src, src], save_ids, list(arena))
     load_ids = torch.tensor([3, 5, 1, 2])  # other blocks than the ones saved: pages move as units
-    engine.load([dst, dst], load_ids, list(arena))
+    load(engine, [dst, dst], load_ids, list(arena), overlap)
     for s, d in zip(save_ids.tolist(), load_ids.tolist()):
         assert _expected_page(dst_t, layout, d) == _expected_page(src_t, layout, s)
     assert not any(_expected_page(dst_t, layout, 0))  # block 0 (vLLM's null block) untouched
@@ -239,7 +253,7 @@ def test_cuda_store_then_load_round_trips_through_the_pinned_arena(layout: str, 
         assert host.is_pinned()
         save_ids, load_ids = torch.tensor([5, 1, 3]), torch.tensor([2, 4, 1])
         engine.save(engine.save_point(), [src, src], save_ids, list(host))
-        engine.load([dst, dst], load_ids, list(host))
+        load(engine, [dst, dst], load_ids, list(host))
         torch.cuda.current_stream().synchronize()
         out_t = dst_t.cpu()
         for s, d in zip(save_ids.tolist(), load_ids.tolist()):
@@ -278,10 +292,34 @@ def test_cuda_load_is_visible_to_the_compute_stream(cuda_arena) -> None:  # type
     try:
         host = engine.host(cuda_arena, 0, MANAGER_PAGE).view(1, MANAGER_PAGE)
         host.copy_(torch.full((MANAGER_PAGE // ES,), 7.0, dtype=DTYPE).view(torch.uint8))
-        engine.load([pv], torch.tensor([3]), [host])
+        job = engine.start_load([[PageWrite(0, pv, torch.tensor([3]), host)]], overlap=False)
         total = t[3 * K : 4 * K].float().sum()  # runs on the compute stream, after the load's event
+        assert job.finish() == set()
         assert total.item() == 7.0 * MANAGER_PAGE // ES
         assert t[: 3 * K].abs().sum().item() == 0
+    finally:
+        engine.close()
+
+
+@needs_cuda
+def test_cuda_overlapped_load_is_visible_to_the_compute_stream_after_wait_layer(cuda_arena) -> None:  # type: ignore[no-untyped-def]
+    """With overlap, each layer's pages are ordered before the compute stream's later work only by
+    ``wait_layer`` (vLLM's ``wait_for_layer_load``), layer by layer."""
+    ts = [torch.zeros(NUM_BLOCKS * K, HEADS, KERNEL_BLOCK, 2 * HEAD, dtype=DTYPE, device="cuda") for _ in range(3)]
+    pvs = [page_view(f"l{i}", t, page_bytes=MANAGER_PAGE, kernel_blocks=K) for i, t in enumerate(ts)]
+    engine = CudaPageCopy(ts[0].device)
+    engine.attach(cuda_arena)
+    try:
+        host = engine.host(cuda_arena, 0, 3 * MANAGER_PAGE).view(3, 1, MANAGER_PAGE)
+        for i in range(3):
+            host[i].copy_(torch.full((MANAGER_PAGE // ES,), float(i + 1), dtype=DTYPE).view(torch.uint8))
+        job = engine.start_load([[PageWrite(0, pv, torch.tensor([2]), host[i])] for i, pv in enumerate(pvs)], overlap=True)
+        totals = []
+        for i, t in enumerate(ts):
+            job.wait_layer(i)
+            totals.append(t[2 * K : 3 * K].float().sum())
+        assert job.finish() == set()
+        assert [x.item() for x in totals] == [float(i + 1) * MANAGER_PAGE // ES for i in range(3)]
     finally:
         engine.close()
 

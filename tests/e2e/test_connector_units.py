@@ -34,11 +34,31 @@ def test_settings_defaults_and_prefixed_keys() -> None:
         ({"server": "localhost:5600"}, "ipc://"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"tiercache.chunk_size": 256}, "unknown"),
+        ({"overlap_loads": "sometimes"}, "overlap_loads"),
     ],
 )
 def test_settings_errors_name_the_key(extra: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, False), (True, True), ("false", False), ("On", True), (0, False)]
+)
+def test_overlap_loads_is_off_unless_set(value: object, expected: bool) -> None:
+    extra = {} if value is None else {"overlap_loads": value}
+    assert ConnectorSettings.from_extra_config(extra).overlap_loads is expected
+
+
+def test_only_explicitly_overlapped_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """Per-layer waits cannot run inside a FULL CUDA graph; the default (no overlap) keeps vLLM's
+    CUDA graph mode."""
+    pytest.importorskip("vllm")
+    from tiercache.connector import TierCacheConnector
+
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({"overlap_loads": True}) is True
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({}) is False
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({"overlap_loads": False}) is False
 
 
 def test_auth_secret_is_never_printed() -> None:
@@ -398,6 +418,12 @@ def test_recurrent_config_errors_name_the_fix(kw: dict[str, object], words: str)
         _recurrent(**kw)
 
 
+def test_recurrent_mode_error_names_prefix_caching_too() -> None:
+    """vLLM 0.33 derives mamba_cache_mode from prefix caching (--mamba-cache-mode is a no-op there)."""
+    with pytest.raises(ConfigError, match="--enable-prefix-caching"):
+        _recurrent(mamba_cache_mode="none")
+
+
 def test_the_vllm_plugin_entry_point_is_installed() -> None:
     import importlib.metadata
 
@@ -456,10 +482,25 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
     w._idle = threading.Condition(w._lock)
     w._recv_done, w._recv_failed, w._pending, w._with_saves, w._finished_waiting = set(), set(), {}, set(), set()
+    w._loads, w._sync_load, w._overlap = [], None, True
+    w.order_layers(["attn", "gdn"])
     w.stats = {"loaded_chunks": 0, "load_failures": 0}
     w.recorder = StatsRecorder()
     w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
     return w, arena
+
+
+def _reported(w: object, deadline_s: float = 10.0) -> tuple[set[str], set[str], set[str]]:
+    """The first non-empty ``transfer_results`` (an asynchronous load is written in the background
+    and reported at the end of the first step after its writes are done)."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while True:
+        result = w.transfer_results(set())  # type: ignore[attr-defined]
+        if any(result) or time.monotonic() > end:
+            return result  # type: ignore[no-any-return]
+        time.sleep(0.001)
 
 
 def _two_chunk_hit(asynchronous: bool = True) -> object:
@@ -477,14 +518,22 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     meta = _two_chunk_hit()
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     w.start_load_kv(meta)  # type: ignore[attr-defined]  # already done by handle_preemptions: no-op
+    assert _reported(w) == (set(), {"r"}, set())
     pages = {g: [pv.view for pv in layers] for g, layers in w._pages.items()}  # type: ignore[attr-defined]
     assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
     assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
     assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
     assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]  # reported once
+
+
+def test_without_overlap_an_asynchronous_load_is_reported_in_the_step_that_starts_it() -> None:
+    w, _ = _recurrent_worker([32, 32, 8])
+    w._overlap = False  # type: ignore[attr-defined]  # the default
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert w._pages[1][0].view[7].tolist() == [3] * 8  # type: ignore[attr-defined]
 
 
 def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() -> None:
@@ -493,7 +542,7 @@ def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() ->
     to requests with several KV-cache groups."""
     w, _ = _recurrent_worker([32, 32, 4])
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
     assert w.stats == {"loaded_chunks": 1, "load_failures": 1}  # type: ignore[attr-defined]
 
@@ -506,11 +555,11 @@ def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy()
 
     w, _ = _recurrent_worker([])
     w.handle_preemptions(TierCacheMetadata(step=1, loads=[RequestLoad("r", [], asynchronous=True, complete=False)]))  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
     w, _ = _recurrent_worker([32, 32, 8])
     w.link = type("DownLink", (), {"client": lambda self: None})()  # type: ignore[attr-defined]
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, {"r"})  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, {"r"})
 
 
 def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
@@ -519,7 +568,7 @@ def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
     w, _ = _recurrent_worker([32, 32, 8])
     w._with_saves.add("r")  # type: ignore[attr-defined]
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
-    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]
+    assert _reported(w) == (set(), {"r"}, set())
     assert w.transfer_results({"r"}) == (set(), set(), set())  # type: ignore[attr-defined]
 
 
@@ -536,3 +585,55 @@ def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == {3, 4}  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]
+
+
+# -- vLLM >= 0.33 sleep-mode hooks (0.32 never calls them; the tests call them directly) -------------
+
+
+def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
+    """``unregister_kv_caches`` (called before sleep mode releases the KV memory) returns only once
+    the loads writing into the KV cache and the stores queued for the save thread are done;
+    ``restore_kv_caches`` needs nothing. Where the installed vLLM declares the hooks (0.33+), ours
+    take the same arguments."""
+    pytest.importorskip("vllm")
+    import inspect
+    import threading
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from tiercache.connector.connector import TierCacheConnector
+
+    for name in ("unregister_kv_caches", "restore_kv_caches"):
+        base = getattr(KVConnectorBase_V1, name, None)
+        if base is not None:
+            assert list(inspect.signature(base).parameters) == list(inspect.signature(getattr(TierCacheConnector, name)).parameters)
+
+    w, _ = _recurrent_worker([32, 32, 8])
+    w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]  # an asynchronous load in flight
+    w._pending = {"r": 2}  # type: ignore[attr-defined]
+    done: list[float] = []
+
+    def save_thread() -> None:  # what WorkerHalf._save_loop does when a batch is stored
+        time.sleep(0.2)
+        with w._idle:  # type: ignore[attr-defined]
+            del w._pending["r"]  # type: ignore[attr-defined]
+            done.append(time.monotonic())
+            w._idle.notify_all()  # type: ignore[attr-defined]
+
+    c = TierCacheConnector.__new__(TierCacheConnector)
+    c._worker, c._scheduler = w, None
+    t = threading.Thread(target=save_thread)
+    t.start()
+    c.unregister_kv_caches()
+    returned = time.monotonic()
+    t.join()
+    assert done and done[0] <= returned and w._pending == {}  # type: ignore[attr-defined]
+    assert w.transfer_results(set()) == (set(), {"r"}, set())  # type: ignore[attr-defined]  # the load is done
+    assert w._pages[1][0].view[7].tolist() == [3] * 8  # type: ignore[attr-defined]
+    c.unregister_kv_caches()  # idempotent: nothing queued
+    c.restore_kv_caches()
+    s = TierCacheConnector.__new__(TierCacheConnector)
+    s._worker, s._scheduler = None, object()
+    s.unregister_kv_caches()  # the scheduler's instance holds no KV memory
+    s.restore_kv_caches()

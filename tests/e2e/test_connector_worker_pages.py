@@ -93,6 +93,7 @@ def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]
     w._pages = verify_kv_caches([group], caches, None)
     w._groups = [group]
     w._fingerprints = {0: group.fingerprint}
+    w.order_layers(caches)
     w.link.client = lambda: client  # type: ignore[method-assign]
     try:
         yield w, client, caches
@@ -105,8 +106,10 @@ def _manager_block(t: torch.Tensor, b: int) -> torch.Tensor:
     return t[b * K : (b + 1) * K]
 
 
-def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
+def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker, overlap: bool) -> None:  # type: ignore[no-untyped-def]
     w, client, caches = worker
+    w._overlap = overlap
     g = torch.Generator().manual_seed(7)
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
@@ -118,7 +121,11 @@ def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker) -> None:  
         t.zero_()
     meta = TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])])])
     w.start_load_kv(meta)
-    assert w.stats["loaded_chunks"] == 1 and not w.get_block_ids_with_load_errors()
+    for name in caches:  # what each attention layer does before reading its KV
+        w.wait_for_layer_load(name)
+        assert torch.equal(_manager_block(caches[name], 7), _manager_block(before[name], 5))
+    assert not w.get_block_ids_with_load_errors()  # the end of the step: the load is reported
+    assert w.stats["loaded_chunks"] == 1
     for n, t in caches.items():
         assert torch.equal(_manager_block(t, 7), _manager_block(before[n], 5))
         assert torch.equal(_manager_block(t, 3), _manager_block(before[n], 2))
@@ -134,6 +141,7 @@ def test_a_partial_load_writes_only_the_missing_positions(worker) -> None:  # ty
     for t in caches.values():
         t.zero_()
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"q" * 16, [[1]], [[4]])])]))
+    assert not w.get_block_ids_with_load_errors()
     for i, t in enumerate(caches.values()):
         assert (_manager_block(t, 4) == float(i + 1)).all()
         assert t.count_nonzero() == _manager_block(t, 4).numel()

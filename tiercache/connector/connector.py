@@ -73,6 +73,18 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    # Sleep mode: vLLM >= 0.33 calls these around discarding and re-mapping the KV cache (0.32 has no
+    # such hooks and never calls them). The tensors keep their addresses across a sleep; only the
+    # loads and stores still in flight must not touch blocks whose memory is being released.
+    def unregister_kv_caches(self) -> None:
+        """Before sleep mode discards the KV cache: finish the loads writing into it and the queued
+        stores reading from it."""
+        if self._worker is not None:
+            self._worker.quiesce()
+
+    def restore_kv_caches(self) -> None:
+        return  # after wake-up: same tensors at the same addresses, nothing to re-register
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
             self._worker.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
@@ -82,7 +94,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete before the forward pass (they are copied in handle_preemptions)
+        """Called by every attention layer before it reads its KV: wait for that layer's loaded pages."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores are whole chunks of every layer, queued in wait_for_save
@@ -112,6 +126,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """This half's stats since the last call (vLLM calls it every step, in both roles)."""
         half = self._worker if self._worker is not None else self._scheduler
         return half.take_stats() if half is not None else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True when loads overlap the forward pass (``overlap_loads``): the layer-by-layer waits
+        run only between PIECEWISE CUDA graph pieces, never in a FULL graph."""
+        return ConnectorSettings.from_extra_config(extra_config).overlap_loads
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats:

@@ -3,8 +3,9 @@
 The worker asks one engine for every copy; :func:`select_copy_engine` picks it from the KV tensors'
 device.
 
-* :class:`CpuPageCopy` — ``index_select`` / ``index_copy_`` straight between the KV memory and the
-  arena mapping, on the calling thread (the connector's behaviour before engines existed).
+* :class:`CpuPageCopy` — ``index_select`` / slice copies straight between the KV memory and the
+  arena mapping: saves on the calling thread, overlapped loads on a background thread
+  (:class:`~tiercache.connector.loads.ThreadedLoad`).
 * :class:`CudaPageCopy` — the arena mapping is registered as pinned host memory once per arena (by
   :class:`tiercache.l1.copy.CudaCopyBackend`, reused here) and every copy runs on that back-end's
   side stream:
@@ -14,17 +15,22 @@ device.
     the blocks' pages on the GPU and copies them device→host with ``non_blocking=True``, then waits
     for the side stream's event, so the caller commits only bytes that have landed;
   - loads: the side stream first waits for the compute stream (blocks may still be read by the
-    previous step), copies host→device and scatters into the blocks; the compute stream waits on the
-    side stream's event (so attention never reads a block before its bytes arrived), and the host
-    waits for that event before returning so the caller may release the arena slots.
+    previous step), then copies host→device and scatters into the blocks layer by layer, recording
+    an event after each layer. With overlap, the compute stream waits on layer ``i``'s event when
+    the forward pass reaches layer ``i`` (``wait_for_layer_load``); without, it waits on the last
+    event at once. Either way the host does not block until the job's ``finish`` (end of the step),
+    after which the arena slots may be released.
 
-Both engines take the same arguments: :class:`~tiercache.connector.pages.PageView` per layer, the
-block ids as a CPU ``int64`` tensor, and per layer a host ``uint8`` tensor ``[len(ids), page_bytes]``
-(a view of the arena slot from :meth:`PageCopyEngine.host`).
+Loads are :mod:`~tiercache.connector.loads` plans (per layer position, that layer's page writes)
+turned into a :class:`~tiercache.connector.loads.LoadJob` by :meth:`PageCopyEngine.start_load`.
+Saves take :class:`~tiercache.connector.pages.PageView` per layer, the block ids as a CPU ``int64``
+tensor, and per layer a host ``uint8`` tensor ``[len(ids), page_bytes]`` (a view of the arena slot
+from :meth:`PageCopyEngine.host`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -33,9 +39,20 @@ from typing import Any
 
 import torch
 
+from tiercache.connector.loads import (
+    FinishedLoad,
+    LoadJob,
+    LoadPlan,
+    PageWrite,
+    ThreadedLoad,
+    run_layer,
+    run_writes,
+)
 from tiercache.connector.pages import PageView
 from tiercache.errors import ConfigError, CopyBackendError
 from tiercache.l1.arena import SharedArena
+
+log = logging.getLogger(__name__)
 
 
 class PageCopyEngine(ABC):
@@ -64,9 +81,10 @@ class PageCopyEngine(ABC):
         are in host memory. Raises :class:`CopyBackendError` when the device reports an error."""
 
     @abstractmethod
-    def load(self, pages: Sequence[PageView], ids: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
-        """Write ``srcs[layer]`` into the pages of blocks ``ids``; returns once ``srcs`` may be reused,
-        with later work on the current stream ordered after the writes."""
+    def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
+        """Start ``plan``'s writes. With ``overlap`` they may still be running when this returns
+        (the forward pass waits per layer with :meth:`LoadJob.wait_layer`); without, every later use
+        of the KV tensors is ordered after them. The sources stay in use until :meth:`LoadJob.finish`."""
 
     def close(self) -> None:
         """Release registrations and streams. Idempotent."""
@@ -82,9 +100,16 @@ class CpuPageCopy(PageCopyEngine):
         for pv, dst in zip(pages, dsts, strict=True):
             pv.gather(ids, dst)
 
-    def load(self, pages: Sequence[PageView], ids: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
-        for pv, src in zip(pages, srcs, strict=True):
-            pv.scatter(ids, src)
+    def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
+        if overlap:
+            return ThreadedLoad(plan, _write_page)
+        failed: set[int] = set()
+        run_writes(plan, _write_page, failed)
+        return FinishedLoad(failed)
+
+
+def _write_page(w: PageWrite) -> None:
+    w.pages.scatter(w.ids, w.rows())
 
 
 class CudaPageCopy(PageCopyEngine):
@@ -154,22 +179,8 @@ class CudaPageCopy(PageCopyEngine):
         except RuntimeError as exc:
             raise CopyBackendError(f"tiercache: CUDA copy of a store failed: {exc}") from exc
 
-    def load(self, pages: Sequence[PageView], ids: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
-        stream = self._pinned().stream
-        compute = torch.cuda.current_stream(self.device)
-        try:
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                stream.wait_stream(compute)  # earlier kernels may still use these blocks' memory
-                idx = ids.to(self.device, non_blocking=True)
-                for pv, src in zip(pages, srcs, strict=True):
-                    staged = src.to(self.device, non_blocking=True)
-                    pv.scatter(idx, staged)
-                done = torch.cuda.Event()
-                done.record(stream)
-            compute.wait_event(done)  # attention reads the blocks only after they arrived
-            done.synchronize()  # the arena slots may be released (and reused) after this
-        except RuntimeError as exc:
-            raise CopyBackendError(f"tiercache: CUDA copy of a load failed: {exc}") from exc
+    def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
+        return _CudaLoad(self, plan, overlap)
 
     def close(self) -> None:
         with self._lock:
@@ -199,3 +210,49 @@ def select_copy_engine(tensors: Iterable[torch.Tensor]) -> PageCopyEngine:
         f"tiercache: KV tensors on {device.type!r} are not supported (only cpu and cuda); remove the tiercache "
         "kv-transfer-config for this engine"
     )
+
+
+class _CudaLoad(LoadJob):
+    """A load enqueued on the side stream, one event per layer position (module docstring)."""
+
+    def __init__(self, engine: CudaPageCopy, plan: LoadPlan, overlap: bool) -> None:
+        self._device = engine.device
+        self._failed: set[int] = set()
+        self._chunks = {w.chunk for writes in plan for w in writes}
+        self._events: list[Any] = []
+        self._finished = False
+        stream = engine._pinned().stream
+        compute = torch.cuda.current_stream(self._device)
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+            stream.wait_stream(compute)  # earlier kernels may still use these blocks' memory
+            for writes in plan:
+                run_layer(writes, self._write, self._failed)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._events.append(event)
+        if self._events and not overlap:
+            compute.wait_event(self._events[-1])  # nothing reads a block before its bytes arrived
+
+    def _write(self, w: PageWrite) -> None:
+        try:
+            idx = w.ids.to(self._device, non_blocking=True)
+            w.pages.scatter(idx, w.rows().to(self._device, non_blocking=True))
+        except RuntimeError as exc:
+            raise CopyBackendError(f"tiercache: CUDA copy of a load failed: {exc}") from exc
+
+    def wait_layer(self, position: int) -> None:
+        if self._events:
+            torch.cuda.current_stream(self._device).wait_event(self._events[min(position, len(self._events) - 1)])
+
+    def done(self) -> bool:
+        return self._finished or not self._events or bool(self._events[-1].query())
+
+    def finish(self) -> set[int]:
+        if not self._finished and self._events:
+            try:
+                self._events[-1].synchronize()  # the arena slots may be released (and reused) after this
+            except RuntimeError as exc:  # an asynchronous CUDA error: no write can be trusted
+                log.warning("tiercache: CUDA copy of a load failed: %s", exc)
+                self._failed |= self._chunks
+        self._finished = True
+        return self._failed

@@ -265,8 +265,10 @@ def check_recurrent_config(
     if mamba_cache_mode != "align":
         raise ConfigError(
             f"this model has recurrent (Mamba/GDN/KDA) layers and mamba_cache_mode={mamba_cache_mode!r}: "
-            "the tiercache connector needs mamba_cache_mode=\"align\" (vLLM: --mamba-cache-mode align), "
-            "the only mode in which vLLM keeps reusable recurrent state at block boundaries"
+            "the tiercache connector needs mamba_cache_mode=\"align\", the only mode in which vLLM keeps "
+            "reusable recurrent state at block boundaries. vLLM sets it when prefix caching is on "
+            "(--enable-prefix-caching); on vLLM 0.32 also --mamba-cache-mode align (from 0.33 that flag is "
+            "deprecated and has no effect)"
         )
     if not enable_prefix_caching:
         raise ConfigError(

@@ -8,6 +8,8 @@ Keys (all optional)::
     retry_s       while the server is unreachable, how often to try again, seconds (default 5.0)
     weights_id    override the weights identity put into the layout fingerprint (default: the
                   model revision, else a content fingerprint of the checkpoint files)
+    overlap_loads write loaded pages layer by layer while the forward pass runs (default false;
+                  on CUDA, true makes vLLM switch CUDA graphs to PIECEWISE mode)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 from tiercache.errors import ConfigError
 
-_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id")
+_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,7 @@ class ConnectorSettings:
     auth_secret: str | None = field(default=None, repr=False)  # never printed or logged
     retry_s: float = 5.0
     weights_id: str | None = None
+    overlap_loads: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -64,6 +67,19 @@ class ConnectorSettings:
                 auth_secret=str(raw["auth_secret"]) if raw.get("auth_secret") else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
                 retry_s=float(raw.get("retry_s", 5.0)),
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
+                overlap_loads=_flag(raw.get("overlap_loads", False)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc
+
+
+def _flag(value: Any) -> bool:
+    """A JSON boolean, or the strings true/false/1/0/yes/no/on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"overlap_loads={value!r} is not a boolean; use true or false")
