@@ -221,6 +221,7 @@ def run(
     max_tokens: int,
     engine_args: dict | None = None,
     log_stats: bool = False,
+    connector_config: dict | None = None,
 ) -> dict[str, Any]:
     """Generate greedily for each prompt, alone in its batch; ``engine_args`` override the defaults
     (e.g. ``mamba_cache_mode`` and a bfloat16 dtype for GDN models); ``log_stats`` runs vLLM's stat
@@ -252,7 +253,7 @@ def run(
             "kv_connector_module_path": "tiercache.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"server": server, "timeout_s": 5.0},
+            "kv_connector_extra_config": {"server": server, "timeout_s": 5.0, **(connector_config or {})},
         },
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
@@ -299,10 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--engine-args", default="{}", help="JSON object of LLM() keyword overrides")
     ap.add_argument("--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics")
+    ap.add_argument("--connector-config", default="{}", help="JSON object added to kv_connector_extra_config")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = json.loads(Path(args.prompts).read_text())
-    result = run(args.model, args.server, prompts, args.max_tokens, json.loads(args.engine_args), log_stats=args.log_stats)
+    result = run(args.model, args.server, prompts, args.max_tokens, json.loads(args.engine_args), log_stats=args.log_stats,
+                 connector_config=json.loads(args.connector_config))
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -49,7 +49,7 @@ class Run:
 def run_engine(
     model: Path, server: str, prompts_file: Path, out: Path, *, module: str = ENGINE_RUN,
     launcher_args: Sequence[str] = (), multiprocess: bool = False, engine_args: dict[str, Any] | None = None,
-    extra_path: Path | None = None, log_stats: bool = False,
+    extra_path: Path | None = None, log_stats: bool = False, connector_config: dict[str, Any] | None = None,
 ) -> Run:
     """Run one engine process (``python -m module``); ``launcher_args`` go before engine_run's own
     (e.g. ``load_failure_run``'s), ``extra_path`` is prepended to its PYTHONPATH (e.g. an import
@@ -64,7 +64,7 @@ def run_engine(
     )
     cmd = [sys.executable, "-m", module, *launcher_args, "--model", str(model), "--server", server,
            "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {}),
-           *(["--log-stats"] if log_stats else [])]
+           *(["--log-stats"] if log_stats else []), "--connector-config", json.dumps(connector_config or {})]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -124,14 +124,16 @@ class Setup:
 
     def run(
         self, out: str, *, model: Path | None = None, server: str | None = None, module: str = ENGINE_RUN,
-        launcher_args: Sequence[str] = (), multiprocess: bool = False,
+        launcher_args: Sequence[str] = (), multiprocess: bool = False, connector_config: dict[str, Any] | None = None,
     ) -> Run:
         """A fresh engine on this setup's prompts (by default also its model and server, and always
-        its engine args, PYTHONPATH addition and stats), writing ``{out}.json`` in its temp dir."""
+        its engine args, PYTHONPATH addition and stats), writing ``{out}.json`` in its temp dir;
+        ``connector_config`` is added to the connector's settings."""
         return run_engine(
             model or self.model, server or self.server.endpoint, self.prompts, self.tmp / f"{out}.json",
             module=module, launcher_args=launcher_args, multiprocess=multiprocess,
             engine_args=self.engine_args, extra_path=self.extra_path, log_stats=self.log_stats,
+            connector_config=connector_config,
         )
 
 

@@ -61,6 +61,27 @@ def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: boo
     assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("skip_layer_waits", [False, True], ids=["layer-waits", "negative-control"])
+def test_overlapped_loads_are_ordered_before_each_layer_reads_them(setup: Setup, skip_layer_waits: bool) -> None:
+    """With ``overlap_loads`` the pages are written while the forward pass runs; every write here
+    sleeps 50 ms first (``slow_load_run``), so only vLLM's ``wait_for_layer_load`` at each attention
+    layer keeps a layer from reading blocks not yet written. With the waits the output is the cold
+    run's; without them (the negative control) the layers read unwritten blocks and it moves."""
+    wait_for_stores(setup.server, STORED_CHUNKS)
+    launcher = ["--skip-layer-waits"] if skip_layer_waits else []
+    run = setup.run(f"overlap-{skip_layer_waits}", module="tests.e2e.slow_load_run", launcher_args=launcher,
+                    connector_config={"overlap_loads": True})
+    diff = run.max_logprob_diff(setup.cold)
+    print(f"\n[e2e dense overlapped loads, skip waits={skip_layer_waits}] cached tokens {run.num_cached}, "
+          f"max |logprob diff| {diff:.3g}")
+    assert run.num_cached == EXPECTED_CACHED
+    if skip_layer_waits:
+        assert diff > 1e-2
+    else:
+        assert run.tokens == setup.cold.tokens
+        assert diff <= 1e-5
+
+
 def test_corrupted_store_changes_the_output(setup: Setup) -> None:
     """Negative control: the comparison above can fail. Overwrite every stored chunk with noise of
     the same size; the fresh engine loads it and its logprobs move far beyond the tolerance."""
