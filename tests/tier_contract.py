@@ -52,6 +52,20 @@ class TierContract:
         tier.get(key)
         assert tier.stats.snapshot()["hits"] >= 1
 
+    def test_an_uncounted_pin_is_neither_a_hit_nor_a_miss(self, tier: Tier) -> None:
+        """The engine's own reads (the source of a write to a lower tier) serve no reader."""
+        key = make_key(1)
+        tier.put(key, payload_for(key, 100))
+        before = tier.stats.snapshot()
+        handle = tier.pin(key, count=False)
+        assert handle is not None and bytes(handle.buffer) == payload_for(key, 100)
+        tier.release(handle)
+        assert tier.pin(make_key(99), count=False) is None
+        after = tier.stats.snapshot()
+        assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+        assert tier.pin(make_key(99)) is None  # a counted one still counts
+        assert tier.stats.snapshot()["misses"] == before["misses"] + 1
+
     def test_overwrite_replaces_the_object(self, tier: Tier) -> None:
         key = make_key(1)
         tier.put(key, b"a" * 500)

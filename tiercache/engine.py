@@ -363,7 +363,7 @@ class TieredEngine:
             key, payload = item
         else:
             assert isinstance(item, ObjectKey) and self._l2 is not None
-            key, pinned = item, self._timed_pin(self._l2, item)
+            key, pinned = item, self._timed_pin(self._l2, item, count=False)  # serves no reader
             if pinned is None:  # evicted from L2 before its turn: nothing left to copy
                 return
             payload = pinned.buffer
@@ -611,10 +611,10 @@ class TieredEngine:
         return sum(1 for tier in self.tiers if tier.delete(key))
 
     @staticmethod
-    def _timed_pin(tier: Tier, key: ObjectKey) -> ReadHandle | None:
-        """``tier.pin(key)``, its duration recorded as a ``read`` when it hits."""
+    def _timed_pin(tier: Tier, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
+        """``tier.pin(key, count=count)``, its duration recorded as a ``read`` when it hits."""
         t0 = perf_counter()
-        handle = tier.pin(key)
+        handle = tier.pin(key, count=count)
         if handle is not None:
             tier.stats.latency.observe("read", perf_counter() - t0)
         return handle

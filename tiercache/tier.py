@@ -198,10 +198,12 @@ class Tier(ABC):
         """Whether ``key`` is (believed) committed here. Cheap; does not verify the bytes."""
 
     @abstractmethod
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         """Verified payload of ``key``, held until :meth:`release`; ``None`` on a miss.
 
         A failed verification deletes the object, counts ``verify_failures`` and returns ``None``.
+        ``count=False`` is for the engine's own reads that serve no reader (the source of a write to
+        a lower tier): neither a hit nor a miss, and no recency touch.
         """
 
     @abstractmethod

@@ -48,8 +48,8 @@ class WrapperTier(Tier):
     def contains(self, key: ObjectKey) -> bool:
         return self.inner.contains(key)
 
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
-        return self.inner.pin(key)
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
+        return self.inner.pin(key, count=count)
 
     def release(self, handle: ReadHandle) -> None:
         self.inner.release(handle)
@@ -183,10 +183,10 @@ class FaultInjectingTier(WrapperTier):
         self._write_fault()
         super().put(key, data, owed=owed)
 
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         if self._read_fault():
             return None
-        return super().pin(key)
+        return super().pin(key, count=count)
 
     def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
         if self._read_fault():

@@ -148,6 +148,8 @@ def test_a_second_node_reads_through_s3(
     store(node_a, [FULL], hashes)
     assert node_a.flush(timeout=30)
     assert node_a.stats()["engine"]["l3_writes"] == 6  # type: ignore[index]
+    disk = node_a.stats()["tiers"]["disk"]  # type: ignore[index]
+    assert (disk["hits"], disk["misses"]) == (0, 0)  # reading L2 as the S3 write's source serves no reader
 
     node_b = make_engine(l1_tier(), disk_tier(tmp_path / "b"), s3_tier(s3))
     result = node_b.lookup(hashes, [FULL])

@@ -815,11 +815,11 @@ class DiskTier(Tier):
         return len(keys)
 
     def _read(
-        self, key: ObjectKey, kb: bytes
+        self, key: ObjectKey, kb: bytes, count: bool = True
     ) -> tuple[lmdb.Transaction, FrameHeader | None, Any, bytes | None, int, str | None] | None:
-        """Open a read txn and fetch ``kb``'s header and stored bytes; ``None`` (txn closed) if
-        absent. Returns ``(txn, header, data, meta seen, data size, problem)``; the caller verifies
-        the payload and ends the txn."""
+        """Open a read txn and fetch ``kb``'s header and stored bytes; ``None`` (txn closed, a
+        miss counted if ``count``) if absent. Returns ``(txn, header, data, meta seen, data size,
+        problem)``; the caller verifies the payload and ends the txn."""
         try:
             txn = self._env.begin(buffers=True)
         except lmdb.Error as exc:
@@ -833,7 +833,8 @@ class DiskTier(Tier):
             raise self._translate(exc, "read") from exc
         if meta is None and data is None:
             txn.abort()
-            self.stats.add("misses")
+            if count:
+                self.stats.add("misses")
             return None
         seen_meta = None if meta is None else bytes(meta)
         size = 0 if data is None else len(data)
@@ -857,7 +858,7 @@ class DiskTier(Tier):
             self._touched[kb] = None
         self.stats.hit(nbytes)
 
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         """Verify ``key`` and return a zero-copy view into the map, valid until :meth:`release`.
 
         Opens a read txn that stays open until release or lease expiry (``lease_ttl_s``): copy the
@@ -865,11 +866,12 @@ class DiskTier(Tier):
         Verification reads every stored byte (xxh3, several GB/s). A compressed object is
         decompressed into process memory and holds no txn. A corrupt object is deleted, counted and
         reported as a miss. To copy into a buffer of your own, :meth:`read_into` is faster.
+        ``count=False``: neither a hit nor a miss, and no recency touch (see :meth:`Tier.pin`).
         """
         self._env_here()
         self._sweep()
         kb = key.to_bytes()
-        found = self._read(key, kb)
+        found = self._read(key, kb, count)
         if found is None:
             return None
         txn, header, data, seen_meta, size, problem = found
@@ -893,7 +895,8 @@ class DiskTier(Tier):
             token = self._token()
             self._leases[token] = _Lease(kb, lease_txn, expires_at)
             self._pins[kb] += 1
-        self._hit(kb, view.nbytes)
+        if count:
+            self._hit(kb, view.nbytes)
         return ReadHandle(key, view, token, expires_at)
 
     def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:

@@ -460,17 +460,18 @@ class S3Tier(Tier):
         except S3TierError:
             return False
 
-    def pin(self, key: ObjectKey) -> ReadHandle | None:
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         """GET and verify ``key``; the payload is held in memory until :meth:`release`.
 
         Costs one GET of the whole object (none when the key is known to be missing). A frame that
         fails verification is deleted and counted (``verify_failures``, eviction ``corrupt``); any S3
         failure is a counted miss. Never raises on S3 failures, never returns wrong bytes.
+        ``count=False``: neither a hit nor a miss, and no recency touch (see :meth:`Tier.pin`).
         """
         now = self._clock()
         self._expire(now)
         if self._cached(key) is False:
-            self.stats.add("misses")
+            self._miss(count)
             return None
         name = self.object_name(key)
         try:
@@ -481,10 +482,10 @@ class S3Tier(Tier):
         except _NotFound:
             self._remember(key, False)
             self._forget(key)
-            self.stats.add("misses")
+            self._miss(count)
             return None
         except S3TierError:
-            self.stats.add("misses")
+            self._miss(count)
             return None
         self.stats.add("bytes_read", len(body))
         try:
@@ -494,24 +495,29 @@ class S3Tier(Tier):
             # during a rolling upgrade): not ours to delete, not ours to read.
             log.warning("S3 object %s has an unreadable frame format: %s", name, exc)
             self.stats.add("verify_failures")
-            self.stats.add("misses")
+            self._miss(count)
             return None
         except FrameError as exc:
             log.warning("S3 object %s failed verification (%s); deleting it", name, exc)
             self.stats.add("verify_failures")
-            self.stats.add("misses")
+            self._miss(count)
             self._drop_corrupt(key)
             return None
-        self.stats.add("hits")
+        if count:
+            self.stats.add("hits")
         self._remember(key, True)
         token = next(self._tokens)
         expires_at = now + self.config.lease_ttl_s
         with self._lock:
             self._leases[token] = _Lease(key, expires_at)
             self._pins[key] = self._pins.get(key, 0) + 1
-            if key in self._index:
+            if count and key in self._index:
                 self._index.move_to_end(key)  # a read makes it young again (LRU-ish)
         return ReadHandle(key, memoryview(payload), token, expires_at)
+
+    def _miss(self, count: bool) -> None:
+        if count:
+            self.stats.add("misses")
 
     def release(self, handle: ReadHandle) -> None:
         """End a pin; harmless twice or after expiry. No request."""
