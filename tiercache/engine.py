@@ -623,11 +623,7 @@ class TieredEngine:
         """Pin ``key`` in L1 for the engine's own use (a ticket's hold, a write-through source): not
         a hit or a miss, since it serves no reader; the reader's own pin (``get``, the server's pin
         op) counts. Timed as an L1 ``read`` like every pin."""
-        t0 = perf_counter()
-        handle = self.l1.pin(key, count=False)
-        if handle is not None:
-            self.l1.stats.latency.observe("read", perf_counter() - t0)
-        return handle
+        return self._timed_pin(self.l1, key, count=False)
 
     # -- observation -----------------------------------------------------------------------------
     def latency(self) -> dict[str, dict[str, HistogramSnapshot]]:
