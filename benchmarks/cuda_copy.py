@@ -6,7 +6,8 @@ kernel blocks), a shared L1 arena registered as pinned memory, and measures:
 
 * ``save``: ``CudaPageCopy.save`` (gather of arbitrary block ids on the GPU + device→host DMA into
   the arena on the side stream, waited for) — what the connector's store thread does per chunk;
-* ``load``: ``CudaPageCopy.load`` (host→device DMA from the arena + scatter into the blocks);
+* ``load``: ``CudaPageCopy.start_load`` of one chunk's plan and its ``finish`` (host→device DMA from
+  the arena + scatter into the blocks, one event per layer, waited for);
 * ``raw``: one ``copy_(non_blocking=True)`` of the same number of bytes between a contiguous device
   tensor and a ``pin_memory()`` host tensor, each direction.
 
@@ -55,6 +56,7 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
     import torch
 
     from tiercache.connector.copy import CudaPageCopy
+    from tiercache.connector.loads import PageWrite
     from tiercache.connector.pages import page_view
     from tiercache.l1.arena import SharedArena
 
@@ -79,8 +81,10 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
         def save() -> None:
             engine.save(engine.save_point(), views, ids, host)
 
+        plan = [[PageWrite(0, pv, ids, src)] for pv, src in zip(views, host, strict=True)]
+
         def load() -> None:
-            engine.load(views, ids, host)
+            engine.start_load(plan, overlap=False).finish()
 
         def d2h() -> None:
             raw_host.copy_(raw_dev, non_blocking=True)
