@@ -17,6 +17,8 @@ import argparse
 import json
 import os
 import random
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +291,14 @@ def tiercache_metrics(llm: Any) -> dict[str, float]:
         elif isinstance(m, Histogram):
             out[name + ".count"] = out.get(name + ".count", 0) + m.count
     return out
+
+
+def launch(launcher: argparse.ArgumentParser, install: Callable[[argparse.Namespace], None], argv: list[str] | None) -> None:
+    """A test launcher's ``main``: parse its own options (``launcher``, ``add_help=False``), let
+    ``install`` patch this process with them, then run :func:`main` on the rest of ``argv``."""
+    args, rest = launcher.parse_known_args(sys.argv[1:] if argv is None else argv)
+    install(args)
+    main(rest)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,6 @@ Nothing of vLLM is patched.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from tests.e2e import engine_run
@@ -53,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--drop-index", type=int, default=1, help="position of the key each pin loses")
     ap.add_argument("--hide-load-errors", action="store_true")
-    args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    install(args.drop_index, args.hide_load_errors)
-    engine_run.main(rest)
+    engine_run.launch(ap, lambda args: install(args.drop_index, args.hide_load_errors), argv)
 
 
 if __name__ == "__main__":

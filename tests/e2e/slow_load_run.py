@@ -15,7 +15,6 @@ control, in which layers read unwritten blocks and the output moves. Nothing of 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from tests.e2e import engine_run
@@ -41,9 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--write-delay-s", type=float, default=0.05, help="sleep before every page write")
     ap.add_argument("--skip-layer-waits", action="store_true")
-    args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    install(args.write_delay_s, args.skip_layer_waits)
-    engine_run.main(rest)
+    engine_run.launch(ap, lambda args: install(args.write_delay_s, args.skip_layer_waits), argv)
 
 
 if __name__ == "__main__":
