@@ -158,7 +158,7 @@ def encode_frame(
 ) -> bytes:
     """``header + stored payload`` as one bytes object (the L3 object body)."""
     header, stored = pack_payload(key, payload, compress=compress)
-    return header.encode() + bytes(stored)
+    return b"".join((header.encode(), stored))  # one copy of the payload, not two
 
 
 def verify_payload(
