@@ -87,6 +87,14 @@ class TierContract:
         assert set(tier.iter_keys()) == {make_key(i) for i in range(3)}
         tier.abort(pending)
 
+    def test_iter_keys_by_use_lists_each_committed_object_once(self, tier: Tier) -> None:
+        for i in range(5):
+            tier.put(make_key(i), b"v" * 10)
+        tier.put(make_key(2), b"w" * 10)  # an overwrite is one object, listed once
+        tier.get(make_key(1))
+        keys = list(tier.iter_keys_by_use())
+        assert sorted(keys, key=lambda k: k.to_bytes()) == [make_key(i) for i in range(5)]
+
     def test_usage_counts_payload_bytes_and_objects(self, tier: Tier) -> None:
         tier.put(make_key(1), b"x" * 1000)
         tier.put(make_key(2), b"x" * 3000)

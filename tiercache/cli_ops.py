@@ -231,14 +231,15 @@ def _warm_loop(
     client: Any, tier: str, fp: Fingerprint | None, batch: int, budget: int, result: WarmResult,
     stats: dict[str, Any], as_json: bool,
 ) -> None:
-    """Page through ``tier``'s keys (key order: one fingerprint's objects together) and promote them
-    in batches until the budget is spent or the tier is exhausted."""
+    """Page through ``tier``'s keys, most recently used first (so a budget smaller than the tier
+    gets the hottest objects), and promote them in batches until the budget is spent or the tier is
+    exhausted."""
     held = int(stats["tiers"][tier].get("bytes_used", 0))
     with Progress.for_terminal(as_json) as progress:
         task = progress.step(f"warm l1 from {tier}", min(budget, held) if fp is None else budget)
         cursor = b""
         while result.bytes < budget:
-            page, cursor = client.list_keys(tier=tier, fingerprint=fp, cursor=cursor, limit=_LIST_PAGE)
+            page, cursor = client.list_keys(tier=tier, fingerprint=fp, cursor=cursor, limit=_LIST_PAGE, order="use")
             keys = [ObjectKey.from_bytes(k.key) for k in page]
             for i in range(0, len(keys), batch):
                 reply = client.warm(keys[i : i + batch], max_bytes=budget - result.bytes)
@@ -296,9 +297,9 @@ def add_ops_parsers(sub: Any) -> None:
         "warm", parents=[common], allow_abbrev=False,
         help="promote objects from a lower tier into L1 up to a byte budget, with progress",
         description=(
-            "Copy objects of a lower tier (--tier, default the first: disk) into a running server's L1, in "
-            "key order (one fingerprint's objects together), until --budget bytes are promoted (default: "
-            "L1's free space, so nothing in L1 is evicted). Reference: docs/operations.md."
+            "Copy objects of a lower tier (--tier, default the first: disk) into a running server's L1, most "
+            "recently used first, until --budget bytes are promoted (default: L1's free space, so nothing in "
+            "L1 is evicted). Reference: docs/operations.md."
         ),
     )
     w.add_argument("--tier", default=None, help="the tier to copy from (default: the first lower tier)")

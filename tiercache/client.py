@@ -539,15 +539,18 @@ class Client:
         object_group: int = -1,
         cursor: bytes = b"",
         limit: int = 1000,
+        order: str = "key",
         timeout: float | None = None,
     ) -> tuple[list[p.ListedKey], bytes]:
-        """One page of keys after ``cursor`` and the cursor of the next page (``b""``: last page)."""
+        """One page of keys after ``cursor`` and the cursor of the next page (``b""``: last page);
+        ``order="use"`` lists one ``tier`` most recently used first (see :class:`protocol.ListKeys`)."""
         msg = p.ListKeys(
             tier=tier,
             fingerprint=b"" if fingerprint is None else fingerprint.raw,
             object_group=object_group,
             cursor=cursor,
             limit=limit,
+            order=order,
         )
         return self._call(msg, lambda r: (r.keys, r.next_cursor), timeout)
 

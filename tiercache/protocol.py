@@ -205,13 +205,18 @@ class Stats(_Msg, tag="stats"):
 
 
 class ListKeys(_Msg, tag="list_keys"):
-    """A page of keys in key order after ``cursor``; filters are ANDed, empty means any."""
+    """A page of keys after ``cursor``; filters are ANDed, empty means any.
+
+    ``order="key"``: byte order, ``cursor`` the last key of the previous page. ``order="use"``: one
+    named ``tier``'s keys most recently used first (:meth:`Tier.iter_keys_by_use`), ``cursor`` an
+    opaque position (an order that changes between pages may repeat or skip a key)."""
 
     tier: str = ""
     fingerprint: bytes = b""
     object_group: int = -1
     cursor: bytes = b""
     limit: int = 1000
+    order: str = "key"
 
 
 class GetManifest(_Msg, tag="manifest"):

@@ -223,6 +223,12 @@ class Tier(ABC):
     def iter_keys(self) -> Iterator[ObjectKey]:
         """Every committed key (order unspecified)."""
 
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        """Every committed key, most recently used first where the tier keeps a use order (the
+        disk tier's LRU records, the S3 tier's index); :meth:`iter_keys` order otherwise. What
+        ``tiercache warm`` promotes first under a byte budget."""
+        return self.iter_keys()
+
     # -- defaults ------------------------------------------------------------------------------
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit)."""

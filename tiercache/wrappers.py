@@ -63,6 +63,9 @@ class WrapperTier(Tier):
     def iter_keys(self) -> Iterator[ObjectKey]:
         return self.inner.iter_keys()
 
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        return self.inner.iter_keys_by_use()
+
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         self.inner.put(key, data, owed=owed)
 

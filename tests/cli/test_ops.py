@@ -20,6 +20,7 @@ from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.cli import main
 from tiercache.cli_ops import Progress
 from tiercache.client import Client
+from tiercache.keys import ObjectKey
 
 KiB = 1 << 10
 OBJECTS = 12
@@ -105,10 +106,19 @@ def test_on_a_terminal_clear_shows_a_progress_bar_on_stderr(
     assert "\x1b" not in capsys.readouterr().out  # the bar never reaches stdout
 
 
-def test_warm_promotes_from_disk_into_l1_up_to_the_budget(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_warm_promotes_from_disk_into_l1_up_to_the_budget_most_recently_used_first(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     with server.client() as client:
         while client.clear_batch(100, tier="l1"):
             pass
+        assert client.get(make_key(0)) is not None  # read from disk (and promoted): now its youngest
+        while client.clear_batch(100, tier="l1"):
+            pass
+        # The disk tier applies read touches in the background, once per sync interval.
+        wait_for(lambda: client.list_keys(tier="disk", limit=1, order="use")[0][0].key == make_key(0).to_bytes(),
+                 "the read's recency touch")
+        by_use = [ObjectKey.from_bytes(k.key) for k in client.list_keys(tier="disk", order="use")[0]]
     assert main(["warm", "--server", server.endpoint, "--budget", f"{4 * SIZE}", "--batch", "3", "--json"]) == 0
     out, err = capsys.readouterr()
     result = json.loads(out)
@@ -117,9 +127,9 @@ def test_warm_promotes_from_disk_into_l1_up_to_the_budget(server: ServerProcess,
     assert (result["promoted"], result["bytes"]) == (4, 4 * SIZE)
     with server.client() as client:
         assert objects(client)["l1"] == 4
-        # The promoted objects are the first in key order.
-        in_l1 = [data is not None for data in client.load_chunks([make_key(i) for i in range(5)])]
-        assert in_l1 == [True, True, True, True, False]
+        # The promoted objects are the one just read, then the newest writes.
+        in_l1 = [data is not None for data in client.load_chunks(by_use[:6])]
+        assert in_l1 == [True, True, True, True, False, False]
 
     # Without --budget: L1's free space, which holds the rest; the four already there are skipped.
     assert main(["warm", "--server", server.endpoint]) == 0

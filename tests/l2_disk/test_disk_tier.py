@@ -629,3 +629,23 @@ def test_a_forked_child_reopens_the_environment_and_the_parent_keeps_its_pin(
         assert bytes(handle.buffer) == payload_for(key, 20_000)
         tier.release(handle)
         assert tier.get(make_key(2)) == b"from the child"
+
+
+def test_iter_keys_by_use_is_newest_first_and_survives_a_restart(tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiercache warm`` promotes in this order: what was used last comes first. Reads count once
+    their touches are applied (at the latest one sync interval later; ``flush`` does it now). Small
+    batches make the walk cross read-txn boundaries."""
+    monkeypatch.setattr("tiercache.l2_disk.tier._ITER_BATCH", 3)
+    tier = open_tier(tmp_path, clock, budget=64 * CHUNK)
+    for i in range(8):
+        tier.put(make_key(i), payload_for(make_key(i), 100))
+    assert list(tier.iter_keys_by_use()) == [make_key(i) for i in reversed(range(8))]
+    assert tier.get(make_key(2)) is not None
+    tier.put(make_key(5), payload_for(make_key(5), 200))  # an overwrite is a use too
+    tier.flush()
+    expected = [make_key(i) for i in (5, 2, 7, 6, 4, 3, 1, 0)]
+    assert list(tier.iter_keys_by_use()) == expected
+    tier.close()
+    reopened = open_tier(tmp_path, clock, budget=64 * CHUNK)
+    assert list(reopened.iter_keys_by_use()) == expected
+    reopened.close()

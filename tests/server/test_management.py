@@ -58,6 +58,28 @@ def test_list_keys_pages_with_a_cursor_and_filters(start_server: StartServer) ->
         assert all(k.tiers == ["l1"] for k in everything)
 
 
+def test_list_keys_by_use_pages_one_tier_and_refuses_several(start_server: StartServer) -> None:
+    server = start_server()
+    with server.client() as client:
+        a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
+        store_prompt(client, a, prompt_hashes(7), nbytes=4 * KiB)
+        store_prompt(client, b, prompt_hashes(2, seed=3), nbytes=4 * KiB)
+        seen: list[bytes] = []
+        cursor = b""
+        while True:
+            page, cursor = client.list_keys(tier="l1", fingerprint=Fingerprint(a.fingerprint), limit=3, cursor=cursor, order="use")
+            assert len(page) <= 3 and all(k.tiers == ["l1"] for k in page)
+            seen += [k.key for k in page]
+            if not cursor:
+                break
+        assert len(seen) == 7 == len(set(seen))
+        assert all(ObjectKey.from_bytes(k).fingerprint.raw == a.fingerprint for k in seen)
+        with pytest.raises(ServerError, match="one tier"):
+            client.list_keys(order="use")
+        with pytest.raises(ServerError, match="unknown"):
+            client.list_keys(tier="l1", order="newest")
+
+
 def test_stats_report_engine_tier_and_server_counters(start_server: StartServer) -> None:
     server = start_server()
     with server.client() as client:

@@ -1058,6 +1058,40 @@ class DiskTier(Tier):
         for kb, _meta in self._scan("meta"):
             yield ObjectKey.from_bytes(kb)
 
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        """Every committed key, most recently used first: the LRU records walked from the young end,
+        in batches of short read txns like :meth:`iter_keys`. Touches not yet applied (at most one
+        ``sync_interval_s`` old) still count at their older place; records a touch left stale are
+        skipped, so each key comes once."""
+        env, meta_db = self._env_here(), self._dbs["meta"]
+        below: bytes | None = None  # continue with the recency records below this one
+        try:
+            while True:
+                batch: list[bytes] = []
+                with env.begin(db=meta_db) as txn, txn.cursor(db=meta_db) as cur:
+                    # Recency records sort after every other record of the meta database.
+                    if below is None:
+                        found = cur.last()
+                    else:
+                        found = cur.prev() if cur.set_range(below) else cur.last()
+                    scanned = 0
+                    while found and scanned < _ITER_BATCH:
+                        rkey = bytes(cur.key())
+                        if not rkey.startswith(_REC):
+                            found = False
+                            break
+                        below, scanned = rkey, scanned + 1
+                        kb = bytes(cur.value())
+                        meta = txn.get(kb, db=meta_db)
+                        if meta is not None and len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) == rkey[len(_REC) :]:
+                            batch.append(kb)
+                        found = cur.prev()
+                yield from (ObjectKey.from_bytes(kb) for kb in batch)
+                if not found:
+                    return
+        except lmdb.Error as exc:
+            raise self._translate(exc, "scan") from exc
+
     def iter_owed_keys(self) -> Iterator[ObjectKey]:
         """Keys committed with ``owed=True`` and not settled (to re-queue them after a restart)."""
         for kb, meta in self._scan("meta"):

@@ -594,6 +594,14 @@ class S3Tier(Tier):
             if key is not None:
                 yield key
 
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        """The capacity index newest first (listing mtimes, then this process's reads and writes);
+        a bucket listing in name order while that index is still being built. No request once built."""
+        if not self._indexed.is_set():
+            return self.iter_keys()
+        with self._lock:
+            return iter(list(reversed(self._index)))
+
     def settle(self, key: ObjectKey) -> None:
         """Nothing below S3 owes ``key`` anymore: it may be evicted by the capacity bound."""
         with self._lock:

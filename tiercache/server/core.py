@@ -810,6 +810,13 @@ class Server:
     def _on_list_keys(self, client: _Client, msg: p.ListKeys) -> None:
         tiers = self._tiers_named(msg.tier)
         limit = max(1, min(msg.limit, _MAX_PAGE))
+        if msg.order == "use":
+            if not msg.tier:  # use orders are per tier: there is no one order across tiers
+                raise _Refused(p.ErrorCode.INVALID, "list_keys order=use lists one tier; name it (tier=...)")
+            self._offload(client, msg.req_id, lambda: self._keys_by_use(tiers[0], msg, limit), lambda reply: reply)
+            return
+        if msg.order != "key":
+            raise _Refused(p.ErrorCode.INVALID, f"list_keys order {msg.order!r} is unknown; use 'key' or 'use'")
 
         def job() -> p._Msg:
             found: dict[bytes, list[str]] = {}
@@ -831,6 +838,26 @@ class Server:
             )
 
         self._offload(client, msg.req_id, job, lambda reply: reply)
+
+    @staticmethod
+    def _keys_by_use(tier: Any, msg: p.ListKeys, limit: int) -> p._Msg:
+        """A page of ``tier``'s keys, most recently used first; the cursor is how many matching
+        keys earlier pages returned (8 bytes, big-endian)."""
+        skip = int.from_bytes(msg.cursor, "big") if msg.cursor else 0
+        page: list[bytes] = []
+        seen = 0
+        for key in tier.iter_keys_by_use():
+            if msg.fingerprint and key.fingerprint.raw != msg.fingerprint:
+                continue
+            if msg.object_group >= 0 and key.object_group != msg.object_group:
+                continue
+            seen += 1
+            if seen <= skip:
+                continue
+            if len(page) == limit:
+                return p.KeysReply(keys=[p.ListedKey(k, [tier.name]) for k in page], next_cursor=(skip + limit).to_bytes(8, "big"))
+            page.append(key.to_bytes())
+        return p.KeysReply(keys=[p.ListedKey(k, [tier.name]) for k in page], next_cursor=b"")
 
     def _on_manifest(self, client: _Client, msg: p.GetManifest) -> None:
         try:
