@@ -16,6 +16,7 @@ Three engine runs: the TP 2 cold run, a fresh TP 2 engine that loads, a TP 1 eng
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from tests.e2e.setup import (
     run_engine,
     wait_for_stores,
 )
-from tiercache.keys import LayoutManifest
+from tiercache.keys import LayoutManifest, ObjectKey
 
 pytestmark = pytest.mark.e2e
 
@@ -112,31 +113,43 @@ def test_tp_workers_run_this_checkouts_connector(setup: Setup) -> None:
 
 
 def test_fresh_tp2_engine_loads_both_ranks_and_matches_cold_run(setup: Setup) -> None:
+    """A hit needs every rank's object: with rank 1's object of prompt 0's last chunk deleted
+    (rank 0's is still there) that prompt hits one chunk less; the others load in full. Every prompt
+    reproduces the cold run, and rank 1 stores its missing object again."""
     wait_for_stores(setup.server, TP * CHUNKS)
+    manifest, _ = tp2_manifests(setup)[1]
+    victim = next(h for h, (prompt, chunk) in chunk_index(setup.prompt_ids, CHUNK).items() if (prompt, chunk) == (0, 2))
+    with setup.server.client() as c:
+        assert c.delete(ObjectKey(manifest.fingerprint(), 1, victim)) == 1
+    expected = [EXPECTED_CACHED[0] - CHUNK, *EXPECTED_CACHED[1:]]  # [128, 128, 256, 128]
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
     warm = setup.run("warm")
     hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e tp2] cached tokens {warm.num_cached} (server chunk hits {hits}), "
+    print(f"\n[e2e tp2] rank 1 lacks one object: cached tokens {warm.num_cached} (server chunk hits {hits}), "
           f"max |logprob diff| {diff:.3g}")
-    assert warm.num_cached == EXPECTED_CACHED
-    assert hits == sum(EXPECTED_CACHED) // CHUNK
+    assert warm.num_cached == expected
+    assert hits == sum(expected) // CHUNK
     assert warm.tokens == setup.cold.tokens
     assert diff <= 1e-5
+    deadline = time.monotonic() + 30
+    while victim not in tp2_manifests(setup)[1][1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tp2_manifests(setup)[1][1] == set(chunk_index(setup.prompt_ids, CHUNK))  # stored again
 
 
 def test_tp1_engine_gets_no_hits_from_tp2_objects(setup: Setup) -> None:
     """Same model, prompts and server, one rank: its pages hold both KV heads, so its fingerprint
     differs from either TP 2 rank's and nothing the TP 2 engines stored can be a hit. (Last: it
     stores its own objects.)"""
-    wait_for_stores(setup.server, TP * CHUNKS)
-    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
+    stats = engine_stats(setup.server)
+    hits_before, stores_before = stats["lookup_chunks_hit"], stats["stores"]
     tp1 = run_engine(setup.model, setup.server.endpoint, setup.prompts, setup.tmp / "tp1.json")
     diff = tp1.max_logprob_diff(setup.cold)
     print(f"\n[e2e tp1 after tp2] cached tokens {tp1.num_cached}, max |logprob diff| vs TP 2 {diff:.3g}")
     assert tp1.num_cached == [0] * len(LENGTHS)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
-    assert wait_for_stores(setup.server, (TP + 1) * CHUNKS) == (TP + 1) * CHUNKS  # under its own fingerprint
+    assert wait_for_stores(setup.server, stores_before + CHUNKS) == stores_before + CHUNKS  # under its own fingerprint
     tp2_fingerprints = {m.fingerprint().raw for m, _ in tp2_manifests(setup).values()}
     tp1_fingerprints = {m.fingerprint().raw for m in stored_manifests(setup.server).values() if m.tp_size == 1}
     assert len(tp1_fingerprints) == 1 and not tp1_fingerprints & tp2_fingerprints
