@@ -50,22 +50,26 @@ def run_engine(
     model: Path, server: str, prompts_file: Path, out: Path, *, module: str = ENGINE_RUN,
     launcher_args: Sequence[str] = (), multiprocess: bool = False, engine_args: dict[str, Any] | None = None,
     extra_path: Path | None = None, log_stats: bool = False, connector_config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Run:
     """Run one engine process (``python -m module``); ``launcher_args`` go before engine_run's own
     (e.g. ``load_failure_run``'s), ``extra_path`` is prepended to its PYTHONPATH (e.g. an import
-    stub). A failed process fails the test with the end of its stderr."""
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # engine_run sizes the KV cache itself
-    env.update(
+    stub), ``env`` is added to its environment (and so to its ``mp`` executor's worker processes,
+    e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for tensor parallelism). A failed process fails the test with
+    the end of its stderr."""
+    environ = dict(os.environ)
+    environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # engine_run sizes the KV cache itself
+    environ.update(
         # In-process unless asked: a launcher's patches must be in the engine's process.
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([*([str(extra_path)] if extra_path else []), str(ROOT), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([*([str(extra_path)] if extra_path else []), str(ROOT), environ.get("PYTHONPATH", "")]),
+        **(env or {}),
     )
     cmd = [sys.executable, "-m", module, *launcher_args, "--model", str(model), "--server", server,
            "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {}),
            *(["--log-stats"] if log_stats else []), "--connector-config", json.dumps(connector_config or {})]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     data: dict[str, Any] = json.loads(out.read_text())
@@ -116,6 +120,7 @@ class Setup:
     engine_args: dict[str, Any] = field(default_factory=dict)  # every run's LLM() overrides
     extra_path: Path | None = None  # prepended to every run's PYTHONPATH
     log_stats: bool = False  # every run reports vLLM's stats
+    env: dict[str, str] = field(default_factory=dict)  # added to every run's environment
 
     @classmethod
     def of(cls, base: Setup, **extra: Any) -> Self:
@@ -127,13 +132,13 @@ class Setup:
         launcher_args: Sequence[str] = (), multiprocess: bool = False, connector_config: dict[str, Any] | None = None,
     ) -> Run:
         """A fresh engine on this setup's prompts (by default also its model and server, and always
-        its engine args, PYTHONPATH addition and stats), writing ``{out}.json`` in its temp dir;
+        its engine args, PYTHONPATH addition, environment and stats), writing ``{out}.json`` in its temp dir;
         ``connector_config`` is added to the connector's settings."""
         return run_engine(
             model or self.model, server or self.server.endpoint, self.prompts, self.tmp / f"{out}.json",
             module=module, launcher_args=launcher_args, multiprocess=multiprocess,
             engine_args=self.engine_args, extra_path=self.extra_path, log_stats=self.log_stats,
-            connector_config=connector_config,
+            connector_config=connector_config, env=self.env,
         )
 
 
@@ -142,13 +147,14 @@ def cold_setup(
     tmp: Path, write_model: ModelWriter, lengths: list[int], *, chunk: int, name: str = "",
     seed: int = 1234, prompt_seed: int = 7, engine_args: dict[str, Any] | None = None,
     extra_path: Path | None = None, log_stats: bool = False, spec: ServerSpec | None = None,
-    wait_for_stored: int = 0,
+    wait_for_stored: int = 0, env: dict[str, str] | None = None,
 ) -> Iterator[Setup]:
     """Write the model (``write_model`` with ``seed``) and prompts of ``lengths`` tokens
     (``make_prompts`` with ``prompt_seed``) under ``tmp``, start a server (``spec``; by default L1
     only, 64 MiB, chunk ``chunk``), run the cold engine through it and, with ``wait_for_stored``,
-    wait for that many stores (not checked: a module that counts them asserts it). The server stops
-    when the context ends."""
+    wait for that many stores (not checked: a module that counts them asserts it). ``engine_args``,
+    ``extra_path``, ``log_stats`` and ``env`` apply to the cold run and to every :meth:`Setup.run`.
+    The server stops when the context ends."""
     model = tmp / "model"
     write_model(model, seed=seed)
     ids = make_prompts(lengths, seed=prompt_seed)
@@ -158,9 +164,9 @@ def cold_setup(
     try:
         server.wait_ready()
         cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=engine_args,
-                          extra_path=extra_path, log_stats=log_stats)
+                          extra_path=extra_path, log_stats=log_stats, env=env)
         if wait_for_stored:
             wait_for_stores(server, wait_for_stored)
-        yield Setup(tmp, model, prompts, ids, server, cold, name, dict(engine_args or {}), extra_path, log_stats)
+        yield Setup(tmp, model, prompts, ids, server, cold, name, dict(engine_args or {}), extra_path, log_stats, dict(env or {}))
     finally:
         server.stop()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -307,6 +308,46 @@ def check_recurrent_config(
     return warnings
 
 
+def _vllm_group_ranks() -> tuple[int, int, int, int]:
+    """``(tp_rank, tp_size, pp_rank, pp_size)`` of this worker from vLLM's process groups."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return int(tp.rank_in_group), int(tp.world_size), int(pp.rank_in_group), int(pp.world_size)
+
+
+def parallel_rank(
+    parallel_config: Any, group_ranks: Callable[[], tuple[int, int, int, int]] = _vllm_group_ranks
+) -> int:
+    """This worker's rank among the engine's ``tp * pp`` ranks, ``pp_rank * tp + tp_rank``: the rank
+    :func:`derive_layout` numbers object groups by (``EngineLayout.for_rank``).
+
+    A single-rank engine is rank 0 without asking vLLM. With several ranks the rank must come from
+    vLLM's TP/PP groups (``group_ranks``), whose sizes must be the config's; anything else raises
+    :class:`ConfigError`: a guessed rank would make two ranks store their different KV heads under
+    one object group and fingerprint, and a later engine would load one rank's heads into the other.
+    """
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if tp * pp == 1:
+        return 0
+    try:
+        tp_rank, tp_size, pp_rank, pp_size = group_ranks()
+    except Exception as exc:
+        raise ConfigError(
+            f"tiercache: cannot tell this worker's rank from vLLM's parallel groups (tensor parallel {tp}, "
+            f"pipeline parallel {pp}): {exc!r}. Please report this with your vLLM version."
+        ) from exc
+    if (tp_size, pp_size) != (tp, pp) or not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise ConfigError(
+            f"tiercache: vLLM's parallel groups (tensor parallel rank {tp_rank} of {tp_size}, pipeline "
+            f"parallel rank {pp_rank} of {pp_size}) do not match the config (tensor parallel {tp}, pipeline "
+            f"parallel {pp}); the connector cannot tell which objects are this worker's, so it refuses to "
+            "start. Please report this with your vLLM version."
+        )
+    return pp_rank * tp + tp_rank
+
+
 def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None) -> EngineLayout:
     """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
     model_config = vllm_config.model_config
@@ -314,6 +355,14 @@ def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weigh
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if pcp > 1:
+        # Prefill context parallel ranks hold different tokens' KV for the same TP rank; object groups
+        # are per TP/PP rank only, so they would overwrite each other's pages.
+        raise ConfigError(
+            f"tiercache: prefill context parallelism (prefill_context_parallel_size={pcp}) is not supported "
+            "by the tiercache connector yet; run without it or remove the tiercache kv-transfer-config"
+        )
     world = tp * pp
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     check_group_specs(specs)

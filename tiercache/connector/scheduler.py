@@ -120,7 +120,6 @@ class SchedulerHalf:
         self._release_at: dict[int, list[int]] = {}  # step → tickets to release once it ran
         self._unfinished_steps: deque[int] = deque()
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
-        self._warned_tp = False
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
         self._async_loads = False  # set at connect: see _on_connect
         self.stats = StatsRecorder()

@@ -59,6 +59,7 @@ from tiercache.connector.layout import (
     EngineLayout,
     GroupLayout,
     derive_layout,
+    parallel_rank,
     verify_kv_caches,
 )
 from tiercache.connector.link import ServerLink
@@ -128,13 +129,8 @@ class WorkerHalf:
 
     # -- start-up ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        try:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-            tp = self._vllm_config.parallel_config.tensor_parallel_size
-            self._rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
-        except Exception:  # not initialised (single process tests)
-            self._rank = 0
+        # Which object groups are this worker's (one per KV-cache group); raises rather than guess.
+        self._rank = parallel_rank(getattr(self._vllm_config, "parallel_config", None))
         self._kv_caches = kv_caches
         self.order_layers(kv_caches)
         self._copy = select_copy_engine(kv_caches.values())
