@@ -126,7 +126,7 @@ def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
         torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         architectures=["Qwen3NextForCausalLM"],
     )
-    _save_seeded_gdn_checkpoint(directory, config, seed)
+    _save_seeded_recurrent_checkpoint(directory, config, seed)
 
 
 def write_tiny_qwen3_5(directory: Path, seed: int) -> None:
@@ -147,12 +147,65 @@ def write_tiny_qwen3_5(directory: Path, seed: int) -> None:
         torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         architectures=["Qwen3_5ForCausalLM"],
     )
-    _save_seeded_gdn_checkpoint(directory, config, seed)
+    _save_seeded_recurrent_checkpoint(directory, config, seed)
 
 
-def _save_seeded_gdn_checkpoint(directory: Path, config: Any, seed: int) -> None:
+GRANITE_CHECKPOINT_NAMES = {
+    # transformers 5 renames Granite's checkpoint names on load (conversion_mapping "granitemoe");
+    # vLLM's loader reads the checkpoint's own names, so the writer undoes the renaming.
+    "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+    "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+    "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+}
+
+
+def write_tiny_granite4(directory: Path, seed: int) -> None:
+    """A tiny IBM Granite 4 hybrid (``GraniteMoeHybridForCausalLM``) with seeded random weights:
+    layer 0 Mamba2 (recurrent state: a conv window of 3 x 512 and a 4x64x128 SSM state), layer 1 full
+    attention (RoPE); a 4-expert MoE plus a shared MLP in both, as in Granite-4.0-H-Tiny. vLLM keeps
+    them in a ``MambaSpec`` and a full-attention group.
+
+    float32 state: 137 KiB per page, so with head dim 32 and 2 KV heads (512 B per token) vLLM's
+    unified block size is 384, as for the Gated DeltaNet models.
+    """
+    import torch
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=256,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
+        position_embedding_type="rope", layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096, torch_dtype="float32", bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False, architectures=["GraniteMoeHybridForCausalLM"],
+    )
+
+    def rename(name: str) -> str:
+        for new, old in GRANITE_CHECKPOINT_NAMES.items():
+            name = name.replace(new, old)
+        return name
+
+    # transformers' Mamba2 init (A = -1..-4, dt_bias 1) forgets within a few tokens: the state at a
+    # hit boundary would have no effect on the logits (a foreign state moved them by exactly 0). Slow
+    # decay per token (dt = softplus(x - 4) ~ 0.02, A = -0.01..-0.1) keeps it: ~0.6..1 after 200 tokens.
+    vectors = {
+        "mamba.A_log": torch.log(torch.tensor([0.01, 0.02, 0.05, 0.1])),
+        "mamba.dt_bias": torch.full((4,), -4.0),
+    }
+    _save_seeded_recurrent_checkpoint(directory, config, seed, rename=rename, vectors=vectors)
+
+
+def _save_seeded_recurrent_checkpoint(
+    directory: Path, config: Any, seed: int, rename: Callable[[str], str] | None = None,
+    vectors: dict[str, Any] | None = None,
+) -> None:
     """Shapes from transformers' own model class; matrices ~N(0, 1/fan_in) (q/k and lm_head larger)
-    so outputs depend on the state; 1-D parameters (norms, A_log, dt_bias) keep transformers' init."""
+    so outputs depend on the state; 1-D parameters (norms, A_log, dt_bias, D) keep transformers' init.
+    ``rename`` maps a transformers parameter name to the checkpoint's (applied first; a fused expert
+    tensor it renames is stored fused, as the checkpoint has it); ``vectors`` replaces the init of the
+    1-D parameters whose names end with its keys."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -166,10 +219,12 @@ def _save_seeded_gdn_checkpoint(directory: Path, config: Any, seed: int) -> None
 
     w: dict[str, torch.Tensor] = {}
     for name, ref in shapes.items():
+        name = rename(name) if rename else name
         if name == "model.embed_tokens.weight":
             w[name] = torch.randn(*ref.shape, generator=g)
         elif ref.dim() == 1:
-            w[name] = ref.clone()
+            override = [v for suffix, v in (vectors or {}).items() if name.endswith(suffix)]
+            w[name] = (override[0] if override else ref).clone()
         elif name.endswith("experts.gate_up_proj"):  # fused in transformers 5; checkpoints list experts
             for e, t in enumerate(mat(tuple(ref.shape))):
                 gate, up = t.chunk(2, dim=0)

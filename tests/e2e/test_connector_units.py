@@ -418,6 +418,28 @@ def test_recurrent_config_errors_name_the_fix(kw: dict[str, object], words: str)
         _recurrent(**kw)
 
 
+def test_mamba2_on_cpu_needs_steps_of_one_block() -> None:
+    """vLLM 0.32's CPU Mamba2 scan cannot export a mid-step checkpoint: any step longer than one
+    block (even 500 tokens with N = 384: a prompt's last step may cross a boundary) kills the engine."""
+    assert _recurrent(max_num_batched_tokens=384, in_step_checkpoints_on_cpu=True) == []
+    for tokens in (500, 768):
+        with pytest.raises(ConfigError, match="set --max-num-batched-tokens 384"):
+            _recurrent(max_num_batched_tokens=tokens, in_step_checkpoints_on_cpu=True)
+
+
+def test_in_step_checkpoints_are_detected_from_the_spec_and_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiercache.connector import layout
+
+    mamba2 = _fake_spec("MambaSpec", num_speculative_blocks=0, num_prefill_checkpoint_blocks=1)
+    gdn = _fake_spec("MambaSpec", num_speculative_blocks=0, num_prefill_checkpoint_blocks=0)
+    full = _fake_spec("FullAttentionSpec", num_prefill_checkpoint_blocks=1)  # not a recurrent group
+    monkeypatch.setattr(layout, "_platform_extras", lambda: (("device", "cpu"),))
+    assert layout.cpu_in_step_checkpoints([mamba2, _fake_spec("FullAttentionSpec")])
+    assert not layout.cpu_in_step_checkpoints([gdn, full])
+    monkeypatch.setattr(layout, "_platform_extras", lambda: (("device", "cuda"),))
+    assert not layout.cpu_in_step_checkpoints([mamba2])
+
+
 def test_recurrent_mode_error_names_prefix_caching_too() -> None:
     """vLLM 0.33 derives mamba_cache_mode from prefix caching (--mamba-cache-mode is a no-op there)."""
     with pytest.raises(ConfigError, match="--enable-prefix-caching"):

@@ -245,6 +245,7 @@ def check_recurrent_config(
     block_size: int,
     chunk_size: int,
     separate_object_groups: bool,
+    in_step_checkpoints_on_cpu: bool = False,
 ) -> list[str]:
     """Start-up rules for engines with recurrent (Mamba/GDN/KDA) KV-cache groups.
 
@@ -262,6 +263,9 @@ def check_recurrent_config(
     * With one object per chunk (``--no-separate-object-groups``) every chunk's object carries the
       state at its end, so a step must end on every chunk boundary: ``chunk_size`` must be a
       multiple of ``step``.
+    * ``in_step_checkpoints_on_cpu`` (:func:`cpu_in_step_checkpoints`: Mamba2 on vLLM's CPU build):
+      ``max_num_batched_tokens`` must be exactly one block, else vLLM itself fails on the first
+      prefill step that crosses a block boundary (its CPU scan cannot export the mid-step state).
     """
     if mamba_cache_mode != "align":
         raise ConfigError(
@@ -282,6 +286,14 @@ def check_recurrent_config(
             f"max_num_batched_tokens {max_num_batched_tokens} is smaller than the block size {block_size}: in "
             f"mamba_cache_mode align prefill steps are whole blocks, so nothing could be computed; set "
             f"--max-num-batched-tokens to at least {block_size}"
+        )
+    if in_step_checkpoints_on_cpu and max_num_batched_tokens > block_size:
+        raise ConfigError(
+            f"max_num_batched_tokens {max_num_batched_tokens} is larger than the block size {block_size}: this "
+            "model's recurrent layers (Mamba2) save the state at a block boundary inside a prefill step, which "
+            "vLLM's CPU chunk scan cannot compute (the engine would fail with an IndexError in mamba_mixer2 on "
+            f"the first prefill step that crosses a block boundary); on the CPU build set --max-num-batched-tokens "
+            f"{block_size}"
         )
     warnings: list[str] = []
     if separate_object_groups:
@@ -346,6 +358,15 @@ def parallel_rank(
             "start. Please report this with your vLLM version."
         )
     return pp_rank * tp + tp_rank
+
+
+def cpu_in_step_checkpoints(specs: list[Any]) -> bool:
+    """Whether this engine is vLLM's CPU build and a recurrent group exports prefill checkpoints from
+    inside a step (``MambaSpec.num_prefill_checkpoint_blocks > 0``: Mamba2, e.g. Granite 4). vLLM 0.32's
+    CPU chunk scan ignores ``return_intermediate_states``, so such a step fails in ``mamba_mixer2``."""
+    if not any(int(getattr(s, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for s in specs if _spec_kind(s) == "recurrent"):
+        return False
+    return dict(_platform_extras()).get("device") == "cpu"
 
 
 def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None) -> EngineLayout:

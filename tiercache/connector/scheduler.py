@@ -43,6 +43,7 @@ from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
 from tiercache.connector.layout import (
     EngineLayout,
     check_recurrent_config,
+    cpu_in_step_checkpoints,
     derive_layout,
 )
 from tiercache.connector.link import ServerLink
@@ -162,6 +163,9 @@ class SchedulerHalf:
             block_size=layout.scheduler_block_size,
             chunk_size=layout.chunk_size,
             separate_object_groups=separate_object_groups,
+            in_step_checkpoints_on_cpu=cpu_in_step_checkpoints(
+                [g.kv_cache_spec for g in self._kv_cache_config.kv_cache_groups]
+            ),
         ):
             log.warning("tiercache: %s", warning)
         if getattr(cache, "prefix_cache_retention_interval", None) == 0:
