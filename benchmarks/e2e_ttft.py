@@ -300,16 +300,18 @@ class Row:
     ref: list[dict[str, Any]] = field(default_factory=list)
     #: the recompute run's record for the prompt of each hit sample
     base: list[dict[str, Any]] = field(default_factory=list)
+    #: the row whose cold median is this system's no-connector baseline (same venv, same packages)
+    baseline: str = "recompute"
 
 
 def med_ms(samples: list[dict[str, Any]]) -> float | None:
     return statistics.median(s["ttft_s"] for s in samples) * 1e3 if samples else None
 
 
-def summarise(rows: list[Row]) -> list[dict[str, Any]]:
-    recompute = med_ms(rows[0].cold)
+def summarise(rows: dict[str, Row]) -> list[dict[str, Any]]:
     out = []
-    for r in rows:
+    for r in rows.values():
+        recompute = med_ms(rows[r.baseline].cold)
         cold, hit = med_ms(r.cold), med_ms(r.hit)
         diffs = [abs(h["logprob"] - ref["logprob"]) for h, ref in zip(r.hit, r.ref)]
         diffs_base = [abs(h["logprob"] - b["logprob"]) for h, b in zip(r.hit, r.base)]
@@ -514,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     if "example" in systems:
         rows["example"] = Row("vLLM ExampleConnector", "safetensors files on local disk")
     if "lmcache" in systems:
-        rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm, own venv; always a multiprocess engine")
+        # LMCache's venv has other package versions (it downgrades numpy, protobuf, ...): its cold
+        # runs are compared with a connector-less engine from that same venv.
+        rows["lmcache_recompute"] = Row("recompute in LMCache's venv (no connector)", "LMCache's cold baseline")
+        rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm, own venv; always a multiprocess engine",
+                              baseline="lmcache_recompute")
 
     tc = TierCacheServer(args.python, work / "tiercache", args.chunk_size, args.l1_size_gb) if "tiercache" in systems else None
     lmc = None
@@ -558,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
                 # vLLM 0.32's in-process engine cannot start with LMCache's connector imported
                 # (dispatcher._rebind_kernels trips over numba's `lib`): LMCache always gets the
                 # multiprocess engine, the others only with --multiprocess.
+                base_lmc = run_engine(args, work, f"r{rnd}-recompute-lmcache-venv", args.lmcache_python, None, prompts, warm,
+                                      multiprocess=True)
+                rows["lmcache_recompute"].cold += base_lmc["prompts"]
                 rd.pair("lmcache", args.lmcache_python, lmc.kv_transfer_config(), multiprocess=True)
             if not args.no_bracket:
                 # Recompute again at the end of the round: on a shared machine the load drifts over
@@ -568,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             if srv is not None:
                 srv.stop()
 
-    summary = summarise(list(rows.values()))
+    summary = summarise(rows)
     print(f"TTFT, {args.prompts} prompt(s) × {args.rounds} round(s), {args.prompt_len}-token prompts, "
           f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
           f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
