@@ -160,7 +160,7 @@ TINY_GLM_MOE_DSA: dict[str, Any] = {
 # MiniMax-M3 (MiniMax-M3-preview text backbone, vLLM's MiniMaxM3TextConfig keys inside the released
 # "minimax_m3_vl" wrapper, vision left out): layer 0 dense attention + dense MLP, layer 1 block-sparse
 # attention (indexer: 4 heads of 128, 128-token index blocks, top-16 blocks + 1 local) + MoE with a
-# shared expert; GQA 8 query / 2 KV heads of 128, partial rotary 64, Gemma-style norms, qk norm.
+# shared expert; GQA 8 query / 4 KV heads of 128, partial rotary 64, Gemma-style norms, qk norm.
 TINY_MINIMAX_M3_TEXT: dict[str, Any] = {
     **{k: v for k, v in COMMON.items() if k != "torch_dtype"},
     "architectures": ["MiniMaxM3SparseForCausalLM"],
@@ -170,7 +170,7 @@ TINY_MINIMAX_M3_TEXT: dict[str, Any] = {
     "shared_intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 8,
-    "num_key_value_heads": 2,
+    "num_key_value_heads": 4,  # = sparse_num_index_heads (vLLM's fused QKV + indexer projection asserts it)
     "head_dim": 128,
     "max_position_embeddings": 4096,
     "rotary_dim": 64,

@@ -13,7 +13,7 @@ seeded values, before vLLM's post-load processing (MLA weight absorption, expert
 * recurrent decay parameters slow (``A_log`` = log U(0.01, 0.1), ``dt_bias`` = -4), so a state
   restored at a chunk boundary still matters tokens later.
 
-Each parameter's generator is seeded with ``(seed, crc32(name))``: values do not depend on the
+Each parameter's generator is seeded with ``crc32(f"{seed}:{name}")``: values do not depend on the
 order in which vLLM builds the layers. The seed is the model directory's ``seeded_dummy.json``
 (``{"seed": N}``), written by :func:`write_seeded_dummy_model`; the launcher also sets the
 connector's ``weights_id`` to the seed and the config's hash (there are no weight files for the
@@ -55,7 +55,8 @@ def seeded_value(name: str, shape: tuple[int, ...], seed: int) -> Any:
     """The CPU float32 tensor the parameter ``name`` of ``shape`` gets (see the module docstring)."""
     import torch
 
-    g = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed: mix seed and name into them.
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "A_log" or name.endswith(".A_log"):
         return torch.log(torch.empty(shape).uniform_(0.01, 0.1, generator=g))

@@ -56,7 +56,7 @@ def run_engine(
     (e.g. ``load_failure_run``'s), ``extra_path`` is prepended to its PYTHONPATH (e.g. an import
     stub), ``env`` is added to its environment (and so to its ``mp`` executor's worker processes,
     e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for tensor parallelism). A failed process fails the test with
-    the end of its stderr."""
+    the end of its stderr (the whole output is kept next to ``out`` as ``.log``)."""
     environ = dict(os.environ)
     environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # engine_run sizes the KV cache itself
     environ.update(
@@ -71,7 +71,9 @@ def run_engine(
            *(["--log-stats"] if log_stats else []), "--connector-config", json.dumps(connector_config or {})]
     proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        log = out.with_suffix(".log")  # the whole output: the message keeps only its end
+        log.write_text(proc.stdout + proc.stderr)
+        raise AssertionError(f"engine run failed ({proc.returncode}; whole log: {log}):\n{proc.stderr[-6000:]}")
     data: dict[str, Any] = json.loads(out.read_text())
     return Run(data["tokens"], data["logprobs"], data["num_cached"], data.get("metrics", {}), proc.stdout + proc.stderr)
 

@@ -92,6 +92,9 @@ class GpuModel:
     chunk: int  # first guess of the server's chunk (a multiple of vLLM's block size N)
     block_size: int  # --block-size asked for (vLLM may raise it: MLA alignment, hybrid unification)
     recurrent: bool = False
+    # A connector refusal known from the CPU start (same KV-cache grouping code on GPU): when the cold
+    # engine stops with this message, the model's tests xfail with it instead of erroring.
+    known_refusal: str | None = None
 
     def lengths(self, chunk: int) -> list[int]:
         return [3 * chunk + 8, 4 * chunk + 1]
@@ -119,7 +122,10 @@ class GpuModel:
 
 MODELS = {
     "kimi_linear": GpuModel("KimiLinearForCausalLM", chunk=KIMI_LINEAR_N_GUESS, block_size=64, recurrent=True),
-    "deepseek_v4": GpuModel("DeepseekV4ForCausalLM", chunk=256, block_size=64),
+    # On vLLM 0.32's CPU build this config builds, loads and allocates its KV cache: 6 groups, block
+    # sizes (64, 64, 64, 256, 4, 8), group 0 a UniformTypeKVCacheSpecs, which the connector refuses.
+    "deepseek_v4": GpuModel("DeepseekV4ForCausalLM", chunk=256, block_size=256,
+                            known_refusal="KV-cache group 0 is UniformTypeKVCacheSpecs"),
     "glm_moe_dsa": GpuModel("GlmMoeDsaForCausalLM", chunk=64, block_size=64),
     "minimax_m3": GpuModel("MiniMaxM3SparseForCausalLM", chunk=128, block_size=128),
 }
@@ -197,7 +203,11 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                             target = c.get(key)
             break  # server A stopped: its L1 is gone, L2 (tmp/l2) stays
         except AssertionError as failed:
-            n = _discovered_n(str(failed))
+            log = tmp / "cold.log"  # run_engine keeps a failed engine's whole output there
+            message = str(failed) + (log.read_text() if log.exists() else "")
+            if spec.known_refusal and spec.known_refusal in message:
+                pytest.xfail(f"the connector refuses {spec.arch}'s KV-cache groups: {spec.known_refusal} (see docs/hybrid-models.md)")
+            n = _discovered_n(message)
             if attempt or n is None or n == chunk:
                 raise
             print(f"\n[e2e gpu {name}] chunk {chunk} refused; vLLM's block size N = {n}, running again with chunk {n}")
