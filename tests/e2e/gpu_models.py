@@ -201,6 +201,28 @@ TINY_MINIMAX_M3: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# What a vLLM 0.32 CPU engine start (tests.e2e.seeded_dummy_run, bf16, block size 64) does with each
+# config: how far the CPU build gets, so that a GPU failure elsewhere is a GPU finding.
+CPU_RESULT: dict[str, str] = {
+    "kimi_linear": (
+        "config parsed, architecture resolved; the CPU platform turns prefix caching off for MLA ('MLA is "
+        "enabled on a non-GPU platform'), then VllmConfig fails: '--mamba-block-size can only be set with "
+        "--enable-prefix-caching'. With prefix caching off the model build stops at 'import cutlass' "
+        "(CUDA CuTe DSL) in KimiLinearModel.__init__ (maybe_init_gemm_rs_ar)."
+    ),
+    "deepseek_v4": (
+        "builds, loads (79 seeded parameters) and allocates its KV cache (CPU backend forces block 256; "
+        "6 groups, block sizes 64, 64, 64, 256, 4, 8); the connector's worker then refuses: 'KV-cache group 0 "
+        "is UniformTypeKVCacheSpecs'. Without the connector the first forward fails in the sparse-SWA "
+        "metadata build (a Triton op; no Triton on CPU)."
+    ),
+    "glm_moe_dsa": "model build: NotImplementedError 'Sparse Attention is not supported on CPU.' (layer 0's MLA backend).",
+    "minimax_m3": (
+        "needs an import-only torchvision stub (its module imports torchvision); model build: NotImplementedError "
+        "'No Unquantized MoE backend supports the deployment configuration' (the MoE layer)."
+    ),
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "kimi_linear": TINY_KIMI_LINEAR,
     "deepseek_v4": TINY_DEEPSEEK_V4,
