@@ -56,7 +56,7 @@ def run_engine(
     (e.g. ``load_failure_run``'s), ``extra_path`` is prepended to its PYTHONPATH (e.g. an import
     stub), ``env`` is added to its environment (and so to its ``mp`` executor's worker processes,
     e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for tensor parallelism). A failed process fails the test with
-    the end of its stderr."""
+    the end of its stderr (the whole output is kept next to ``out`` as ``.log``)."""
     environ = dict(os.environ)
     environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # engine_run sizes the KV cache itself
     environ.update(
@@ -71,7 +71,9 @@ def run_engine(
            *(["--log-stats"] if log_stats else []), "--connector-config", json.dumps(connector_config or {})]
     proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=240, check=False)
     if proc.returncode != 0:
-        raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        log = out.with_suffix(".log")  # the whole output: the message keeps only its end
+        log.write_text(proc.stdout + proc.stderr)
+        raise AssertionError(f"engine run failed ({proc.returncode}; whole log: {log}):\n{proc.stderr[-6000:]}")
     data: dict[str, Any] = json.loads(out.read_text())
     return Run(data["tokens"], data["logprobs"], data["num_cached"], data.get("metrics", {}), proc.stdout + proc.stderr)
 
@@ -121,6 +123,7 @@ class Setup:
     extra_path: Path | None = None  # prepended to every run's PYTHONPATH
     log_stats: bool = False  # every run reports vLLM's stats
     env: dict[str, str] = field(default_factory=dict)  # added to every run's environment
+    module: str = ENGINE_RUN  # every run's engine module (a launcher wrapping engine_run, e.g. seeded_dummy_run)
 
     @classmethod
     def of(cls, base: Setup, **extra: Any) -> Self:
@@ -128,15 +131,15 @@ class Setup:
         return cls(**{f.name: getattr(base, f.name) for f in fields(Setup)}, **extra)
 
     def run(
-        self, out: str, *, model: Path | None = None, server: str | None = None, module: str = ENGINE_RUN,
+        self, out: str, *, model: Path | None = None, server: str | None = None, module: str | None = None,
         launcher_args: Sequence[str] = (), multiprocess: bool = False, connector_config: dict[str, Any] | None = None,
     ) -> Run:
         """A fresh engine on this setup's prompts (by default also its model and server, and always
         its engine args, PYTHONPATH addition, environment and stats), writing ``{out}.json`` in its temp dir;
-        ``connector_config`` is added to the connector's settings."""
+        ``module`` defaults to the setup's; ``connector_config`` is added to the connector's settings."""
         return run_engine(
             model or self.model, server or self.server.endpoint, self.prompts, self.tmp / f"{out}.json",
-            module=module, launcher_args=launcher_args, multiprocess=multiprocess,
+            module=module or self.module, launcher_args=launcher_args, multiprocess=multiprocess,
             engine_args=self.engine_args, extra_path=self.extra_path, log_stats=self.log_stats,
             connector_config=connector_config, env=self.env,
         )
@@ -147,13 +150,14 @@ def cold_setup(
     tmp: Path, write_model: ModelWriter, lengths: list[int], *, chunk: int, name: str = "",
     seed: int = 1234, prompt_seed: int = 7, engine_args: dict[str, Any] | None = None,
     extra_path: Path | None = None, log_stats: bool = False, spec: ServerSpec | None = None,
-    wait_for_stored: int = 0, env: dict[str, str] | None = None,
+    wait_for_stored: int = 0, env: dict[str, str] | None = None, module: str = ENGINE_RUN,
 ) -> Iterator[Setup]:
     """Write the model (``write_model`` with ``seed``) and prompts of ``lengths`` tokens
     (``make_prompts`` with ``prompt_seed``) under ``tmp``, start a server (``spec``; by default L1
     only, 64 MiB, chunk ``chunk``), run the cold engine through it and, with ``wait_for_stored``,
     wait for that many stores (not checked: a module that counts them asserts it). ``engine_args``,
-    ``extra_path``, ``log_stats`` and ``env`` apply to the cold run and to every :meth:`Setup.run`.
+    ``extra_path``, ``log_stats``, ``env`` and ``module`` (the engine module, e.g. a launcher) apply to
+    the cold run and to every :meth:`Setup.run`.
     The server stops when the context ends."""
     model = tmp / "model"
     write_model(model, seed=seed)
@@ -164,9 +168,9 @@ def cold_setup(
     try:
         server.wait_ready()
         cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=engine_args,
-                          extra_path=extra_path, log_stats=log_stats, env=env)
+                          extra_path=extra_path, log_stats=log_stats, env=env, module=module)
         if wait_for_stored:
             wait_for_stores(server, wait_for_stored)
-        yield Setup(tmp, model, prompts, ids, server, cold, name, dict(engine_args or {}), extra_path, log_stats, dict(env or {}))
+        yield Setup(tmp, model, prompts, ids, server, cold, name, dict(engine_args or {}), extra_path, log_stats, dict(env or {}), module)
     finally:
         server.stop()
