@@ -105,18 +105,11 @@ TINY_GPT_OSS: dict = {
 }
 
 
-def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
-    """A tiny Qwen3-Next (``Qwen3NextForCausalLM``) with seeded random weights: layer 0 is Gated
-    DeltaNet linear attention (recurrent state: a conv window and a 2x128x128 SSM state), layer 1 full
-    attention; a 4-expert MoE in both. vLLM keeps them in a ``MambaSpec`` and a full-attention group.
-
-    Linear head dim 128 is what the CPU GDN kernels need (they also need bfloat16); head dim 64 makes
-    vLLM's unified block size 384 (attention page >= the 131 KiB state page). Shapes come from transformers' own model
-    class; matrices are drawn ~N(0, 1/fan_in) (q/k and lm_head larger) so outputs depend on the state.
-    """
+def tiny_qwen3_next_config() -> Any:
+    """The config of :func:`write_tiny_qwen3_next` (a ``transformers`` ``Qwen3NextConfig``)."""
     from transformers import Qwen3NextConfig
 
-    config = Qwen3NextConfig(
+    return Qwen3NextConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -126,7 +119,18 @@ def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
         torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         architectures=["Qwen3NextForCausalLM"],
     )
-    _save_seeded_recurrent_checkpoint(directory, config, seed)
+
+
+def write_tiny_qwen3_next(directory: Path, seed: int) -> None:
+    """A tiny Qwen3-Next (``Qwen3NextForCausalLM``) with seeded random weights: layer 0 is Gated
+    DeltaNet linear attention (recurrent state: a conv window and a 2x128x128 SSM state), layer 1 full
+    attention; a 4-expert MoE in both. vLLM keeps them in a ``MambaSpec`` and a full-attention group.
+
+    Linear head dim 128 is what the CPU GDN kernels need (they also need bfloat16); head dim 64 makes
+    vLLM's unified block size 384 (attention page >= the 131 KiB state page). Shapes come from transformers' own model
+    class; matrices are drawn ~N(0, 1/fan_in) (q/k and lm_head larger) so outputs depend on the state.
+    """
+    _save_seeded_recurrent_checkpoint(directory, tiny_qwen3_next_config(), seed)
 
 
 def write_tiny_qwen3_5(directory: Path, seed: int) -> None:

@@ -234,18 +234,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def tiny_qwen3_next_config() -> dict[str, Any]:
     """The CPU stand-in for Kimi-Linear's recurrent path: test_recurrent's tiny Qwen3-Next (Gated
     DeltaNet + full attention; vLLM's unified block size N = 384 on CPU)."""
-    from transformers import Qwen3NextConfig
+    from tests.e2e.engine_run import tiny_qwen3_next_config as config
 
-    return Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=1, linear_num_value_heads=2,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
-        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        architectures=["Qwen3NextForCausalLM"],
-    ).to_dict()
+    return config().to_dict()  # type: ignore[no-any-return]
 
 
 def _config(name: str) -> dict[str, Any]:

@@ -36,23 +36,33 @@ def test_explain_says_where_each_chunk_is_or_why_not(start_server: StartServer) 
         assert under_other.other_fingerprint == group.fingerprint
 
 
+def _two_fingerprints(client: Client) -> bytes:
+    """Store 7 chunks under one fingerprint and 2 under another; the first fingerprint."""
+    a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
+    store_prompt(client, a, prompt_hashes(7), nbytes=4 * KiB)
+    store_prompt(client, b, prompt_hashes(2, seed=3), nbytes=4 * KiB)
+    return a.fingerprint
+
+
+def _every_page(client: Client, **query: object) -> list[bytes]:
+    """Page through ``list_keys(**query)`` 3 keys at a time; every key listed."""
+    seen: list[bytes] = []
+    cursor = b""
+    while True:
+        page, cursor = client.list_keys(limit=3, cursor=cursor, **query)  # type: ignore[arg-type]
+        assert len(page) <= 3
+        seen += [k.key for k in page]
+        if not cursor:
+            return seen
+
+
 def test_list_keys_pages_with_a_cursor_and_filters(start_server: StartServer) -> None:
     server = start_server()
     with server.client() as client:
-        a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
-        store_prompt(client, a, prompt_hashes(7), nbytes=4 * KiB)
-        store_prompt(client, b, prompt_hashes(2, seed=3), nbytes=4 * KiB)
-
-        seen: list[bytes] = []
-        cursor = b""
-        while True:
-            page, cursor = client.list_keys(fingerprint=Fingerprint(a.fingerprint), limit=3, cursor=cursor)
-            assert len(page) <= 3
-            seen += [k.key for k in page]
-            if not cursor:
-                break
+        fp = _two_fingerprints(client)
+        seen = _every_page(client, fingerprint=Fingerprint(fp))
         assert len(seen) == 7 == len(set(seen)) and seen == sorted(seen)
-        assert all(ObjectKey.from_bytes(k).fingerprint.raw == a.fingerprint for k in seen)
+        assert all(ObjectKey.from_bytes(k).fingerprint.raw == fp for k in seen)
         everything, cursor = client.list_keys(tier="l1")
         assert len(everything) == 9 and cursor == b""
         assert all(k.tiers == ["l1"] for k in everything)
@@ -61,19 +71,10 @@ def test_list_keys_pages_with_a_cursor_and_filters(start_server: StartServer) ->
 def test_list_keys_by_use_pages_one_tier_and_refuses_several(start_server: StartServer) -> None:
     server = start_server()
     with server.client() as client:
-        a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
-        store_prompt(client, a, prompt_hashes(7), nbytes=4 * KiB)
-        store_prompt(client, b, prompt_hashes(2, seed=3), nbytes=4 * KiB)
-        seen: list[bytes] = []
-        cursor = b""
-        while True:
-            page, cursor = client.list_keys(tier="l1", fingerprint=Fingerprint(a.fingerprint), limit=3, cursor=cursor, order="use")
-            assert len(page) <= 3 and all(k.tiers == ["l1"] for k in page)
-            seen += [k.key for k in page]
-            if not cursor:
-                break
+        fp = _two_fingerprints(client)
+        seen = _every_page(client, tier="l1", fingerprint=Fingerprint(fp), order="use")
         assert len(seen) == 7 == len(set(seen))
-        assert all(ObjectKey.from_bytes(k).fingerprint.raw == a.fingerprint for k in seen)
+        assert all(ObjectKey.from_bytes(k).fingerprint.raw == fp for k in seen)
         with pytest.raises(ServerError, match="one tier"):
             client.list_keys(order="use")
         with pytest.raises(ServerError, match="unknown"):
