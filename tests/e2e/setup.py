@@ -144,6 +144,12 @@ class Setup:
             connector_config=connector_config, env=self.env,
         )
 
+    def run_counting_hits(self, out: str, **kw: Any) -> tuple[Run, int]:
+        """:meth:`run` (same arguments), and how many chunk hits the server counted meanwhile."""
+        before = engine_stats(self.server)["lookup_chunks_hit"]
+        run = self.run(out, **kw)
+        return run, engine_stats(self.server)["lookup_chunks_hit"] - before
+
 
 @contextmanager
 def cold_setup(

@@ -49,9 +49,7 @@ def test_cold_run_stores_every_full_prompt_chunk(setup: Setup) -> None:
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multiprocess"])
 def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: bool) -> None:
     wait_for_stores(setup.server, STORED_CHUNKS)
-    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    warm = setup.run(f"warm-{multiprocess}", multiprocess=multiprocess)
-    hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
+    warm, hits = setup.run_counting_hits(f"warm-{multiprocess}", multiprocess=multiprocess)
     diff = warm.max_logprob_diff(setup.cold)
     print(f"\n[e2e dense {'mp' if multiprocess else 'inproc'}] cached tokens {warm.num_cached} "
           f"(server chunk hits {hits}), max |logprob diff| {diff:.3g}")

@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import TINY_GEMMA4, TINY_GPT_OSS
 from tests.e2e.objects import stored_manifests
-from tests.e2e.setup import Run, Setup, cold_setup, engine_stats
+from tests.e2e.setup import Run, Setup, cold_setup
 from tests.server.serverproc import ServerProcess
 from tiercache.keys import ExtraKeys, GroupKind, ObjectKey, PrefixHasher
 from tiercache.testing import write_tiny_checkpoint
@@ -96,9 +96,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                 c.delete(key)
                 assert c.put(key, rng.standard_normal(size // 4).astype(np.float32).tobytes())
                 corrupted[prompt] = key
-        hits_before = engine_stats(base.server)["lookup_chunks_hit"]
-        warm = base.run("warm")
-        hits = engine_stats(base.server)["lookup_chunks_hit"] - hits_before
+        warm, hits = base.run_counting_hits("warm")
         yield ModelSetup.of(base, block_sizes=block_sizes, warm=warm, stored=stored, object_bytes=object_bytes,
                             group_block_sizes=group_blocks, chunk_hits=hits, corrupted=corrupted)
 

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import write_tiny_gemma3
 from tests.e2e.objects import chunk_index, stored_objects
-from tests.e2e.setup import Setup, cold_setup, engine_stats, wait_for_stores
+from tests.e2e.setup import Setup, cold_setup, wait_for_stores
 from tiercache.keys import GroupKind, ObjectKey
 
 pytestmark = pytest.mark.e2e
@@ -64,9 +64,7 @@ def test_hit_needs_only_the_trailing_window_chunk_of_the_sliding_group(setup: Se
                 removed[key] = c.get(key)
                 assert c.delete(key)
     assert len(removed) == STORED_CHUNKS - len(LENGTHS)  # 5: chunks 0-1 of prompt 0, 0-2 of prompt 1
-    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    warm = setup.run("warm")
-    hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
+    warm, hits = setup.run_counting_hits("warm")
     diff = warm.max_logprob_diff(setup.cold)
     print(f"\n[e2e gemma3 sliding+full] cached tokens {warm.num_cached} (server chunk hits {hits}), "
           f"max |logprob diff| {diff:.3g}")

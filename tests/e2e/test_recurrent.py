@@ -53,7 +53,6 @@ from tests.e2e.setup import (
     ModelWriter,
     Setup,
     cold_setup,
-    engine_stats,
     wait_for_stores,
 )
 from tiercache.keys import GroupKind, ObjectKey
@@ -184,9 +183,7 @@ def test_fresh_engine_restores_states_and_the_controls_fail(setup: RecurrentSetu
         assert c.delete(states[target])
         assert c.put(states[target], foreign)
         assert c.delete(states[(LAST_STATE_DELETED, spec.hit_chunk(LENGTHS[LAST_STATE_DELETED]))])
-    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    run = setup.run("warm", multiprocess=MULTIPROCESS)
-    hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
+    run, hits = setup.run_counting_hits("warm", multiprocess=MULTIPROCESS)
     diff = [max(abs(a - b) for a, b in zip(w, c)) for w, c in zip(run.logprobs, setup.cold.logprobs)]
     mode = "multiprocess" if MULTIPROCESS else "in-process"
     print(f"\n[e2e {setup.name} {spec.layers}, step {spec.step}, {mode}] cached tokens {run.num_cached} "

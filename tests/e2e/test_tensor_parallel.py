@@ -122,9 +122,7 @@ def test_fresh_tp2_engine_loads_both_ranks_and_matches_cold_run(setup: Setup) ->
     with setup.server.client() as c:
         assert c.delete(ObjectKey(manifest.fingerprint(), 1, victim)) == 1
     expected = [EXPECTED_CACHED[0] - CHUNK, *EXPECTED_CACHED[1:]]  # [128, 128, 256, 128]
-    hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    warm = setup.run("warm")
-    hits = engine_stats(setup.server)["lookup_chunks_hit"] - hits_before
+    warm, hits = setup.run_counting_hits("warm")
     diff = warm.max_logprob_diff(setup.cold)
     print(f"\n[e2e tp2] rank 1 lacks one object: cached tokens {warm.num_cached} (server chunk hits {hits}), "
           f"max |logprob diff| {diff:.3g}")
