@@ -89,6 +89,11 @@ class _StepLoad:
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
     job: LoadJob | None = None
 
+    @property
+    def sync(self) -> bool:
+        """Whether it feeds this very step's forward pass (some request's load is synchronous)."""
+        return not all(r.asynchronous for r in self.meta.loads)
+
 
 class WorkerHalf:
     """See the module docstring. Engine-facing methods run on the worker's model-runner thread."""
@@ -194,9 +199,6 @@ class WorkerHalf:
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
         load = _StepLoad(meta, owner, client, [s.token for s in slots if s is not None], started)
-        # A synchronous load feeds this very step's forward pass (which may wait for it layer by
-        # layer); an asynchronous one is reported once its writes are done, maybe steps later.
-        sync = not all(r.asynchronous for r in meta.loads)
         try:
             arena = client.arena() if client is not None else None
             plan: list[list[PageWrite]] = [[] for _ in self._layer_order]
@@ -220,9 +222,11 @@ class WorkerHalf:
             # Also after an unexpected error (no job): a parked request nobody reports would wait
             # forever, and its pins would outlive it.
             self._loads.append(load)
+            # A synchronous load feeds this very step's forward pass (which may wait for it layer
+            # by layer); an asynchronous one is reported once its writes are done, maybe steps later.
             if load.job is None:
                 self._finish_load(load)
-            elif sync:
+            elif load.sync:
                 self._sync_load = load
 
     def _plan_chunk(
@@ -272,8 +276,7 @@ class WorkerHalf:
         self._sync_load = None
         pending, self._loads = self._loads, []
         for load in pending:
-            sync = not all(r.asynchronous for r in load.meta.loads)
-            if wait or sync or load.job is None or load.job.done():
+            if wait or load.sync or load.job is None or load.job.done():
                 self._finish_load(load)
             else:
                 self._loads.append(load)
