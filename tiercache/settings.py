@@ -447,6 +447,15 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def parse_bool(raw: Any) -> bool | None:
+    """``raw`` as a boolean: a bool, or true/false, 1/0, yes/no, on/off in any case (and the ints 1
+    and 0); ``None`` for anything else, so each caller words its own error."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower() if isinstance(raw, str | int) else ""
+    return True if text in _TRUE else False if text in _FALSE else None
+
+
 def _parse_value(opt: Option, raw: Any, origin: Origin) -> Any:
     """Turn a flag/env string or a TOML value into ``opt``'s user-unit value, or raise ConfigError."""
     where = origin.show(raw, opt.secret)
@@ -460,11 +469,10 @@ def _parse_value(opt: Option, raw: Any, origin: Origin) -> Any:
             raise fail("a tier list", "use e.g. l1,disk,s3")
         return parse_server_tiers(raw, origin.label())
     if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
-            return raw.strip().lower() in _TRUE
-        raise fail("a boolean", "use true or false (or 1/0, yes/no, on/off)")
+        value = parse_bool(raw) if isinstance(raw, bool | str) else None
+        if value is None:
+            raise fail("a boolean", "use true or false (or 1/0, yes/no, on/off)")
+        return value
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         choices = opt.choices or ()
         text = raw.strip().lower() if isinstance(raw, str) else raw

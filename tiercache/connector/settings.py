@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.errors import ConfigError
+from tiercache.settings import parse_bool
 
 _KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads")
 
@@ -75,11 +76,7 @@ class ConnectorSettings:
 
 def _flag(value: Any) -> bool:
     """A JSON boolean, or the strings true/false/1/0/yes/no/on/off (any case)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"overlap_loads={value!r} is not a boolean; use true or false")
+    flag = parse_bool(value)
+    if flag is None:
+        raise ValueError(f"overlap_loads={value!r} is not a boolean; use true or false")
+    return flag
