@@ -146,8 +146,8 @@ _NUMBER = re.compile(r"\d+")
 
 def forward_order(layer_names: Iterable[str]) -> list[str]:
     """Layer names in the order the forward pass runs them: by the first number in the name
-    (``model.layers.12.self_attn.attn`` → 12, vLLM's own convention), ties and names without a
-    number in their given order. A wrong guess only costs overlap: :meth:`LoadJob.wait_layer`
+    (``model.layers.12.self_attn.attn`` → 12, vLLM's own convention), names without a number
+    first, ties in their given order. A wrong guess only costs overlap: :meth:`LoadJob.wait_layer`
     waits for every earlier position too."""
     names = list(dict.fromkeys(layer_names))
 

@@ -131,6 +131,13 @@ def _rk(seqb: bytes) -> bytes:
     return _REC + seqb
 
 
+def _stale_recency(meta: Any, seqb: bytes) -> bool:
+    """Whether the recency record ``seqb`` of an object whose meta record is ``meta`` is left over
+    (the object is gone, or a touch gave it another seq). A malformed meta is not stale: reading or
+    evicting it finds the damage."""
+    return meta is None or (len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) != bytes(seqb))
+
+
 _HEADER_BODY = HEADER_BYTES - 8
 _STORED_LEN_AT = _HEADER_BODY - 16  # the stored-length field: ... | stored len u64 | checksum u64
 
@@ -721,9 +728,7 @@ class DiskTier(Tier):
                     break
                 seqb = rkey[len(_REC) :]
                 meta = txn.get(kb, db=dbs["meta"])
-                if meta is None or (
-                    len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) != bytes(seqb)
-                ):
+                if _stale_recency(meta, seqb):
                     stale.append(bytes(seqb))  # left behind by a touch or a lost meta: drop it
                     continue
                 if kb == keep or kb in pinned:
@@ -1083,7 +1088,7 @@ class DiskTier(Tier):
                         below, scanned = rkey, scanned + 1
                         kb = bytes(cur.value())
                         meta = txn.get(kb, db=meta_db)
-                        if meta is not None and len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) == rkey[len(_REC) :]:
+                        if not _stale_recency(meta, rkey[len(_REC) :]):
                             batch.append(kb)
                         found = cur.prev()
                 yield from (ObjectKey.from_bytes(kb) for kb in batch)
