@@ -60,7 +60,7 @@ def write_llama(directory: Path, args: argparse.Namespace) -> None:
     """A Llama checkpoint with seeded random weights (``model.safetensors``), so the first token and
     its logprob depend on the KV: vLLM's dummy weights give flat logits that hide a wrong load."""
     # Imported here, once main() has put the checkout first on sys.path.
-    from tiercache.testing import tiny_llama_config, write_tiny_checkpoint
+    from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint
 
     cfg = tiny_llama_config(
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -154,7 +154,7 @@ class TierCacheServer:
 
     def _wait_ready(self, deadline_s: float = 60.0) -> None:
         # Poll with hello round trips while the process lives, as tests/server/serverproc.py does.
-        from tiercache.client import Client
+        from tiercache.wire.client import Client
         from tiercache.errors import ServerUnavailableError
 
         end = time.monotonic() + deadline_s
@@ -170,7 +170,7 @@ class TierCacheServer:
         raise RuntimeError("tiercache server did not answer within 60 s")
 
     def stats(self) -> dict[str, Any]:
-        from tiercache.client import Client
+        from tiercache.wire.client import Client
 
         c = Client(self.endpoint, timeout=5.0, heartbeat=False)
         try:

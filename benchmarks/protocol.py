@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.keys import (
     Fingerprint,
     GroupKind,
@@ -33,7 +33,7 @@ from tiercache.keys import (
     chunk_hashes,
 )
 from tiercache.l1.arena import SharedArena
-from tiercache.protocol import GroupRef
+from tiercache.wire.protocol import GroupRef
 
 MiB = 1 << 20
 CHUNK_TOKENS = 256

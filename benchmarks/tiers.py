@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 
-from tiercache import bench
+from tiercache.cli import measure as bench
 from tiercache.config import S3Config
 
 #: What each tier's baseline is, printed under the table so a reader knows what the ratio compares.

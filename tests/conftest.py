@@ -9,37 +9,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.testing.fixtures import FakeClock, make_key, payload_for
 
-
-@dataclass
-class FakeClock:
-    """A monotonic clock the test advances by hand, so expiry is tested without sleeping."""
-
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+__all__ = ["FakeClock", "S3Endpoint", "make_key", "payload_for"]
 
 
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
-
-
-def make_key(i: int, group: int = 0, fp: bytes = b"F" * 16) -> ObjectKey:
-    """A distinct, deterministic key per ``i``."""
-    return ObjectKey(Fingerprint(fp), group, i.to_bytes(16, "big"))
-
-
-def payload_for(key: ObjectKey, nbytes: int) -> bytes:
-    """Bytes derived from the key, so any read can be checked against the key it was asked for."""
-    seed = key.to_bytes()
-    reps = nbytes // len(seed) + 1
-    return (seed * reps)[:nbytes]
 
 
 @dataclass(frozen=True)

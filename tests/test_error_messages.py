@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tiercache.errors import ConfigError
-from tiercache.settings import ServerConfig
+from tiercache.config.server import ServerConfig
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,10 @@ from tiercache.config import (
     ServerOptions,
 )
 from tiercache.errors import ArenaError, ConfigError, DiskTierError, S3TierError
-from tiercache.settings import LogLevel, ServerConfig, options, options_by_key
+from tiercache.config.parts import LogLevel
+from tiercache.config.server import ServerConfig
+from tiercache.config.table import options, options_by_key
+from tiercache.server.build import build_engine
 
 SMALL_L1 = {"l1.size_gb": "0.01"}
 
@@ -297,7 +300,7 @@ def test_describe_says_tiers_listen_address_storage_and_budgets(tmp_path: Path) 
 
 def test_build_engine_composes_l1_and_disk(tmp_path: Path) -> None:
     config = load({**SMALL_L1, "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"})
-    engine = config.build_engine()
+    engine = build_engine(config)
     try:
         assert [t.name for t in engine.tiers] == ["l1", "disk"]
         assert (tmp_path / "disk" / "data.mdb").exists()
@@ -309,7 +312,7 @@ def test_build_engine_composes_all_three_tiers(tmp_path: Path, s3: S3Endpoint) -
     config = load({**SMALL_L1, "tiers": "l1,disk,s3", "disk.path": str(tmp_path / "disk"), "s3.bucket": "kv-cache",
                    "s3.endpoint_url": s3.url, "s3.region": s3.region, "s3.path_style": True,
                    "s3.create_bucket": True})
-    engine = config.build_engine()
+    engine = build_engine(config)
     try:
         assert [t.name for t in engine.tiers] == ["l1", "disk", "s3"]
     finally:
@@ -321,17 +324,17 @@ def test_an_unwritable_disk_directory_fails_at_start_up(tmp_path: Path) -> None:
     blocker.write_text("")  # a directory cannot be created under a regular file, even by root
     config = load({**SMALL_L1, "disk.path": str(blocker / "disk")})
     with pytest.raises(DiskTierError, match=r"is not writable .*; fix its permissions or choose another --disk-path"):
-        config.build_engine()
+        build_engine(config)
 
 
 def test_an_unreachable_bucket_fails_at_start_up_with_the_s3_tier_s_message(s3: S3Endpoint) -> None:
     config = load({**SMALL_L1, "tiers": "l1,s3", "s3.bucket": "no-such-bucket", "s3.endpoint_url": s3.url,
                    "s3.region": s3.region, "s3.path_style": True, "s3.max_attempts": "1"})
     with pytest.raises(S3TierError, match="does not exist; create it, fix --s3-bucket"):
-        config.build_engine()
+        build_engine(config)
 
 
 def test_a_too_small_dev_shm_fails_at_start_up() -> None:
     config = load({"l1.size_gb": "1000000", "tiers": "l1"})
     with pytest.raises(ArenaError, match="lower --l1-size-gb or enlarge /dev/shm"):
-        config.build_engine()
+        build_engine(config)

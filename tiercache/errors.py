@@ -4,6 +4,7 @@ The tree::
 
     TierCacheError                      root: catch this to catch anything of ours
     ├── ConfigError                     a setting is invalid; the message names it and the fix
+    │   └── SettingError                one field of a config holds a bad value (``.field``)
     ├── KeyFormatError                  bytes or text that are not a valid ObjectKey / fingerprint
     ├── FrameError                      an object frame failed verification (never surfaces as a hit)
     │   └── FrameVersionError           written by an unknown format version
@@ -34,6 +35,26 @@ class TierCacheError(Exception):
 
 class ConfigError(TierCacheError):
     """A configuration value is invalid. The message names the setting and how to fix it."""
+
+
+class SettingError(ConfigError):
+    """Field ``field`` of a config object holds a bad value.
+
+    The message is ``f"{label} {detail}"``: ``label`` names the setting (its flag, by default) and
+    ``detail`` says what is wrong and the fix. A loader that knows where the value came from (an
+    environment variable, a file key) re-raises it with :meth:`relabel`, so the user is pointed at
+    the place to fix, not at a flag they never used.
+    """
+
+    def __init__(self, field: str, label: str, detail: str) -> None:
+        super().__init__(f"{label} {detail}")
+        self.field = field
+        self.label = label
+        self.detail = detail
+
+    def relabel(self, label: str) -> SettingError:
+        """The same error naming the setting ``label`` instead."""
+        return SettingError(self.field, label, self.detail)
 
 
 class KeyFormatError(TierCacheError, ValueError):

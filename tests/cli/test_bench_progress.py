@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tiercache import bench
-from tiercache.cli import BenchProgress, main
+from tiercache.cli import measure as bench
+from tiercache.cli.app import main
+from tiercache.cli.bench import BenchProgress
 
 KiB = 1 << 10
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.cli import main
-from tiercache.settings import ServerConfig, options, render_docs
+from tiercache.cli.app import main
+from tiercache.config.docs import render_docs
+from tiercache.config.server import ServerConfig
+from tiercache.config.table import options
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = "tiercache config docs --output docs/configuration.md"

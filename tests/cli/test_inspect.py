@@ -24,9 +24,9 @@ from tests.cli.conftest import one_line
 from tests.server.conftest import manifest
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tests.server.test_data_path import store_prompt
-from tiercache.cli import main
+from tiercache.cli.app import main
 from tiercache.keys import Fingerprint, chunk_hashes
-from tiercache.protocol import GroupRef
+from tiercache.wire.protocol import GroupRef
 
 pytest.importorskip("tiercache.server")
 
@@ -104,7 +104,7 @@ def test_summary_table_names_each_tier_and_the_engine_counters(live: Live, capsy
 
 
 def test_watch_refreshes_until_ctrl_c_and_exits_0(live: Live, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiercache.cli_inspect as ci
+    import tiercache.cli.inspect as ci
 
     ticks = iter([None])
 

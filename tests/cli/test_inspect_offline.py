@@ -22,7 +22,7 @@ from tests.l3_s3.helpers import BUCKET, make_s3_tier
 from tests.server.conftest import manifest
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tests.server.test_data_path import store_prompt
-from tiercache.cli import main
+from tiercache.cli.app import main
 from tiercache.config import DiskConfig, S3Config
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.l2_disk import DiskTier

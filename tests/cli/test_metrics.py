@@ -11,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_key
 from tiercache.engine import TieredEngine
-from tiercache.metrics import MetricsServer, render
-from tiercache.settings import ServerConfig
+from tiercache.server.metrics import MetricsServer, render
+from tiercache.config.server import ServerConfig
+from tiercache.server.build import build_engine
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def engine(tmp_path: Path) -> Iterator[TieredEngine]:
     config = ServerConfig.load(
         {"l1.size_gb": "0.01", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {}
     )
-    engine = config.build_engine()
+    engine = build_engine(config)
     yield engine
     engine.close()
 
@@ -80,7 +81,7 @@ def test_the_metrics_server_binds_to_loopback_by_default_and_stops_cleanly(engin
 
 
 def test_latency_histograms_are_exported_with_cumulative_buckets_in_seconds() -> None:
-    from tiercache.latency import LatencySet
+    from tiercache.tier.latency import LatencySet
 
     lookups = LatencySet(("hit", "miss"))
     for seconds in (5e-6, 3e-3, 20.0):  # under the first bound, mid-range, over the last bound

@@ -17,9 +17,9 @@ import pytest
 
 from tests.conftest import make_key
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.cli import main
-from tiercache.cli_ops import Progress
-from tiercache.client import Client
+from tiercache.cli.app import main
+from tiercache.cli.output import Progress
+from tiercache.wire.client import Client
 from tiercache.keys import ObjectKey
 
 KiB = 1 << 10

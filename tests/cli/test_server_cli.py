@@ -14,8 +14,8 @@ import pytest
 
 from tests.cli.conftest import one_line
 from tests.conftest import S3Endpoint
-from tiercache.cli import main
-from tiercache.settings import options
+from tiercache.cli.app import main
+from tiercache.config.table import options
 
 SMALL = ["--l1-size-gb", "0.01", "--disk-size-gb", "0.01"]
 

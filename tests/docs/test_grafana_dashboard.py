@@ -20,9 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import make_key
 from tiercache.config import ServerOptions
 from tiercache.engine import TieredEngine
-from tiercache.metrics import render
+from tiercache.server.metrics import render
 from tiercache.server import Server
-from tiercache.settings import TIER_ORDER, ServerConfig
+from tiercache.config.server import ServerConfig
+from tiercache.config.values import TIER_ORDER
+from tiercache.server.build import build_engine
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 KiB = 1 << 10
@@ -49,7 +51,7 @@ def exprs(dash: dict[str, Any]) -> Iterator[str]:
 def exported(tmp_path: Path) -> dict[str, set[str]]:
     """Sample name → label names, from a real engine's stats rendered as a scrape would."""
     config = ServerConfig.load({"l1.size_gb": "0.001", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {})
-    engine: TieredEngine = config.build_engine()
+    engine: TieredEngine = build_engine(config)
     server = Server(engine, ServerOptions(listen=f"ipc://{tmp_path}/server.sock"))  # never started
     try:
         for i in range(8):  # 8 × 256 KiB into a 1 MiB L1: capacity evictions

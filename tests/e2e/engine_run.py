@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiercache.testing import tiny_llama_config, write_tiny_checkpoint
+from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint
 
 MiB = 1 << 20
 

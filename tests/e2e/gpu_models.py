@@ -241,7 +241,7 @@ def tiny_qwen3_next_config() -> dict[str, Any]:
 
 def _config(name: str) -> dict[str, Any]:
     if name == "llama_cpu":
-        from tiercache.testing import tiny_llama_config
+        from tiercache.testing.checkpoints import tiny_llama_config
 
         return tiny_llama_config()
     if name == "qwen3_next_cpu":

@@ -24,7 +24,7 @@ from tests.e2e import engine_run
 
 
 def install(drop_index: int, hide_load_errors: bool) -> None:
-    from tiercache.client import Client
+    from tiercache.wire.client import Client
     from tiercache.connector.connector import TierCacheConnector
 
     real_pin = Client.pin

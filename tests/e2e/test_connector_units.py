@@ -15,7 +15,7 @@ import pytest
 
 from tiercache.connector.identity import content_fingerprint, weights_identity
 from tiercache.connector.layout import check_block_sizes
-from tiercache.connector.settings import ConnectorSettings
+from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def test_weights_identity_without_files_uses_the_revision(tmp_path: Path) -> Non
 
 def test_importing_the_connector_package_stays_light() -> None:
     code = (
-        "import sys, tiercache, tiercache.connector, tiercache.connector.settings, tiercache.connector.identity; "
+        "import sys, tiercache, tiercache.connector, tiercache.config.connector, tiercache.connector.identity; "
         "heavy = [m for m in ('vllm', 'torch') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,

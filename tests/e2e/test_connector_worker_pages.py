@@ -22,7 +22,7 @@ from tiercache.connector.metadata import (  # noqa: E402
     RequestLoad,
     TierCacheMetadata,
 )
-from tiercache.connector.settings import ConnectorSettings  # noqa: E402
+from tiercache.config.connector import ConnectorSettings  # noqa: E402
 from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402

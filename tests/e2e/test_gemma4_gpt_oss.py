@@ -30,7 +30,7 @@ from tests.e2e.objects import stored_manifests
 from tests.e2e.setup import Run, Setup, cold_setup
 from tests.server.serverproc import ServerProcess
 from tiercache.keys import ExtraKeys, GroupKind, ObjectKey, PrefixHasher
-from tiercache.testing import write_tiny_checkpoint
+from tiercache.testing.checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
 

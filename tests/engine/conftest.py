@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import S3Endpoint
 from tiercache.config import DiskConfig, EngineConfig, L1Config, S3Config
 from tiercache.engine import TieredEngine
-from tiercache.l1 import L1Tier
+from tiercache.l1.tier import L1Tier
 from tiercache.l2_disk import DiskTier
 from tiercache.l3_s3 import S3Tier
 from tiercache.tier import Tier

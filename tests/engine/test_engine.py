@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import S3Endpoint, payload_for
 from tests.engine.conftest import EngineFactory, MiB, disk_tier, l1_tier, s3_tier
-from tiercache.config import L3WritePolicy
-from tiercache.engine import GroupSpec, TicketState
+from tiercache.config import EngineConfig, L3WritePolicy
+from tiercache.engine import GroupSpec, TicketState, TieredEngine
+from tiercache.errors import TierError
 from tiercache.keys import Fingerprint, GroupKind, chunk_hashes
-from tiercache.wrappers import FaultInjectingTier, FaultPlan
+from tiercache.testing.faults import FaultInjectingTier, FaultPlan
 
 CHUNK_BYTES = 64 * 1024
 FP = Fingerprint(b"A" * 16)
@@ -161,10 +164,14 @@ def test_a_second_node_reads_through_s3(
     node_b.release_ticket(ticket)
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["disk", "disk behind a wrapper"])
 def test_write_back_sends_chunks_to_s3_when_disk_evicts_them(
-    tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory
+    tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory, wrapped: bool
 ) -> None:
-    l2 = disk_tier(tmp_path, budget=8 * CHUNK_BYTES)
+    """Also when the disk tier is wrapped (fault injection, metrics): the wrapper hands the
+    engine's listener to the disk tier instead of dropping it."""
+    disk = disk_tier(tmp_path, budget=8 * CHUNK_BYTES)
+    l2 = FaultInjectingTier(disk, FaultPlan()) if wrapped else disk
     l3 = s3_tier(s3)
     engine = make_engine(l1_tier(32 * MiB), l2, l3, l3_write_policy=L3WritePolicy.BACK)
     hashes = prompt(32)
@@ -177,6 +184,17 @@ def test_write_back_sends_chunks_to_s3_when_disk_evicts_them(
     # Every chunk is still somewhere below L1, and S3 got only what the disk let go.
     assert {FULL.key(h) for h in hashes} <= on_s3 | on_disk
     assert on_s3 and len(on_s3) < len(hashes)
+
+
+def test_write_back_from_a_tier_that_cannot_hand_over_evictions_is_refused_at_start(s3: S3Endpoint) -> None:
+    """Never silently: an engine whose write-back could never write refuses to be built."""
+    front, middle, l3 = l1_tier(), l1_tier(), s3_tier(s3)
+    try:
+        with pytest.raises(TierError, match="cannot hand evicted objects"):
+            TieredEngine(front, [middle, l3], EngineConfig(l3_write_policy=L3WritePolicy.BACK))
+    finally:
+        for tier in (front, middle, l3):
+            tier.close()
 
 
 def flip_byte_in_file(path: Path, needle: bytes) -> None:

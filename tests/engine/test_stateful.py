@@ -21,7 +21,7 @@ from tests.conftest import payload_for
 from tiercache.config import DiskConfig, EngineConfig, L1Config
 from tiercache.engine import GroupSpec, PrefetchTicket, TicketState, TieredEngine
 from tiercache.keys import Fingerprint, GroupKind, ObjectKey
-from tiercache.l1 import L1Tier
+from tiercache.l1.tier import L1Tier
 from tiercache.l2_disk import DiskTier
 
 KiB = 1 << 10

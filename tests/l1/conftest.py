@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import FakeClock
 from tiercache.config import L1Config
-from tiercache.l1 import L1Tier, default_arena_name
+from tiercache.l1.arena import default_arena_name
+from tiercache.l1.tier import L1Tier
 
 KiB = 1024
 

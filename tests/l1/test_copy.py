@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import make_key, payload_for
 from tiercache.errors import CopyBackendError
-from tiercache.l1 import ArenaSlot, CopyResult, CpuCopyBackend, CudaCopyBackend
+from tiercache.l1.arena import ArenaSlot
+from tiercache.l1.copy import CopyResult, CpuCopyBackend, CudaCopyBackend
 
 
 def test_importing_l1_does_not_import_torch() -> None:

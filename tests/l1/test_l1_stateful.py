@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tests.conftest import FakeClock, make_key
 from tiercache.config import EvictionPolicyName, L1Config
 from tiercache.errors import TierFullError
-from tiercache.l1 import L1Tier, default_arena_name
+from tiercache.l1.arena import default_arena_name
+from tiercache.l1.tier import L1Tier
 from tiercache.tier import ReadHandle
 
 UNIT = 4096

@@ -1,4 +1,4 @@
-"""L1-specific behaviour beyond the shared contract: owed entries, leases, versions, policies."""
+"""L1-specific behaviour beyond the shared contract: batches, owed entries, leases, versions, policies."""
 
 from __future__ import annotations
 
@@ -19,18 +19,29 @@ def fill(tier, keys: range, size: int = UNIT) -> None:
         tier.put(key, payload_for(key, size))
 
 
-# -- owed entries ------------------------------------------------------------------------------------
-def test_owed_objects_are_not_evicted_until_settled(make_l1) -> None:
-    tier = make_l1(size_bytes=4 * UNIT)
-    owed = make_key(0)
-    tier.put(owed, payload_for(owed, UNIT), owed=True)
-    fill(tier, range(1, 20))
-    assert tier.get(owed) == payload_for(owed, UNIT)
-    tier.settle(owed)
-    fill(tier, range(20, 40))
-    assert not tier.contains(owed)
+# -- batches: one lock round trip per request of many chunks ----------------------------------------
+def test_batches_reserve_commit_pin_and_release_many_objects(make_l1) -> None:
+    tier = make_l1(size_bytes=16 * UNIT)
+    keys = [make_key(i) for i in range(4)]
+    handles = tier.reserve_many([(key, 100 + i) for i, key in enumerate(keys)])
+    for i, handle in enumerate(handles):
+        handle.buffer[:] = payload_for(keys[i], 100 + i)
+    tier.commit_many(handles)
+    pinned = tier.pin_many([*keys, make_key(99)])
+    assert pinned[-1] is None
+    assert [bytes(h.buffer) for h in pinned[:-1] if h] == [payload_for(k, 100 + i) for i, k in enumerate(keys)]
+    tier.release_many([h for h in pinned if h])
 
 
+def test_a_batch_that_does_not_fit_reserves_nothing(make_l1) -> None:
+    tier = make_l1(size_bytes=16 * UNIT)
+    before = tier.usage().bytes_used
+    with pytest.raises(TierFullError):
+        tier.reserve_many([(make_key(1), 100), (make_key(2), 17 * UNIT)])
+    assert tier.usage().bytes_used == before
+
+
+# -- owed entries (the eviction rule itself is in the FrontTier suite) --------------------------------
 def test_when_everything_is_owed_a_reservation_fails_and_says_why(make_l1) -> None:
     tier = make_l1(size_bytes=2 * UNIT)
     for i in range(2):

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import FakeClock, make_key, payload_for
 from tiercache.config import DiskConfig
 from tiercache.errors import DiskTierError, TierFullError
-from tiercache.frames import HEADER_BYTES, FrameFlags, FrameHeader
+from tiercache.tier.frames import HEADER_BYTES, FrameFlags, FrameHeader
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.l2_disk import DiskTier
 
@@ -304,13 +304,12 @@ def test_an_overwrite_with_other_bytes_serves_and_counts_only_the_new_version(
     key = make_key(1)
     with open_tier(path, clock) as tier:
         tier.put(key, random_payload(1, 1000))
-        tier.put(key, random_payload(2, 3000), owed=True)
+        tier.put(key, random_payload(2, 3000))
         assert tier.get(key) == random_payload(2, 3000)
         assert tier.usage().bytes_used == 3000
     with open_tier(path, clock) as tier:
         assert tier.usage().bytes_used == 3000
         assert tier.usage().objects == 1
-        assert list(tier.iter_owed_keys()) == [key]
         assert tier.get(key) == random_payload(2, 3000)
 
 
@@ -391,23 +390,6 @@ def test_an_eviction_listener_set_later_is_called_too(tmp_path: Path, clock: Fak
             tier.put(make_key(i), payload_for(make_key(i), CHUNK))
         assert seen and seen[0] == make_key(0)
         assert len(seen) == tier.stats.snapshot()["evictions"]["capacity"]
-
-
-def test_an_owed_object_waits_for_settle_when_there_is_no_write_back(
-    tmp_path: Path, clock: FakeClock
-) -> None:
-    with open_tier(tmp_path / "l2", clock) as tier:
-        owed = make_key(0)
-        tier.put(owed, payload_for(owed, CHUNK), owed=True)
-        assert list(tier.iter_owed_keys()) == [owed]
-        for i in range(1, 30):
-            tier.put(make_key(i), payload_for(make_key(i), CHUNK))
-        assert tier.get(owed) == payload_for(owed, CHUNK)
-        tier.settle(owed)
-        assert list(tier.iter_owed_keys()) == []
-        for i in range(30, 60):
-            tier.put(make_key(i), payload_for(make_key(i), CHUNK))
-        assert not tier.contains(owed)
 
 
 def test_when_everything_is_pinned_a_put_is_refused_not_fatal(
@@ -635,7 +617,7 @@ def test_iter_keys_by_use_is_newest_first_and_survives_a_restart(tmp_path: Path,
     """``tiercache warm`` promotes in this order: what was used last comes first. Reads count once
     their touches are applied (at the latest one sync interval later; ``flush`` does it now). Small
     batches make the walk cross read-txn boundaries."""
-    monkeypatch.setattr("tiercache.l2_disk.tier._ITER_BATCH", 3)
+    monkeypatch.setattr("tiercache.l2_disk.records.ITER_BATCH", 3)
     tier = open_tier(tmp_path, clock, budget=64 * CHUNK)
     for i in range(8):
         tier.put(make_key(i), payload_for(make_key(i), 100))

@@ -6,14 +6,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FakeClock, S3Endpoint
+from tests.conftest import S3Endpoint
 from tests.l3_s3.helpers import make_s3_tier
-from tests.tier_contract import TierContract
-from tiercache.tier import Tier
+from tiercache.keys.object_key import ObjectKey
+from tiercache.l3_s3 import S3Tier
+from tiercache.testing.fixtures import FakeClock
+from tiercache.testing.tier_suite import PersistentTierSuite
+from tiercache.tier.contract import Tier
 
 
-class TestS3Contract(TierContract):
-    persistent = True
+def damage_s3(tier: S3Tier, key: ObjectKey) -> None:
+    """Overwrite the stored object with another object's bytes, through S3 itself."""
+    client = tier.raw_client()
+    try:
+        body = client.get_object(Bucket=tier.config.bucket, Key=tier.object_name(key))["Body"].read()
+        client.put_object(Bucket=tier.config.bucket, Key=tier.object_name(key), Body=body[:-1] + bytes([body[-1] ^ 0xFF]))
+    finally:
+        client.close()
+
+
+class TestS3Contract(PersistentTierSuite):
 
     @pytest.fixture(autouse=True)
     def _endpoint(self, s3: S3Endpoint) -> None:
@@ -22,3 +34,7 @@ class TestS3Contract(TierContract):
 
     def make_tier(self, tmp_path: Path, clock: FakeClock, budget: int) -> Tier:
         return make_s3_tier(self.endpoint, clock, capacity_bytes=budget)
+
+    def damage(self, tier: Tier, key: ObjectKey) -> None:
+        assert isinstance(tier, S3Tier)
+        damage_s3(tier, key)

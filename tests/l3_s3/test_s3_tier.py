@@ -21,7 +21,7 @@ from tests.l3_s3.helpers import (
     s3_config,
 )
 from tiercache.errors import CircuitOpenError, S3TierError, TierFullError
-from tiercache.frames import HEADER_BYTES, encode_frame
+from tiercache.tier.frames import HEADER_BYTES, encode_frame
 from tiercache.keys import Fingerprint
 from tiercache.l3_s3 import BreakerState, S3Tier
 from tiercache.tier import EvictionReason
@@ -240,19 +240,6 @@ def test_recently_read_objects_are_evicted_last(s3: S3Endpoint, clock: FakeClock
         assert t.get(a) is not None
         t.put(d, payload_for(d, CHUNK))
         assert set(t.iter_keys()) == {a, c, d}
-
-
-def test_owed_objects_are_kept_until_settled(s3: S3Endpoint, clock: FakeClock) -> None:
-    size = CHUNK + HEADER_BYTES
-    with make_s3_tier(s3, clock, capacity_bytes=2 * size) as t:
-        owed = make_key(0)
-        t.put(owed, payload_for(owed, CHUNK), owed=True)
-        for i in range(1, 4):
-            t.put(make_key(i), payload_for(make_key(i), CHUNK))
-        assert owed in set(t.iter_keys())
-        t.settle(owed)
-        t.put(make_key(9), payload_for(make_key(9), CHUNK))
-        assert owed not in set(t.iter_keys())
 
 
 def test_a_restarted_tier_rebuilds_its_index_by_listing(s3: S3Endpoint, clock: FakeClock) -> None:

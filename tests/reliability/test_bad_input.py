@@ -19,7 +19,7 @@ from tests.server.conftest import manifest
 from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
 from tests.server.test_errors import frames
-from tiercache import protocol as p
+from tiercache.wire import protocol as p
 from tiercache.keys import ObjectKey
 
 KiB = 1 << 10

@@ -124,7 +124,7 @@ def test_kill_9_during_concurrent_writes_then_restart(start_server: StartServer,
 
 def _worker_killed_mid_store(endpoint: str, ready: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
     """A worker that reserves, copies half its chunks, and then hangs until it is killed."""
-    from tiercache.client import Client
+    from tiercache.wire.client import Client
 
     client = Client(endpoint, timeout=10.0)
     keys = [ObjectKey(FP, 0, b"K" * 12 + i.to_bytes(4, "big")) for i in range(16)]

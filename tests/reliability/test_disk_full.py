@@ -17,9 +17,9 @@ from tests.server.conftest import StartServer, manifest
 from tiercache.config import DiskConfig, L1Config
 from tiercache.engine import TieredEngine
 from tiercache.keys import ObjectKey
-from tiercache.l1 import L1Tier
+from tiercache.l1.tier import L1Tier
 from tiercache.l2_disk import DiskTier
-from tiercache.wrappers import FaultInjectingTier, FaultPlan
+from tiercache.testing.faults import FaultInjectingTier, FaultPlan
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -17,7 +17,7 @@ from tests.reliability.common import figures, payload, peak_rss_mib
 from tests.server.conftest import StartServer, manifest
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
-from tiercache.protocol import TicketStateName
+from tiercache.wire.protocol import TicketStateName
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -32,7 +32,7 @@ def prompt_hashes(p: int) -> list[bytes]:
 
 def worker(endpoint: str, seed: int, ops: int, out: Any) -> None:
     """One client process: ``ops`` random operations; puts its counts and committed keys on ``out``."""
-    from tiercache.client import Client
+    from tiercache.wire.client import Client
 
     rng = random.Random(seed)
     counts = dict(ops=0, stores=0, lookups=0, loads=0, chunks_read=0, wrong=0, errors=0)

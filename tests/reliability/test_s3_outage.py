@@ -18,12 +18,12 @@ from tests.conftest import S3Endpoint
 from tests.l3_s3.helpers import StoppableProxy
 from tests.reliability.common import FaultyS3Proxy, figures, payload, wait_until
 from tests.server.conftest import StartServer, manifest
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.config import S3Config
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.l3_s3 import S3Tier
-from tiercache.protocol import GroupRef, TicketStateName
+from tiercache.wire.protocol import GroupRef, TicketStateName
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -197,8 +197,8 @@ def test_writes_skipped_by_an_open_breaker_are_counted_without_a_warning_each(ca
     from tiercache.config import L1Config
     from tiercache.engine import TieredEngine
     from tiercache.errors import CircuitOpenError
-    from tiercache.l1 import L1Tier
-    from tiercache.wrappers import WrapperTier
+    from tiercache.l1.tier import L1Tier
+    from tiercache.tier.wrappers import WrapperTier
 
     class OpenBreaker(WrapperTier):
         def put(self, key, data, *, owed=False):  # type: ignore[no-untyped-def]

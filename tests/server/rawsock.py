@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import zmq
 
-from tiercache import protocol as p
+from tiercache.wire import protocol as p
 
 
 class RawSocket:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.errors import ServerUnavailableError
 
 MiB = 1 << 20
@@ -50,7 +50,7 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
         ServerOptions,
     )
     from tiercache.engine import TieredEngine
-    from tiercache.l1 import L1Tier
+    from tiercache.l1.tier import L1Tier
     from tiercache.server import Server
     from tiercache.tier import Tier
 
@@ -82,7 +82,7 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
             )
         )
     if spec.faults:
-        from tiercache.wrappers import FaultInjectingTier, FaultPlan
+        from tiercache.testing.faults import FaultInjectingTier, FaultPlan
 
         unknown = set(spec.faults) - {t.name for t in lower}
         if unknown:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.server.conftest import StartServer, manifest
 from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
-from tiercache import protocol as p
+from tiercache.wire import protocol as p
 from tiercache.errors import ProtocolError, ServerError
 from tiercache.keys import Fingerprint, ObjectKey
 

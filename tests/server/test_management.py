@@ -9,7 +9,7 @@ import pytest
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
 

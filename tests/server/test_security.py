@@ -11,7 +11,7 @@ import pytest
 import zmq.auth
 
 from tests.server.conftest import StartServer
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.errors import AuthenticationError, ServerUnavailableError
 
 

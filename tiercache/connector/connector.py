@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from tiercache.connector.settings import ConnectorSettings
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.stats import (
     TierCacheConnectorStats,
     TierCachePromMetrics,

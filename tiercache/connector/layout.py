@@ -50,6 +50,7 @@ from tiercache.connector.kernel_blocks import (
 )
 from tiercache.errors import ConfigError
 from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
+from tiercache.keys import restore
 
 if TYPE_CHECKING:
     from tiercache.connector.pages import PageView
@@ -80,17 +81,21 @@ class GroupLayout:
     def is_recurrent(self) -> bool:
         return self.recurrent
 
+    @property
+    def kind(self) -> GroupKind:
+        """What this group's objects hold, as the restorable-prefix rule sees it."""
+        if self.recurrent:
+            return GroupKind.RECURRENT
+        return GroupKind.SLIDING_WINDOW if self.is_sliding else GroupKind.FULL_ATTENTION
+
     def window_chunks(self, chunk_size: int) -> int:
-        """Trailing chunks a hit boundary needs from this group (the server's rule)."""
-        return max(1, -(-self.window_tokens // chunk_size)) if self.is_sliding else 0
+        """Trailing chunks a hit boundary needs from this group (0 unless sliding)."""
+        return restore.window_chunks(self.window_tokens, chunk_size) if self.is_sliding else 0
 
     def needed_chunks(self, boundary: int, chunk_size: int) -> range:
-        """The chunks of this group a hit of ``boundary`` chunks must load."""
-        if self.recurrent:  # only the state at the boundary: the object of the last chunk
-            return range(boundary - 1, boundary) if boundary > 0 else range(0)
-        if self.is_sliding:
-            return range(max(0, boundary - self.window_chunks(chunk_size)), boundary)
-        return range(boundary)
+        """The chunks of this group a hit of ``boundary`` chunks must load: the server's rule
+        (:mod:`tiercache.keys.restore`), so what a lookup reports is exactly what gets loaded."""
+        return restore.needed_chunks(self.kind, boundary, self.window_chunks(chunk_size))
 
     @property
     def object_bytes(self) -> int:

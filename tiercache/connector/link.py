@@ -15,8 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tiercache.client import Client
-from tiercache.connector.settings import ConnectorSettings
+from tiercache.wire.client import Client
+from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ConfigError, TierCacheError
 
 log = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache import protocol as p
-from tiercache.client import Client, LookupResult
+from tiercache.wire import protocol as p
+from tiercache.wire.client import Client, LookupResult
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
 from tiercache.connector.layout import (
     EngineLayout,
@@ -53,7 +53,7 @@ from tiercache.connector.metadata import (
     RequestLoad,
     TierCacheMetadata,
 )
-from tiercache.connector.settings import ConnectorSettings
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import TierCacheError
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher

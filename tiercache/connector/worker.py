@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from tiercache.client import Client
+from tiercache.wire.client import Client
 from tiercache.connector.copy import PageCopyEngine, select_copy_engine
 from tiercache.connector.layout import (
     EngineLayout,
@@ -66,7 +66,7 @@ from tiercache.connector.link import ServerLink
 from tiercache.connector.loads import LoadJob, PageWrite, forward_order
 from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
 from tiercache.connector.pages import PageView
-from tiercache.connector.settings import ConnectorSettings
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.keys import ObjectKey

@@ -1,34 +1,12 @@
-"""L1: the shared host-memory arena, its allocator and eviction policies, and the copy back-ends.
+"""L1: hot chunks in a shared host-memory arena, the only tier the inference engine copies to/from.
 
-Importing this package never imports torch; :class:`CudaCopyBackend` imports it when constructed.
+Two halves that different processes import:
+
+* the **data plane** every worker maps and copies through — :mod:`~tiercache.l1.arena` (the
+  ``/dev/shm`` arena) and :mod:`~tiercache.l1.copy` (CPU memcpy and CUDA async-DMA back-ends);
+* the **tier** the server owns — :mod:`~tiercache.l1.tier` (:class:`~tiercache.l1.tier.L1Tier`),
+  its slot :mod:`~tiercache.l1.allocator` and eviction :mod:`~tiercache.l1.policy`.
+
+This package imports neither on purpose, so a worker that maps the arena loads nothing of the tier
+(nor torch: :class:`~tiercache.l1.copy.CudaCopyBackend` imports it when constructed).
 """
-
-from tiercache.l1.allocator import Extent, SlotAllocator
-from tiercache.l1.arena import ArenaSlot, SharedArena, default_arena_name
-from tiercache.l1.copy import (
-    CopyBackend,
-    CopyJob,
-    CopyResult,
-    CpuCopyBackend,
-    CudaCopyBackend,
-)
-from tiercache.l1.policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_policy
-from tiercache.l1.tier import L1Tier
-
-__all__ = [
-    "ArenaSlot",
-    "CopyBackend",
-    "CopyJob",
-    "CopyResult",
-    "CpuCopyBackend",
-    "CudaCopyBackend",
-    "EvictionPolicy",
-    "Extent",
-    "L1Tier",
-    "LRUPolicy",
-    "S3FIFOPolicy",
-    "SharedArena",
-    "SlotAllocator",
-    "default_arena_name",
-    "make_policy",
-]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from tiercache.config.units import format_bytes
 from tiercache.errors import ArenaError
 
 #: Where POSIX shared memory lives on Linux; a tmpfs.
@@ -76,17 +77,6 @@ def _check_name(name: str) -> None:
             f"invalid L1 arena name {name!r}: use 1-201 characters from A-Z a-z 0-9 _ . - "
             "(no '/', not starting with '.')"
         )
-
-
-def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} TiB"
 
 
 def _advise_huge_pages(mapping: mmap.mmap) -> None:
@@ -150,7 +140,7 @@ class SharedArena:
             free = size
         if free < size:
             raise ArenaError(
-                f"{SHM_DIR} has {_fmt_bytes(free)} free but the L1 arena needs {_fmt_bytes(size)}; "
+                f"{SHM_DIR} has {format_bytes(free)} free but the L1 arena needs {format_bytes(size)}; "
                 "lower --l1-size-gb or enlarge /dev/shm (Docker: --shm-size, Kubernetes: an "
                 "emptyDir with medium: Memory)"
             )
@@ -183,7 +173,7 @@ class SharedArena:
             _unlink_quietly(path)
             if exc.errno == errno.ENOSPC:
                 raise ArenaError(
-                    f"{SHM_DIR} ran out of space allocating the {_fmt_bytes(size)} L1 arena; lower "
+                    f"{SHM_DIR} ran out of space allocating the {format_bytes(size)} L1 arena; lower "
                     "--l1-size-gb or enlarge /dev/shm"
                 ) from exc
             raise ArenaError(

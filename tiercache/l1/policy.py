@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from tiercache.config import EvictionPolicyName
+from tiercache.config.parts import EvictionPolicyName
 from tiercache.errors import ConfigError
 
 K = TypeVar("K", bound=Hashable)

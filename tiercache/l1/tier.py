@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tiercache.config import L1Config
+from tiercache.config.parts import L1Config
 from tiercache.errors import (
     ArenaError,
     ConfigError,
@@ -41,7 +41,8 @@ from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.allocator import SlotAllocator
 from tiercache.l1.arena import ArenaSlot, SharedArena, reclaim_stale_arenas
 from tiercache.l1.policy import EvictionPolicy, make_policy
-from tiercache.tier import EvictionReason, ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier.contract import FrontTier, ReadHandle, TierUsage, WriteHandle
+from tiercache.tier.stats import EvictionReason
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class _Ticket:
     expires_at: float
 
 
-class L1Tier(Tier):
+class L1Tier(FrontTier):
     """The shared-memory tier. See the module docstring for lifetimes and versions.
 
     Thread-safe: one lock guards all metadata. Owns (creates, and unlinks at :meth:`close`) its
@@ -335,8 +336,8 @@ class L1Tier(Tier):
         expires_at = now + self._config.lease_ttl_s
         self._leases[token] = _Ticket(slot, expires_at)
         heapq.heappush(self._lease_deadlines, (expires_at, token))
-        self._policy.on_access(key)
-        if count:
+        if count:  # the engine's own holds are no use: S3-FIFO would take them for a second read
+            self._policy.on_access(key)
             self.stats.hit(slot.nbytes)
         buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
         return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)

@@ -24,17 +24,16 @@ import lmdb
 from tiercache.errors import DiskTierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l2_disk.tier import (
-    _INFO_FORMAT,
-    _INFO_USED,
-    _MAX_READERS,
+from tiercache.l2_disk.records import (
+    DB_NAMES,
     DISK_FORMAT_VERSION,
-    _u64,
+    INFO_FORMAT,
+    INFO_USED,
+    MAX_READERS,
     scan_records,
+    u64,
 )
-from tiercache.tier import TierUsage
-
-_DBS = ("data", "meta", "manifests")  # recency and info records live in meta (see tier.py)
+from tiercache.tier.contract import TierUsage
 
 
 class DiskReader:
@@ -61,7 +60,7 @@ class DiskReader:
                 lock=True,  # take a reader slot: safe beside a live server's writer
                 create=False,
                 max_dbs=8,
-                max_readers=_MAX_READERS,
+                max_readers=MAX_READERS,
                 readahead=False,
             )
         except lmdb.Error as exc:
@@ -70,16 +69,16 @@ class DiskReader:
                 "read data.mdb and write lock.mdb"
             ) from exc
         try:
-            self._dbs: dict[str, Any] = {name: self._env.open_db(name.encode(), create=False) for name in _DBS}
-            found = self._get("meta", _INFO_FORMAT)
+            self._dbs: dict[str, Any] = {name: self._env.open_db(name.encode(), create=False) for name in DB_NAMES}
+            found = self._get("meta", INFO_FORMAT)
         except lmdb.Error as exc:
             self._env.close()
             raise DiskTierError(
                 f"{self.path} is not a tiercache disk tier ({exc}); check --disk-path"
             ) from exc
-        if _u64(found) != DISK_FORMAT_VERSION:
+        if u64(found) != DISK_FORMAT_VERSION:
             self._env.close()
-            version = _u64(found) if found is not None else "1 or older"
+            version = u64(found) if found is not None else "1 or older"
             raise DiskTierError(
                 f"the disk tier at {self.path} has layout version {version}, this build reads "
                 f"{DISK_FORMAT_VERSION}; inspect it with the matching tiercache version"
@@ -103,7 +102,7 @@ class DiskReader:
         """Stored bytes and object count as the tier persisted them (budget unknown: 0)."""
         try:
             with self._env.begin() as txn:
-                used = _u64(txn.get(_INFO_USED, db=self._dbs["meta"]))
+                used = u64(txn.get(INFO_USED, db=self._dbs["meta"]))
                 objects = txn.stat(self._dbs["data"])["entries"]
         except lmdb.Error as exc:
             raise DiskTierError(f"cannot read the disk tier at {self.path}: {exc}") from exc

@@ -1,22 +1,9 @@
 """The LMDB-backed disk tier (:class:`DiskTier`).
 
-On-disk layout (version 2): one LMDB environment at ``DiskConfig.path`` with three named
-sub-databases::
-
-    data       object key (35 B)       -> stored payload (compressed when the frame says so)
-    meta       object key (35 B)       -> frame header (75 B) | recency seq (u64 BE) | flags (u8)
-                                          (flags bit 0: owed to a lower tier)
-               0xFF 'R' seq (u64 BE)   -> object key   (LRU order: the first record is the oldest)
-               0xFE 'I' name           -> u64 BE       (bytes_used, next_seq, format)
-    manifests  fingerprint (16 B)      -> manifest JSON (LayoutManifest.canonical(), for `inspect`)
-
-Recency and info records share the meta B-tree under prefixes that sort after every object key (object
-keys start with their version byte, 0x01): a put then dirties two leaf pages instead of four
-(measured: separate sub-databases cost ~20% of raw LMDB put throughput for 256 KiB values).
+One LMDB environment at ``DiskConfig.path`` in the format of :mod:`tiercache.l2_disk.records`.
 ``data`` and ``meta`` of one object are always written and deleted in the same write transaction, so
-a crash leaves either the old object or the new one. ``bytes_used`` counts the *stored* bytes in
-``data`` (what occupies the disk) and is kept in the same transactions, so a restart knows its usage
-and its LRU order without scanning; the object count is the entry count of ``data``.
+a crash leaves either the old object or the new one. ``bytes_used`` is kept in the same
+transactions, so a restart knows its usage and its LRU order without scanning.
 
 Recency is approximate, by at most ``sync_interval_s``: a read or an overwrite writes no recency
 record itself but queues a *touch*, and the background thread moves every queued key to the young
@@ -26,7 +13,7 @@ queued). Reads therefore never open a write transaction, and an overwrite writes
 A crash forgets at most the last interval's touches: those objects keep their older place in the LRU
 order. A new object gets its place in its own put's transaction, as before.
 
-LMDB facts this module is built around (measured, see ``reference/storage-facts.md``):
+LMDB facts this module is built around (each measured on this code; see docs/storage.md):
 
 * pages freed by a write transaction can be reused only by a *later* one (in practice two later), so
   eviction commits in its own transaction, followed by a tiny "nudge" commit, before the insert;
@@ -59,15 +46,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import lmdb
-import xxhash
 
-from tiercache.config import DiskConfig
+from tiercache.config.parts import DiskConfig
+from tiercache.config.units import MiB
 from tiercache.errors import (
     DiskTierError,
     FrameError,
     TierFullError,
 )
-from tiercache.frames import (
+from tiercache.tier.frames import (
     HEADER_BYTES,
     ZSTD_FLAG,
     FrameHeader,
@@ -79,81 +66,37 @@ from tiercache.frames import (
 )
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.tier import (
-    EvictionReason,
-    ReadHandle,
-    StagedWrites,
-    Tier,
-    TierUsage,
-    WriteHandle,
+from tiercache.l2_disk import records
+from tiercache.l2_disk.records import (
+    DB_NAMES,
+    DISK_FORMAT_VERSION,
+    INFO_FORMAT,
+    INFO_SEQ,
+    INFO_USED,
+    MAX_READERS,
+    META_BYTES,
+    META_FLAGS,
+    REC,
+    SEQ_BYTES,
+    b64,
+    meta_stored_len,
+    recency_key,
+    scan_records,
+    stale_recency,
+    u64,
 )
+from tiercache.tier.contract import EvictionListener, ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier.staging import StagedWrites
+from tiercache.tier.stats import EvictionReason
 
 log = logging.getLogger(__name__)
 
-#: Version of the sub-database layout above. Bumped when it changes; a mismatch refuses to open.
-DISK_FORMAT_VERSION = 2
-
-MiB = 1 << 20
-_SEQ_BYTES = 8
-_META_BYTES = HEADER_BYTES + _SEQ_BYTES + 1
-_OWED = 1  # bit in the meta flags byte
-# Recency and info records live in the meta database beside the objects' meta records, under prefixes
-# that sort after every object key (object keys start with their version byte, 0x01). One B-tree
-# instead of three keeps a put to two dirty leaf pages (measured: four sub-databases cost ~20% of
-# raw LMDB put throughput at 256 KiB, this layout ~5%).
-_REC = b"\xffR"  # _REC + seq (u64 BE) -> object key: the LRU order, oldest first
-_INFO = b"\xfeI"
-_INFO_USED = _INFO + b"bytes_used"
-_INFO_SEQ = _INFO + b"next_seq"
-_INFO_FORMAT = _INFO + b"format"
-_FIRST_RESERVED = 0xFE  # first byte of the prefixed records above; never an object key's
-_META_TAILS = (b"\x00", bytes((_OWED,)))  # the meta record's flags byte, by owed
 #: Pending recency touches (reads, overwrites) are applied by the background thread every
 #: ``sync_interval_s``; past this many distinct keys the next put applies them in its own txn, so
 #: the table stays bounded however fast reads come.
 _TOUCH_BACKLOG = 4096
 _MAP_FULL_RETRIES = 2
 _SWEEP_EVERY_S = 0.05
-_ITER_BATCH = 1024
-_MAX_READERS = 512
-
-
-def _u64(raw: bytes | memoryview | None) -> int:
-    return 0 if raw is None else int.from_bytes(raw, "big")
-
-
-def _b64(value: int) -> bytes:
-    return value.to_bytes(8, "big")
-
-
-def _rk(seqb: bytes) -> bytes:
-    """The recency record's key for a sequence number."""
-    return _REC + seqb
-
-
-def _stale_recency(meta: Any, seqb: bytes) -> bool:
-    """Whether the recency record ``seqb`` of an object whose meta record is ``meta`` is left over
-    (the object is gone, or a touch gave it another seq). A malformed meta is not stale: reading or
-    evicting it finds the damage."""
-    return meta is None or (len(meta) == _META_BYTES and bytes(meta[HEADER_BYTES:-1]) != bytes(seqb))
-
-
-_HEADER_BODY = HEADER_BYTES - 8
-_STORED_LEN_AT = _HEADER_BODY - 16  # the stored-length field: ... | stored len u64 | checksum u64
-
-
-def _meta_stored_len(meta: bytes | memoryview) -> int | None:
-    """The stored length a meta record's header claims, if the header's own checksum holds.
-
-    For byte accounting on the write path only (cheaper than a full :class:`FrameHeader` decode);
-    reads still verify everything with :meth:`FrameHeader.decode`.
-    """
-    if len(meta) != _META_BYTES:
-        return None
-    body = meta[:_HEADER_BODY]
-    if xxhash.xxh3_64_intdigest(body) != int.from_bytes(meta[_HEADER_BODY:HEADER_BYTES], "little"):
-        return None
-    return int.from_bytes(meta[_STORED_LEN_AT : _STORED_LEN_AT + 8], "little")
 
 
 @dataclass(slots=True)
@@ -161,33 +104,6 @@ class _Lease:
     key_bytes: bytes
     txn: lmdb.Transaction | None  # None when the payload was decompressed into our own memory
     expires_at: float
-
-
-def scan_records(
-    env: lmdb.Environment, db: Any, *, objects_only: bool
-) -> Iterator[tuple[bytes, bytes]]:
-    """(key, value) pairs of one sub-database in key order, in batches of ``_ITER_BATCH``, each batch
-    in its own short read txn: no txn stays open between yields, so a slow consumer cannot pin pages.
-
-    ``objects_only`` stops at the reserved recency/info records of the meta database. Raises
-    ``lmdb.Error``; callers translate it.
-    """
-    start: bytes | None = None
-    while True:
-        batch: list[tuple[bytes, bytes]] = []
-        with env.begin(db=db) as txn, txn.cursor(db=db) as cur:
-            found = cur.set_range(start) if start is not None else cur.first()
-            while found and len(batch) < _ITER_BATCH:
-                k = bytes(cur.key())
-                if objects_only and k[0] >= _FIRST_RESERVED:
-                    break  # recency and info records sort after every object key
-                if k != start:
-                    batch.append((k, bytes(cur.value())))
-                found = cur.next()
-        if not batch:
-            return
-        yield from batch
-        start = batch[-1][0]
 
 
 class DiskTier(Tier):
@@ -200,8 +116,7 @@ class DiskTier(Tier):
     deleted, inside the eviction write transaction: ``payload`` is a verified view that is valid
     only during the call, so copy it (the engine hands it to the S3 write-back queue). It must be
     quick and must not call back into this tier. If it raises, that object is kept and the next
-    one is tried. Objects committed with ``owed=True`` are evicted only through ``on_evict`` (which
-    settles the debt); with no callback they stay until :meth:`settle`.
+    one is tried.
     """
 
     name = "disk"
@@ -211,7 +126,7 @@ class DiskTier(Tier):
         config: DiskConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_evict: Callable[[ObjectKey, memoryview], None] | None = None,
+        on_evict: EvictionListener | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -254,7 +169,7 @@ class DiskTier(Tier):
                 str(path),
                 map_size=self._map_size,
                 max_dbs=8,
-                max_readers=_MAX_READERS,
+                max_readers=MAX_READERS,
                 sync=False,
                 metasync=False,
                 writemap=False,
@@ -278,15 +193,15 @@ class DiskTier(Tier):
                     f"{DISK_FORMAT_VERSION}; delete the directory (it is a cache) or point "
                     "--disk-path elsewhere"
                 )
-            dbs = {name: env.open_db(name.encode()) for name in ("data", "meta", "manifests")}
-            dbs["recency"] = dbs["info"] = dbs["meta"]  # prefixed records, see _REC and _INFO
+            dbs = {name: env.open_db(name.encode()) for name in DB_NAMES}
+            dbs["recency"] = dbs["info"] = dbs["meta"]  # prefixed records, see records.REC and records.INFO
             with env.begin(write=True, db=dbs["info"]) as txn:
-                found = txn.get(_INFO_FORMAT, db=dbs["info"])
+                found = txn.get(INFO_FORMAT, db=dbs["info"])
                 if found is None:
-                    txn.put(_INFO_FORMAT, _b64(DISK_FORMAT_VERSION), db=dbs["info"])
-                elif _u64(found) != DISK_FORMAT_VERSION:
+                    txn.put(INFO_FORMAT, b64(DISK_FORMAT_VERSION), db=dbs["info"])
+                elif u64(found) != DISK_FORMAT_VERSION:
                     raise DiskTierError(
-                        f"the disk tier at {path} was written by layout version {_u64(found)}, "
+                        f"the disk tier at {path} was written by layout version {u64(found)}, "
                         f"this build reads {DISK_FORMAT_VERSION}; delete the directory (it is a "
                         "cache) or point --disk-path elsewhere"
                     )
@@ -468,19 +383,19 @@ class DiskTier(Tier):
         if not touched:
             return False
         meta_db, rec_db, info_db = self._dbs["meta"], self._dbs["recency"], self._dbs["info"]
-        seq = _u64(txn.get(_INFO_SEQ, db=info_db))
+        seq = u64(txn.get(INFO_SEQ, db=info_db))
         for kb in touched:
             meta = txn.get(kb, db=meta_db)
-            if meta is None or len(meta) != _META_BYTES:
+            if meta is None or len(meta) != META_BYTES:
                 continue
             meta = bytes(meta)
-            old_seq = meta[HEADER_BYTES : HEADER_BYTES + _SEQ_BYTES]
-            if txn.get(_rk(old_seq), db=rec_db) == kb:
-                txn.delete(_rk(old_seq), db=rec_db)
-            txn.put(kb, meta[:HEADER_BYTES] + _b64(seq) + meta[-1:], db=meta_db)
-            txn.put(_rk(_b64(seq)), kb, db=rec_db)
+            old_seq = meta[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES]
+            if txn.get(recency_key(old_seq), db=rec_db) == kb:
+                txn.delete(recency_key(old_seq), db=rec_db)
+            txn.put(kb, meta[:HEADER_BYTES] + b64(seq) + meta[-1:], db=meta_db)
+            txn.put(recency_key(b64(seq)), kb, db=rec_db)
             seq += 1
-        txn.put(_INFO_SEQ, _b64(seq), db=info_db)
+        txn.put(INFO_SEQ, b64(seq), db=info_db)
         return True
 
     def _stored_len(self, txn: lmdb.Transaction, kb: bytes) -> int:
@@ -492,7 +407,7 @@ class DiskTier(Tier):
         meta = txn.get(kb, db=self._dbs["meta"])
         if meta is None:
             return 0
-        size = _meta_stored_len(meta)
+        size = meta_stored_len(meta)
         if size is not None:
             return size
         data = txn.get(kb, db=self._dbs["data"])  # damaged header: measure the payload itself
@@ -503,20 +418,20 @@ class DiskTier(Tier):
         data_db, meta_db, rec_db = self._dbs["data"], self._dbs["meta"], self._dbs["recency"]
         freed = self._stored_len(txn, kb) if size is None else size
         meta = txn.get(kb, db=meta_db)
-        if meta is not None and len(meta) >= HEADER_BYTES + _SEQ_BYTES:
-            seqb = bytes(meta[HEADER_BYTES : HEADER_BYTES + _SEQ_BYTES])
+        if meta is not None and len(meta) >= HEADER_BYTES + SEQ_BYTES:
+            seqb = bytes(meta[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES])
             # A corrupt meta record may name another key's seq: only delete our own.
-            if txn.get(_rk(seqb), db=rec_db) == kb:
-                txn.delete(_rk(seqb), db=rec_db)
+            if txn.get(recency_key(seqb), db=rec_db) == kb:
+                txn.delete(recency_key(seqb), db=rec_db)
         txn.delete(kb, db=data_db)
         txn.delete(kb, db=meta_db)
         return freed
 
     def _set_used(self, txn: lmdb.Transaction, used: int) -> None:
-        txn.put(_INFO_USED, _b64(max(0, used)), db=self._dbs["info"])
+        txn.put(INFO_USED, b64(max(0, used)), db=self._dbs["info"])
 
     def _used_in(self, txn: lmdb.Transaction) -> int:
-        return _u64(txn.get(_INFO_USED, db=self._dbs["info"]))
+        return u64(txn.get(INFO_USED, db=self._dbs["info"]))
 
     # -- writes --------------------------------------------------------------------------------
     def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
@@ -534,7 +449,7 @@ class DiskTier(Tier):
         self._sweep()
         return self._staged.reserve(key, nbytes)
 
-    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+    def commit(self, handle: WriteHandle) -> None:
         """Write the reserved buffer as one atomic LMDB transaction (evicting first if needed).
 
         Blocks on LMDB (a memory copy into the page cache; ``sync=False``). Raises
@@ -543,15 +458,13 @@ class DiskTier(Tier):
         """
         self._env_here()
         self._sweep()
-        self.put(handle.key, self._staged.take(handle), owed=owed)
+        self.put(handle.key, self._staged.take(handle))
 
     def abort(self, handle: WriteHandle) -> None:
         """Drop a reservation; a no-op if it is already gone. Cheap."""
         self._staged.drop(handle)
 
-    def put(
-        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False
-    ) -> None:
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` straight from the caller's buffer (one copy: LMDB's, into the map).
 
         One object per transaction on purpose: LMDB commits one large value per transaction fastest
@@ -574,7 +487,7 @@ class DiskTier(Tier):
                 f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
             )
         self._sweep()
-        self._store(kb, head, stored, _META_TAILS[owed])
+        self._store(kb, head, stored, META_FLAGS)
 
     def _store(self, kb: bytes, head: bytes, stored: Any, tail: bytes) -> None:
         nbytes = len(stored)
@@ -637,7 +550,7 @@ class DiskTier(Tier):
         txn = self._env.begin(write=True)  # small gets as bytes: cheaper than tracked buffers
         try:
             get, put = txn.get, txn.put
-            used = _u64(get(_INFO_USED, db=meta_db))
+            used = u64(get(INFO_USED, db=meta_db))
             after = used + len(stored)
             found = get(kb, db=meta_db)
             old: bytes | None = None
@@ -645,30 +558,30 @@ class DiskTier(Tier):
             if found is not None:
                 old = bytes(found)
                 # The same header again (a re-put of the same bytes) needs no re-verification.
-                old_len = len(stored) if old[:HEADER_BYTES] == head else _meta_stored_len(old)
+                old_len = len(stored) if old[:HEADER_BYTES] == head else meta_stored_len(old)
                 if old_len is None:  # damaged header: measure the payload itself
                     data = get(kb, db=self._data_db)
                     old_len = 0 if data is None else len(data)
                 after -= old_len
-                if len(old) == _META_BYTES:
-                    old_seqb = old[HEADER_BYTES : HEADER_BYTES + _SEQ_BYTES]
-                    if get(_REC + old_seqb, db=meta_db) == kb:
+                if len(old) == META_BYTES:
+                    old_seqb = old[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES]
+                    if get(REC + old_seqb, db=meta_db) == kb:
                         seqb = old_seqb
             if limit is not None and after > limit:
                 txn.abort()
                 return False
             touch = seqb is not None
             if seqb is None:
-                seq = _u64(get(_INFO_SEQ, db=meta_db))
-                seqb = _b64(seq)
-                put(_REC + seqb, kb, db=meta_db)
-                put(_INFO_SEQ, _b64(seq + 1), db=meta_db)
+                seq = u64(get(INFO_SEQ, db=meta_db))
+                seqb = b64(seq)
+                put(REC + seqb, kb, db=meta_db)
+                put(INFO_SEQ, b64(seq + 1), db=meta_db)
             put(kb, stored, db=self._data_db)
             meta = head + seqb + tail
             if meta != old:  # rewriting identical index bytes would only dirty pages
                 put(kb, meta, db=meta_db)
             if after != used:
-                put(_INFO_USED, _b64(max(0, after)), db=meta_db)
+                put(INFO_USED, b64(max(0, after)), db=meta_db)
             txn.commit()
         except BaseException:
             txn.abort()
@@ -700,8 +613,8 @@ class DiskTier(Tier):
                 self.stats.add("skipped")
                 raise TierFullError(  # the `with` aborts: nothing was evicted
                     f"no room for {nbytes} bytes in the disk tier at {self.config.path}: "
-                    f"{after - freed - nbytes} bytes are pinned or owed to a lower tier (budget "
-                    f"{self._budget}); release pins or settle owed objects"
+                    f"{after - freed - nbytes} bytes are pinned (budget {self._budget}); release "
+                    "pins or raise --disk-size-gb"
                 )
             self._set_used(txn, used - freed)
         if evicted:
@@ -720,25 +633,22 @@ class DiskTier(Tier):
         stale: list[bytes] = []
         corrupt: list[bytes] = []
         with txn.cursor(db=dbs["recency"]) as cur:
-            found = cur.set_range(_REC)
+            found = cur.set_range(REC)
             while found:
                 rkey, kb = bytes(cur.key()), bytes(cur.value())
                 found = cur.next()
-                if after <= target or not rkey.startswith(_REC):
+                if after <= target or not rkey.startswith(REC):
                     break
-                seqb = rkey[len(_REC) :]
+                seqb = rkey[len(REC) :]
                 meta = txn.get(kb, db=dbs["meta"])
-                if _stale_recency(meta, seqb):
+                if stale_recency(meta, seqb):
                     stale.append(bytes(seqb))  # left behind by a touch or a lost meta: drop it
                     continue
                 if kb == keep or kb in pinned:
                     continue
-                owed = len(meta) == _META_BYTES and meta[-1] & _OWED
-                if owed and self._on_evict is None:
-                    continue
                 key = ObjectKey.from_bytes(kb)
                 try:
-                    if len(meta) != _META_BYTES:
+                    if len(meta) != META_BYTES:
                         raise FrameError(f"meta record of {len(meta)} bytes")
                     header = FrameHeader.decode(meta[:HEADER_BYTES], key)
                     size = header.stored_len
@@ -762,7 +672,7 @@ class DiskTier(Tier):
                 victims.append((kb, size))
                 after -= size
         for seqb in stale:
-            txn.delete(_rk(seqb), db=dbs["recency"])
+            txn.delete(recency_key(seqb), db=dbs["recency"])
         for kb, size in victims:
             self._delete_in(txn, kb, size)
         for kb in corrupt:
@@ -784,7 +694,7 @@ class DiskTier(Tier):
         """Commit one tiny write so that pages freed by the previous txn become reusable."""
         info = self._dbs["info"]
         with self._env.begin(write=True) as txn:
-            txn.put(_INFO_SEQ, txn.get(_INFO_SEQ, db=info) or _b64(0), db=info)
+            txn.put(INFO_SEQ, txn.get(INFO_SEQ, db=info) or b64(0), db=info)
 
     # -- reads ---------------------------------------------------------------------------------
     def contains(self, key: ObjectKey) -> bool:
@@ -849,7 +759,7 @@ class DiskTier(Tier):
             problem = "payload without a meta record"
         elif data is None:
             problem = "meta record without a payload"
-        elif len(meta) != _META_BYTES:
+        elif len(meta) != META_BYTES:
             problem = f"meta record of {len(meta)} bytes"
         else:
             try:
@@ -932,7 +842,7 @@ class DiskTier(Tier):
                 raise self._translate(exc, "read") from exc
             fields = (
                 plain_header_fields(meta, kb)
-                if meta is not None and data is not None and len(meta) == _META_BYTES
+                if meta is not None and data is not None and len(meta) == META_BYTES
                 else None
             )
             if fields is not None and len(data) == fields[0]:
@@ -1025,19 +935,6 @@ class DiskTier(Tier):
             self.stats.evicted(EvictionReason.DELETED, keys=(key,))
         return present
 
-    def settle(self, key: ObjectKey) -> None:
-        """A lower tier now holds ``key``: clear its owed flag so plain LRU may evict it."""
-        self._env_here()
-        kb = key.to_bytes()
-        try:
-            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
-                found = txn.get(kb, db=self._dbs["meta"])
-                if found is not None and len(found) == _META_BYTES and found[-1] & _OWED:
-                    meta = bytes(found)
-                    txn.put(kb, meta[:-1] + bytes((meta[-1] & ~_OWED,)), db=self._dbs["meta"])
-        except lmdb.Error as exc:
-            raise self._translate(exc, "settle") from exc
-
     def usage(self) -> TierUsage:
         """Persisted stored-byte total, budget and object count. One short read txn."""
         env = self._env_here()
@@ -1080,15 +977,15 @@ class DiskTier(Tier):
                     else:
                         found = cur.prev() if cur.set_range(below) else cur.last()
                     scanned = 0
-                    while found and scanned < _ITER_BATCH:
+                    while found and scanned < records.ITER_BATCH:
                         rkey = bytes(cur.key())
-                        if not rkey.startswith(_REC):
+                        if not rkey.startswith(REC):
                             found = False
                             break
                         below, scanned = rkey, scanned + 1
                         kb = bytes(cur.value())
                         meta = txn.get(kb, db=meta_db)
-                        if not _stale_recency(meta, rkey[len(_REC) :]):
+                        if not stale_recency(meta, rkey[len(REC) :]):
                             batch.append(kb)
                         found = cur.prev()
                 yield from (ObjectKey.from_bytes(kb) for kb in batch)
@@ -1097,16 +994,8 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             raise self._translate(exc, "scan") from exc
 
-    def iter_owed_keys(self) -> Iterator[ObjectKey]:
-        """Keys committed with ``owed=True`` and not settled (to re-queue them after a restart)."""
-        for kb, meta in self._scan("meta"):
-            if len(meta) == _META_BYTES and meta[-1] & _OWED:
-                yield ObjectKey.from_bytes(kb)
-
     # -- manifests -----------------------------------------------------------------------------
-    def set_eviction_listener(
-        self, listener: Callable[[ObjectKey, memoryview], None] | None
-    ) -> None:
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         """Replace ``on_evict`` (see the class docstring); waits for a running eviction."""
         self._env_here()
         with self._write_lock:  # never swap the callback in the middle of an eviction

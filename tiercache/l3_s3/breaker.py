@@ -87,13 +87,6 @@ class CircuitBreaker:
                 self._state = BreakerState.OPEN
                 self._opened_at = self._clock()
 
-    def retry_at(self) -> float | None:
-        """When an OPEN breaker will allow a trial (clock time), or ``None`` if not open."""
-        with self._lock:
-            if self._state is BreakerState.OPEN:
-                return self._opened_at + self._cooldown_s
-            return None
-
     def _maybe_half_open(self) -> None:
         # caller holds _lock
         if (

@@ -4,7 +4,7 @@
 capacity bound (it may *delete* objects) and it can create buckets. The reader makes only three kinds
 of request — ``HeadBucket``, ``ListObjectsV2`` and ``GetObject`` (manifests) — so it cannot change the
 bucket whatever it is pointed at. Object names and the manifest layout are the tier's
-(:meth:`S3Tier.object_name`, :meth:`S3Tier.manifest_name`).
+(:mod:`tiercache.l3_s3.names`).
 
 Where it runs and what it costs: every method may block on HTTP requests (the configured timeouts and
 retries). :meth:`S3Reader.scan` lists the prefix once (one request per 1,000 objects) and caches the
@@ -16,30 +16,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Self
 
-import boto3
-from botocore.config import Config as BotoConfig
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
-from tiercache.config import S3Config
+from tiercache.config.parts import S3Config
 from tiercache.errors import S3TierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l3_s3.tier import (
-    MANIFESTS,
-    _error_code,
-    _printable_endpoint,
-    manifest_fingerprint,
-    no_credentials,
-)
-from tiercache.tier import TierUsage
+from tiercache.l3_s3.client import NOT_FOUND_CODES, error_code, make_client, request_failure, where
+from tiercache.l3_s3.names import ObjectNames
+from tiercache.tier.contract import TierUsage
 
 #: The only S3 operations this module issues (a test checks it).
 READ_OPERATIONS = frozenset({"HeadBucket", "ListObjectsV2", "GetObject"})
+#: What inspecting needs of the credentials.
+_PERMISSIONS = "s3:ListBucket and s3:GetObject"
 
 
 class S3Reader:
@@ -54,56 +44,18 @@ class S3Reader:
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
+        self._names = ObjectNames(config.prefix)
+        self._where = where(config)
         self._objects: dict[ObjectKey, int] | None = None
-        botocfg = BotoConfig(
-            connect_timeout=config.connect_timeout_s,
-            read_timeout=config.read_timeout_s,
-            retries={"mode": "standard", "max_attempts": config.max_attempts},
-            s3={"addressing_style": "path" if config.path_style else "auto"},
-        )
-        try:
-            self.client: Any = boto3.session.Session().client(
-                "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=botocfg
-            )
-        except (ValueError, BotoCoreError) as exc:
-            raise S3TierError(
-                f"cannot create an S3 client for {self._where}: {type(exc).__name__}; check "
-                "--s3-endpoint-url (http(s)://host[:port]) and --s3-region"
-            ) from exc
+        self.client: Any = make_client(config)
         self._request("HeadBucket", lambda: self.client.head_bucket(Bucket=config.bucket))
-
-    @property
-    def _where(self) -> str:
-        return f"bucket {self.config.bucket!r} at {_printable_endpoint(self.config.endpoint_url)}"
-
-    @property
-    def _prefix(self) -> str:
-        return f"{self.config.prefix}/" if self.config.prefix else ""
 
     def _request(self, what: str, fn: Any) -> Any:
         """One request; failures become one :class:`S3TierError` saying what to check."""
         try:
             return fn()
-        except ClientError as exc:
-            code = _error_code(exc)
-            if code in ("404", "NoSuchBucket", "NotFound", "NoSuchKey"):
-                raise S3TierError(f"S3 {self._where}: {what} found nothing ({code}); check --s3-bucket") from exc
-            if code in ("403", "AccessDenied", "Forbidden"):
-                raise S3TierError(
-                    f"access to S3 {self._where} was denied ({what}); inspecting needs s3:ListBucket and "
-                    "s3:GetObject for the credentials of the standard AWS chain"
-                ) from exc
-            raise S3TierError(
-                f"S3 {self._where}: {what} failed: {code}; check --s3-bucket, --s3-region and the credentials' "
-                "permissions (docs/s3.md)"
-            ) from exc
-        except (NoCredentialsError, PartialCredentialsError) as exc:
-            raise no_credentials(self._where) from exc
-        except BotoCoreError as exc:
-            raise S3TierError(
-                f"cannot reach S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url, "
-                "--s3-region and the network"
-            ) from exc
+        except (ClientError, BotoCoreError) as exc:
+            raise request_failure(exc, self._where, what, _PERMISSIONS) from exc
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
         token: str | None = None
@@ -122,12 +74,10 @@ class S3Reader:
         """Every chunk object under the prefix with its size; listed once, then cached."""
         if self._objects is None:
             found: dict[ObjectKey, int] = {}
-            prefix = self._prefix
-            for name, size in self._list(prefix):
-                try:
-                    found[ObjectKey.parse(name[len(prefix) :])] = size
-                except ValueError:  # a manifest or a foreign object under the prefix
-                    continue
+            for name, size in self._list(self._names.root):
+                key = self._names.key_of(name)
+                if key is not None:  # not a manifest or a foreign object under the prefix
+                    found[key] = size
             self._objects = found
         return self._objects
 
@@ -143,21 +93,20 @@ class S3Reader:
         return key in self.scan()
 
     def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
-        name = f"{self._prefix}{MANIFESTS}{fingerprint.hex}.json"
+        name = self._names.manifest(fingerprint)
         try:
             return self._request(
                 "GetObject", lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read()
             )
         except S3TierError as exc:
-            if isinstance(exc.__cause__, ClientError) and _error_code(exc.__cause__) in ("404", "NoSuchKey", "NotFound"):
+            if isinstance(exc.__cause__, ClientError) and error_code(exc.__cause__) in NOT_FOUND_CODES:
                 return None
             raise
 
     def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
         """Every stored ``(fingerprint, manifest JSON)``: one LIST per 1,000 plus one GET each."""
-        prefix = f"{self._prefix}{MANIFESTS}"
-        for name, _size in self._list(prefix):
-            fp = manifest_fingerprint(name[len(prefix) :])
+        for name, _size in self._list(self._names.manifests):
+            fp = self._names.fingerprint_of(name)
             if fp is None:
                 continue
             data = self.get_manifest(fp)

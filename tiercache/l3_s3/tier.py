@@ -1,11 +1,11 @@
 """The S3 tier (L3): cold chunks in S3 or any S3-compatible object store, shared by every node.
 
-Layout (see ``docs/s3.md``)::
+Layout (:mod:`tiercache.l3_s3.names`, ``docs/s3.md``)::
 
     s3://<bucket>/<prefix>/<fingerprint hex>/g<group>/<prefix hash hex>   one frame per chunk
     s3://<bucket>/<prefix>/manifests/<fingerprint hex>.json               layout manifests
 
-Each object is one :func:`~tiercache.frames.encode_frame` frame (header + payload, optionally zstd),
+Each object is one :func:`~tiercache.tier.frames.encode_frame` frame (header + payload, optionally zstd),
 written with a single ``put_object`` and verified against the key asked for on every read. A frame that
 fails verification is a counted miss and is deleted: never a wrong hit.
 
@@ -24,23 +24,13 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
-import boto3
-from botocore.config import Config as BotoConfig
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    NoCredentialsError,
-    ParamValidationError,
-    PartialCredentialsError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
-from tiercache.config import S3Config
+from tiercache.config.parts import S3Config
 from tiercache.errors import (
     CircuitOpenError,
     FrameError,
@@ -48,18 +38,24 @@ from tiercache.errors import (
     S3TierError,
     TierFullError,
 )
-from tiercache.frames import HEADER_BYTES, decode_frame, encode_frame
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l3_s3.breaker import BreakerState, CircuitBreaker
-from tiercache.tier import (
-    EvictionReason,
-    ReadHandle,
-    StagedWrites,
-    Tier,
-    TierUsage,
-    WriteHandle,
+from tiercache.l3_s3.client import (
+    NO_BUCKET_CODES,
+    NOT_FOUND_CODES,
+    THROTTLE_CODES,
+    error_code,
+    make_client,
+    request_failure,
+    where,
 )
+from tiercache.l3_s3.index import CapacityIndex, ExistenceCache
+from tiercache.l3_s3.names import ObjectNames
+from tiercache.tier.contract import ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier.frames import HEADER_BYTES, decode_frame, encode_frame
+from tiercache.tier.staging import StagedWrites
+from tiercache.tier.stats import EvictionReason
 
 log = logging.getLogger(__name__)
 
@@ -67,43 +63,8 @@ T = TypeVar("T")
 
 #: DeleteObjects accepts at most this many keys per request.
 DELETE_BATCH = 1000
-#: Bound on remembered existence answers, so a long-running server's memory stays flat.
-EXISTENCE_CACHE_ENTRIES = 1 << 18
-#: Error codes that mean "the service is overloaded or broken", not "your request is wrong".
-_THROTTLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-    }
-)
-_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
-
-
-MANIFESTS = "manifests/"  # under the prefix: <fingerprint hex>.json per engine layout
-
-
-def manifest_fingerprint(stem: str) -> Fingerprint | None:
-    """The fingerprint named by a manifest object's name below ``<prefix>/manifests/``, if it is one."""
-    if not stem.endswith(".json"):
-        return None
-    try:
-        return Fingerprint.from_hex(stem[: -len(".json")])
-    except ValueError:
-        return None
-
-
-def no_credentials(where: str) -> S3TierError:
-    """The error for a missing or partial AWS credential chain (never names a credential)."""
-    return S3TierError(
-        f"no usable AWS credentials for S3 {where}; configure the standard chain "
-        "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, or an instance role)"
-    )
+#: What the tier's credentials need (docs/s3.md).
+_PERMISSIONS = "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject"
 
 
 class _NotFound(Exception):
@@ -146,20 +107,15 @@ class S3Tier(Tier):
         self._client_pid = -1  # guarded by _client_lock
         self._tokens = itertools.count(1)
 
+        self._names = ObjectNames(config.prefix)
+        self._where = where(config)
+        self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
+        self._exists = ExistenceCache(config.exists_ttl_s, config.missing_ttl_s, clock)
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
         self._leases: dict[int, _Lease] = {}
         self._pins: dict[ObjectKey, int] = {}
-        self._owed: set[ObjectKey] = set()
-        self._exists: OrderedDict[ObjectKey, tuple[bool, float]] = OrderedDict()
-        # The capacity index: object size by key, oldest first (listing order by LastModified at
-        # start, then insertion order of our own puts).
-        self._index: OrderedDict[ObjectKey, int] = OrderedDict()
-        self._bytes_used = 0
-        # Keys our own puts/deletes touched while the start-up listing runs: the listing must not
-        # resurrect or resize them with what it saw earlier. None once the listing is merged.
-        self._scan_touched: set[ObjectKey] | None = set()
+        self._index = CapacityIndex()
 
         self._closed = threading.Event()
         self._indexed = threading.Event()
@@ -180,7 +136,7 @@ class S3Tier(Tier):
         with self._client_lock:
             if self._client_obj is None or self._client_pid != pid:
                 # A client (and its connection pool) must not cross a fork: sockets would be shared.
-                self._client_obj = self._make_client()
+                self._client_obj = make_client(self.config)
                 self._client_pid = pid
             return self._client_obj
 
@@ -190,37 +146,7 @@ class S3Tier(Tier):
         For baselines (``tiercache bench`` compares the tier with raw ``put_object``/``get_object``
         through the same timeouts, retries, pool size and checksum settings). Call ``.close()`` on it.
         """
-        return self._make_client()
-
-    def _make_client(self) -> Any:
-        cfg = self.config
-        botocfg = BotoConfig(
-            connect_timeout=cfg.connect_timeout_s,
-            read_timeout=cfg.read_timeout_s,
-            retries={"mode": "standard", "max_attempts": cfg.max_attempts},
-            max_pool_connections=cfg.max_concurrency,
-            s3={"addressing_style": "path" if cfg.path_style else "auto"},
-            # Frames carry their own xxh3 checksum; SDK checksums cost ~15% per put for nothing.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        # A fresh session per client: boto3's default session is module-level shared state.
-        session = boto3.session.Session()
-        try:
-            return session.client(
-                "s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=botocfg
-            )
-        except (ValueError, BotoCoreError) as exc:
-            raise S3TierError(
-                # The exception text may echo the URL, user-info included: name its type only.
-                f"cannot create an S3 client for {self._where}: {type(exc).__name__}; check "
-                "--s3-endpoint-url "
-                "(http(s)://host[:port]) and the region"
-            ) from exc
-
-    @property
-    def _where(self) -> str:
-        return f"bucket {self.config.bucket!r} at {_printable_endpoint(self.config.endpoint_url)}"
+        return make_client(self.config)
 
     def check(self) -> None:
         """Verify the bucket is reachable (HEAD bucket), creating it if ``config.create_bucket``.
@@ -233,33 +159,15 @@ class S3Tier(Tier):
             client.head_bucket(Bucket=self.config.bucket)
             return
         except ClientError as exc:
-            code = _error_code(exc)
-            if code in ("404", "NoSuchBucket", "NotFound"):
-                if not self.config.create_bucket:
-                    raise S3TierError(
-                        f"S3 {self._where} does not exist; create it, fix --s3-bucket, or enable "
-                        "create_bucket"
-                    ) from exc
-            elif code in ("403", "AccessDenied", "Forbidden"):
+            if error_code(exc) not in NO_BUCKET_CODES:
+                raise request_failure(exc, self._where, "HeadBucket", _PERMISSIONS) from exc
+            if not self.config.create_bucket:
                 raise S3TierError(
-                    f"access to S3 {self._where} was denied; check the credentials of the standard "
-                    "AWS chain (environment, ~/.aws, instance role) and that they allow "
-                    "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject (see docs/s3.md)"
+                    f"S3 {self._where} does not exist; create it, fix --s3-bucket, or enable "
+                    "create_bucket"
                 ) from exc
-            else:
-                raise S3TierError(
-                    f"S3 {self._where} is not usable: {code}; check --s3-bucket, --s3-region and the credentials' "
-                    "permissions (docs/s3.md)"
-                ) from exc
-        except (NoCredentialsError, PartialCredentialsError) as exc:
-            raise no_credentials(self._where) from exc
-        except ParamValidationError as exc:
-            raise S3TierError(f"S3 {self._where} is not a valid bucket name: {exc}; fix --s3-bucket") from exc
         except BotoCoreError as exc:
-            raise S3TierError(
-                f"cannot reach S3 {self._where}: {type(exc).__name__}; check --s3-endpoint-url, "
-                "the region and the network"
-            ) from exc
+            raise request_failure(exc, self._where, "HeadBucket", _PERMISSIONS) from exc
         self._create_bucket()
 
     def _create_bucket(self) -> None:
@@ -271,9 +179,9 @@ class S3Tier(Tier):
         try:
             self.client.create_bucket(**kwargs)
         except ClientError as exc:
-            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise S3TierError(
-                    f"could not create S3 {self._where}: {_error_code(exc)}; create it yourself or "
+                    f"could not create S3 {self._where}: {error_code(exc)}; create it yourself or "
                     "grant s3:CreateBucket"
                 ) from exc
         except BotoCoreError as exc:
@@ -286,24 +194,11 @@ class S3Tier(Tier):
     # -- names ----------------------------------------------------------------------------------
     def object_name(self, key: ObjectKey) -> str:
         """The S3 object name of ``key``: ``<prefix>/<key text>`` (no leading slash)."""
-        return f"{self._list_prefix}{key.text()}"
+        return self._names.object(key)
 
     def manifest_name(self, fp: Fingerprint) -> str:
         """The S3 object name of the layout manifest of ``fp``."""
-        return f"{self._list_prefix}{MANIFESTS}{fp.hex}.json"
-
-    @property
-    def _list_prefix(self) -> str:
-        return f"{self.config.prefix}/" if self.config.prefix else ""
-
-    def _parse_name(self, name: str) -> ObjectKey | None:
-        prefix = self._list_prefix
-        if not name.startswith(prefix):
-            return None
-        try:
-            return ObjectKey.parse(name[len(prefix) :])
-        except ValueError:  # KeyFormatError: a manifest or a foreign object under the prefix
-            return None
+        return self._names.manifest(fp)
 
     # -- the one request boundary ---------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
@@ -328,12 +223,12 @@ class S3Tier(Tier):
             self.stats.add("errors")
             raise
         except ClientError as exc:
-            code = _error_code(exc)
+            code = error_code(exc)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code in _NOT_FOUND_CODES:
+            if code in NOT_FOUND_CODES:
                 self._breaker.record_success()
                 raise _NotFound from exc
-            if status >= 500 or code in _THROTTLE_CODES:
+            if status >= 500 or code in THROTTLE_CODES:
                 self._breaker.record_failure()
             else:
                 self._breaker.record_success()  # it answered; the request itself was refused
@@ -357,35 +252,16 @@ class S3Tier(Tier):
         """Whether S3 is currently considered healthy (``closed``) or skipped (``open``)."""
         return self._breaker.state
 
-    # -- existence cache ------------------------------------------------------------------------
-    def _remember(self, key: ObjectKey, present: bool) -> None:
-        ttl = self.config.exists_ttl_s if present else self.config.missing_ttl_s
-        with self._lock:
-            self._exists[key] = (present, self._clock() + ttl)
-            self._exists.move_to_end(key)
-            while len(self._exists) > EXISTENCE_CACHE_ENTRIES:
-                self._exists.popitem(last=False)
-
-    def _cached(self, key: ObjectKey) -> bool | None:
-        with self._lock:
-            entry = self._exists.get(key)
-            if entry is None:
-                return None
-            present, expires_at = entry
-            if self._clock() >= expires_at:
-                del self._exists[key]
-                return None
-            return present
-
+    # -- existence -------------------------------------------------------------------------------
     def _head(self, key: ObjectKey) -> bool:
         """HEAD ``key`` (one request); remembers the answer. Raises S3TierError/CircuitOpenError."""
         name = self.object_name(key)
         try:
             self._call("HEAD", lambda c: c.head_object(Bucket=self.config.bucket, Key=name))
         except _NotFound:
-            self._remember(key, False)
+            self._exists.remember(key, False)
             return False
-        self._remember(key, True)
+        self._exists.remember(key, True)
         return True
 
     # -- writes ---------------------------------------------------------------------------------
@@ -399,7 +275,7 @@ class S3Tier(Tier):
         self._expire(self._clock())
         return self._staged.reserve(key, nbytes)
 
-    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+    def commit(self, handle: WriteHandle) -> None:
         """Upload the reserved buffer as one framed object; blocks until S3 has it.
 
         Called from the engine's background write threads. Costs one PUT (plus DeleteObjects when the
@@ -407,20 +283,20 @@ class S3Tier(Tier):
         expired reservation, :class:`CircuitOpenError` while the breaker is open and
         :class:`S3TierError` when the upload fails after retries.
         """
-        self._upload(handle.key, memoryview(self._staged.take(handle)), owed)
+        self._upload(handle.key, memoryview(self._staged.take(handle)))
 
     def abort(self, handle: WriteHandle) -> None:
         """Drop a reservation (nothing was uploaded). Harmless if finished or expired."""
         self._staged.drop(handle)
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
         """Frame ``data`` and upload it with one PUT, without the reservation's extra copy.
 
         Blocks until uploaded; same errors and costs as :meth:`commit`.
         """
         view = memoryview(data).cast("B")
         self._check_fits(view.nbytes)
-        self._upload(key, view, owed)
+        self._upload(key, view)
 
     def _check_fits(self, nbytes: int) -> None:
         if nbytes + HEADER_BYTES > self.config.capacity_bytes:
@@ -429,7 +305,7 @@ class S3Tier(Tier):
                 f"{self.config.capacity_bytes} bytes; raise --s3-capacity-gb"
             )
 
-    def _upload(self, key: ObjectKey, payload: memoryview, owed: bool) -> None:
+    def _upload(self, key: ObjectKey, payload: memoryview) -> None:
         body = encode_frame(key, payload, compress=self.config.compress)
         name = self.object_name(key)
         self._call(
@@ -438,12 +314,8 @@ class S3Tier(Tier):
         )
         self.stats.put(len(body))
         with self._lock:
-            self._index_set(key, len(body))
-            if owed:
-                self._owed.add(key)
-            else:
-                self._owed.discard(key)
-        self._remember(key, True)
+            self._index.set(key, len(body))
+        self._exists.remember(key, True)
         self._enforce_capacity(keep=key)
 
     # -- reads ----------------------------------------------------------------------------------
@@ -452,7 +324,7 @@ class S3Tier(Tier):
 
         Never raises: an S3 failure or an open breaker answers ``False`` (counted). Does not verify.
         """
-        cached = self._cached(key)
+        cached = self._exists.get(key)
         if cached is not None:
             return cached
         try:
@@ -470,7 +342,7 @@ class S3Tier(Tier):
         """
         now = self._clock()
         self._expire(now)
-        if self._cached(key) is False:
+        if self._exists.get(key) is False:
             self._miss(count)
             return None
         name = self.object_name(key)
@@ -480,7 +352,7 @@ class S3Tier(Tier):
                 lambda c: c.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
             )
         except _NotFound:
-            self._remember(key, False)
+            self._exists.remember(key, False)
             self._forget(key)
             self._miss(count)
             return None
@@ -505,14 +377,14 @@ class S3Tier(Tier):
             return None
         if count:
             self.stats.add("hits")
-        self._remember(key, True)
+        self._exists.remember(key, True)
         token = next(self._tokens)
         expires_at = now + self.config.lease_ttl_s
         with self._lock:
             self._leases[token] = _Lease(key, expires_at)
             self._pins[key] = self._pins.get(key, 0) + 1
-            if count and key in self._index:
-                self._index.move_to_end(key)  # a read makes it young again (LRU-ish)
+            if count:
+                self._index.touch(key)  # a read makes it young again (LRU-ish)
         return ReadHandle(key, memoryview(payload), token, expires_at)
 
     def _miss(self, count: bool) -> None:
@@ -565,7 +437,7 @@ class S3Tier(Tier):
         name = self.object_name(key)
         self._call("DELETE", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name))
         self._forget(key)
-        self._remember(key, False)
+        self._exists.remember(key, False)
         self.stats.evicted(EvictionReason.DELETED, keys=(key,))
         return True
 
@@ -577,7 +449,7 @@ class S3Tier(Tier):
         """
         self._indexed.wait(self.config.read_timeout_s)
         with self._lock:
-            return TierUsage(self._bytes_used, self.config.capacity_bytes, len(self._index))
+            return TierUsage(self._index.bytes_used, self.config.capacity_bytes, len(self._index))
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Block until the start-up listing has been merged into the index; ``True`` if it has."""
@@ -590,7 +462,7 @@ class S3Tier(Tier):
         :class:`S3TierError` if the listing fails.
         """
         for name, _size, _mtime in self._list():
-            key = self._parse_name(name)
+            key = self._names.key_of(name)
             if key is not None:
                 yield key
 
@@ -600,12 +472,7 @@ class S3Tier(Tier):
         if not self._indexed.is_set():
             return self.iter_keys()
         with self._lock:
-            return iter(list(reversed(self._index)))
-
-    def settle(self, key: ObjectKey) -> None:
-        """Nothing below S3 owes ``key`` anymore: it may be evicted by the capacity bound."""
-        with self._lock:
-            self._owed.discard(key)
+            return iter(self._index.newest_first())
 
     def close(self) -> None:
         """Stop the index thread and close the client's connections. Idempotent."""
@@ -650,9 +517,8 @@ class S3Tier(Tier):
         Meant for ``tiercache inspect``, not the request path. Raises :class:`S3TierError` if the
         listing fails; a manifest deleted meanwhile is skipped.
         """
-        prefix = f"{self._list_prefix}{MANIFESTS}"
-        for name, _size, _mtime in self._list(prefix):
-            fp = manifest_fingerprint(name[len(prefix) :])
+        for name, _size, _mtime in self._list(self._names.manifests):
+            fp = self._names.fingerprint_of(name)
             if fp is None:
                 continue
             data = self.get_manifest(fp)
@@ -662,7 +528,7 @@ class S3Tier(Tier):
     # -- capacity index -------------------------------------------------------------------------
     def _list(self, prefix: str | None = None) -> Iterator[tuple[str, int, float]]:
         """``(name, size, last-modified epoch)`` of every object under ``prefix``, page by page."""
-        prefix = self._list_prefix if prefix is None else prefix
+        prefix = self._names.root if prefix is None else prefix
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
@@ -689,7 +555,7 @@ class S3Tier(Tier):
                 for name, size, mtime in self._list():
                     if self._closed.is_set():
                         return
-                    key = self._parse_name(name)
+                    key = self._names.key_of(name)
                     if key is not None:
                         listed.append((mtime, key, size))
             except S3TierError as exc:
@@ -710,65 +576,27 @@ class S3Tier(Tier):
             self._indexed.set()
 
     def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
-        listed.sort(key=lambda t: t[0])
         with self._lock:
-            touched = self._scan_touched or set()
-            merged: OrderedDict[ObjectKey, int] = OrderedDict()
-            for _mtime, key, size in listed:
-                if key not in touched:
-                    merged[key] = size
-            # Our own puts during the scan are newer than anything listed.
-            for key, size in self._index.items():
-                merged.pop(key, None)
-                merged[key] = size
-            self._index = merged
-            self._bytes_used = sum(merged.values())
-            self._scan_touched = None
-
-    def _index_set(self, key: ObjectKey, size: int) -> None:
-        # caller holds _lock
-        old = self._index.pop(key, None)
-        if old is not None:
-            self._bytes_used -= old
-        self._index[key] = size
-        self._bytes_used += size
-        if self._scan_touched is not None:
-            self._scan_touched.add(key)
+            self._index.merge_listing(listed)
 
     def _forget(self, key: ObjectKey) -> None:
         with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._bytes_used -= old
-            self._owed.discard(key)
-            if self._scan_touched is not None:
-                self._scan_touched.add(key)
+            self._index.forget(key)
 
     def _enforce_capacity(self, keep: ObjectKey | None) -> None:
         """Delete the oldest objects until the index fits ``capacity_bytes``.
 
         Victims are chosen and removed from the index under the lock (so concurrent callers never
-        pick the same one), then deleted outside it with DeleteObjects in batches of 1000. Pinned,
-        owed and just-written objects are skipped.
+        pick the same one), then deleted outside it with DeleteObjects in batches of 1000. Pinned
+        and just-written objects are skipped.
         """
         self._expire(self._clock())
-        victims: list[tuple[ObjectKey, int]] = []
         with self._lock:
-            excess = self._bytes_used - self.config.capacity_bytes
+            excess = self._index.bytes_used - self.config.capacity_bytes
             if excess <= 0:
                 return
-            for key, size in self._index.items():
-                if excess <= 0:
-                    break
-                if key == keep or key in self._owed or self._pins.get(key):
-                    continue
-                victims.append((key, size))
-                excess -= size
-            for key, size in victims:
-                del self._index[key]
-                self._bytes_used -= size
-                if self._scan_touched is not None:
-                    self._scan_touched.add(key)
+            pins = self._pins
+            victims = self._index.take_oldest(excess, lambda key: key == keep or bool(pins.get(key)))
         for start in range(0, len(victims), DELETE_BATCH):
             batch = victims[start : start + DELETE_BATCH]
             self._delete_batch(batch)
@@ -790,14 +618,10 @@ class S3Tier(Tier):
         with self._lock:
             for key, size in batch:
                 if self.object_name(key) in failed:
-                    # Still stored: put it back as the oldest so the next eviction retries it.
-                    if key not in self._index:
-                        self._index[key] = size
-                        self._index.move_to_end(key, last=False)
-                        self._bytes_used += size
+                    self._index.restore_oldest(key, size)  # the next eviction retries it
                 else:
                     gone.append(key)
-                    self._exists[key] = (False, self._clock() + self.config.missing_ttl_s)
+                    self._exists.remember(key, False)
         if gone:
             self.stats.evicted(EvictionReason.CAPACITY, len(gone), keys=gone)
 
@@ -810,7 +634,7 @@ class S3Tier(Tier):
         except (S3TierError, _NotFound):
             pass  # still a miss; the next read verifies (and tries to delete) again
         self._forget(key)
-        self._remember(key, False)
+        self._exists.remember(key, False)
         self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
 
     # -- expiry ---------------------------------------------------------------------------------
@@ -832,18 +656,3 @@ class S3Tier(Tier):
         else:
             self._pins.pop(key, None)
 
-
-def _printable_endpoint(url: str | None) -> str:
-    """The endpoint for messages and logs, without any ``user:password@`` someone put in the URL."""
-    if not url:
-        return "the AWS default endpoint"
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", "Unknown"))

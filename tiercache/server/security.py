@@ -2,9 +2,8 @@
 
 * **ipc** (default): the socket lives in the per-user runtime directory, created ``0700``; the socket
   file is ``chmod 0600`` right after bind. Only the server's user can connect.
-* **tcp + shared secret**: each connection asks for a single-use random nonce (:class:`Challenge`)
-  and proves the secret with ``HMAC-SHA256(secret, nonce)`` in its :class:`Hello`. The secret never
-  crosses the wire and a recorded proof cannot be replayed. It authenticates but does not encrypt:
+* **tcp + shared secret**: each connection proves the secret with a single-use nonce
+  (:mod:`tiercache.wire.auth`, the half both ends share). It authenticates but does not encrypt:
   on an untrusted network use CURVE.
 * **tcp + CURVE**: the server's secret key file (``zmq.auth`` format) encrypts every connection;
   clients are admitted only if their public key is in ``authorized_clients/`` beside that file
@@ -14,8 +13,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import os
 import socket
 import stat
@@ -25,18 +22,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from tiercache.config import ServerOptions, default_runtime_dir
+from tiercache.config.parts import ServerOptions, default_runtime_dir
 from tiercache.errors import ConfigError, ServerError
-
-
-def auth_proof(secret: str, nonce: bytes) -> bytes:
-    """What a client sends in ``Hello.auth``: HMAC-SHA256 of the server's nonce under the secret."""
-    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
-
-
-def check_proof(secret: str, nonce: bytes, proof: bytes) -> bool:
-    """Constant-time comparison of a client's proof."""
-    return hmac.compare_digest(auth_proof(secret, nonce), proof)
 
 
 def ipc_path(endpoint: str) -> Path:

@@ -1,0 +1,496 @@
+"""``tiercache inspect``: what the cache holds and why, from a live server or offline storage.
+
+Subcommands ``summary`` (``--watch``), ``keys``, ``fingerprints`` and ``explain``; each takes the source
+options (``--server``/``--auth-secret`` for a live server, or ``--disk-path`` and/or ``--s3-*`` to read
+stored data read-only) and ``--json``. The data comes from :mod:`tiercache.cli.sources`; this module only
+parses arguments and renders tables with ``rich``. Errors are raised as
+:class:`~tiercache.errors.ConfigError` (usage: exit 2) or other :class:`~tiercache.errors.TierCacheError`
+(unreachable: exit 1); :func:`tiercache.cli.app.main` prints them in one line. Secrets never reach output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tiercache.cli.connection import add_server_options, connect
+from tiercache.cli.output import console as stdout_console
+from tiercache.cli.output import format_bytes, print_json
+from tiercache.cli.sources import KeyFilter, LiveSource, OfflineSource, explain_report
+from tiercache.errors import ConfigError
+from tiercache.keys.fingerprint import Fingerprint
+
+_TOKEN_SPLIT = re.compile(r"[\s,]+")
+
+
+# -- argument parsing ------------------------------------------------------------------------------
+def _source_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    live = common.add_argument_group("live server (the default)")
+    add_server_options(live, timeout=5.0, timeout_help="reply timeout (default 5)")
+    off = common.add_argument_group("offline, read-only (instead of --server)")
+    off.add_argument("--disk-path", metavar="DIR", default=None, help="a disk tier's LMDB directory")
+    off.add_argument("--s3-bucket", metavar="BUCKET", default=None, help="an S3 tier's bucket")
+    off.add_argument("--s3-prefix", metavar="PREFIX", default=None, help="its key prefix (default tiercache)")
+    off.add_argument("--s3-endpoint-url", metavar="URL", default=None, help="S3-compatible endpoint (default AWS)")
+    off.add_argument("--s3-region", metavar="REGION", default=None, help="S3 region")
+    off.add_argument("--s3-path-style", action="store_true", default=None, help="path-style addressing")
+    common.add_argument("--json", action="store_true", help="print JSON (stable shape, docs/operations.md)")
+    return common
+
+
+def add_inspect_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    """Add ``inspect`` and its subcommands to the top-level subparsers ``sub``."""
+    common = _source_options()
+    ins = sub.add_parser(
+        "inspect",
+        help="show what the cache holds and why (live server, or a disk path / S3 prefix read-only)",
+        description=(
+            "Inspect a running server (--server, default: its default ipc socket) or stored data "
+            "offline and strictly read-only (--disk-path and/or --s3-bucket). Human tables by default, "
+            "--json for scripts. Reference: docs/operations.md."
+        ),
+    )
+    ins_sub = ins.add_subparsers(dest="inspect_command", required=True, metavar="SUBCOMMAND", parser_class=parser_class)
+
+    s = ins_sub.add_parser(
+        "summary", parents=[common], allow_abbrev=False,
+        help="per tier: bytes used/budget, objects, hit rate, evictions, verify failures, drops, errors",
+        description="Per tier usage and counters (counters only from a live server).",
+    )
+    s.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C; live server only",
+    )
+    s.set_defaults(func=_summary)
+
+    k = ins_sub.add_parser(
+        "keys", parents=[common], allow_abbrev=False, help="list stored keys, paged",
+        description="List object keys (<fingerprint>/g<group>/<prefix hash>) in key order, one page at a time.",
+    )
+    k.add_argument("--tier", default=None, help="only keys on this tier (l1, disk, s3)")
+    k.add_argument("--fingerprint", default=None, metavar="HEX", help="only keys of this fingerprint (32 hex)")
+    k.add_argument("--group", type=int, default=None, metavar="N", help="only keys of this object group")
+    k.add_argument("--limit", type=int, default=50, metavar="N", help="keys per page (default 50, at most 10000)")
+    k.add_argument("--cursor", default="", metavar="CURSOR", help="continue after this cursor (printed with each page)")
+    k.set_defaults(func=_keys)
+
+    f = ins_sub.add_parser(
+        "fingerprints", parents=[common], allow_abbrev=False,
+        help="the layout manifest of every fingerprint seen, side by side",
+        description="Each engine layout (fingerprint) seen, with its manifest and object counts.",
+    )
+    f.set_defaults(func=_fingerprints)
+
+    e = ins_sub.add_parser(
+        "explain", parents=[common], allow_abbrev=False,
+        help="for a prompt's token ids: where each chunk lives, or why not",
+        description=(
+            "Hash a prompt's token ids (whitespace/comma separated integers or a JSON list, from FILE or "
+            "stdin) into chunks and say, per chunk and object group, which tier holds it or why not: "
+            "never stored, evicted (tier, reason; live only), or stored under another fingerprint."
+        ),
+    )
+    e.add_argument("file", nargs="?", default="-", metavar="FILE", help="token ids file (default: stdin)")
+    e.add_argument("--chunk-size", type=int, default=None, metavar="TOKENS",
+                   help="tokens per chunk (default: the live server's; required offline)")
+    e.add_argument("--cache-salt", default="", help="the request's cache salt")
+    e.add_argument("--lora", default="", metavar="NAME", help="the request's LoRA adapter name")
+    e.add_argument("--fingerprint", action="append", default=[], metavar="HEX",
+                   help="explain against this fingerprint (repeatable; default: every one known)")
+    e.add_argument("--group", action="append", type=int, default=[], metavar="N",
+                   help="object group(s) (repeatable; default: the groups seen for each fingerprint)")
+    e.set_defaults(func=_explain)
+
+
+# -- sources ---------------------------------------------------------------------------------------
+def _open_source(args: argparse.Namespace) -> LiveSource | OfflineSource:
+    s3_flags = [n for n in ("s3_prefix", "s3_endpoint_url", "s3_region", "s3_path_style") if getattr(args, n)]
+    offline = args.disk_path is not None or args.s3_bucket is not None
+    if s3_flags and args.s3_bucket is None:
+        raise ConfigError(
+            f"--{s3_flags[0].replace('_', '-')} needs --s3-bucket; add --s3-bucket BUCKET to inspect S3, or drop "
+            f"--{s3_flags[0].replace('_', '-')}"
+        )
+    if offline and (args.server is not None or args.auth_secret is not None):
+        raise ConfigError(
+            "--server/--auth-secret and --disk-path/--s3-bucket exclude each other: inspect a live "
+            "server or stored data, not both"
+        )
+    if offline:
+        return _open_offline(args)
+    return _open_live(args)
+
+
+def _open_live(args: argparse.Namespace) -> LiveSource:
+    return LiveSource(connect(args, "tiercache-inspect"))
+
+
+def _open_offline(args: argparse.Namespace) -> OfflineSource:
+    readers: list[Any] = []
+    where: list[str] = []
+    try:
+        if args.disk_path is not None:
+            from tiercache.l2_disk.reader import DiskReader
+
+            readers.append(DiskReader(Path(args.disk_path).expanduser()))
+            where.append(f"disk {args.disk_path}")
+        if args.s3_bucket is not None:
+            from tiercache.config.parts import S3Config
+            from tiercache.l3_s3.client import printable_endpoint
+            from tiercache.l3_s3.reader import S3Reader
+
+            cfg = S3Config(
+                bucket=args.s3_bucket,
+                prefix="tiercache" if args.s3_prefix is None else args.s3_prefix,
+                endpoint_url=args.s3_endpoint_url,
+                region=args.s3_region,
+                path_style=bool(args.s3_path_style),
+                max_attempts=2,
+            )
+            readers.append(S3Reader(cfg))
+            where.append(f"s3://{cfg.bucket}/{cfg.prefix} at {printable_endpoint(cfg.endpoint_url)}")
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    return OfflineSource(readers, ", ".join(where))
+
+
+def _close(source: LiveSource | OfflineSource) -> None:
+    source.close()
+    if isinstance(source, LiveSource):
+        source.client.close()
+
+
+def _run(args: argparse.Namespace, body: Any) -> int:
+    source = _open_source(args)
+    try:
+        return int(body(source))
+    finally:
+        _close(source)
+
+
+# -- summary ---------------------------------------------------------------------------------------
+def _size(n: Any) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _summary_view(data: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    live = data["source"] == "server"
+    table = Table(title=f"tiercache: {data['where']}", title_justify="left")
+    for col in ("tier", "used", "budget", "use", "objects"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    if live:
+        for col in ("hit rate", "hits", "misses", "evictions", "verify failures", "errors", "skipped"):
+            table.add_column(col, justify="right")
+    else:
+        table.add_column("fingerprints", justify="right")
+    for name, t in data["tiers"].items():
+        budget = t.get("bytes_budget")
+        use = f"{100 * t['bytes_used'] / budget:.1f}%" if budget else "-"
+        row = [name, _size(t["bytes_used"]), _size(budget), use, str(t["objects"])]
+        if live:
+            rate = t.get("hit_rate")
+            ev = t.get("evictions") or {}
+            row += [
+                "-" if rate is None else f"{100 * rate:.1f}%",
+                str(t.get("hits", 0)),
+                str(t.get("misses", 0)),
+                ", ".join(f"{r} {n}" for r, n in sorted(ev.items())) or "0",
+                str(t.get("verify_failures", 0)),
+                str(t.get("errors", 0)),
+                str(t.get("skipped", 0)),
+            ]
+        else:
+            row.append(str(t.get("fingerprints", 0)))
+        table.add_row(*row)
+    parts: list[Any] = [table]
+    if live:
+        e = data.get("engine", {})
+        srv = data.get("server", {})
+        parts.append(
+            f"engine: lookups {e.get('lookups', 0)}, stores {e.get('stores', 0)} "
+            f"(dropped {e.get('stores_dropped', 0)}), queue drops l2 {e.get('l2_queue_drops', 0)} / "
+            f"l3 {e.get('l3_queue_drops', 0)}, queue depth l2 {e.get('l2_queue_depth', 0)} / "
+            f"l3 {e.get('l3_queue_depth', 0)}, write failures {e.get('write_failures', 0)}, "
+            f"promotions {e.get('promotions', 0)}"
+        )
+        parts.append(
+            f"server: clients {srv.get('clients', 0)}, requests {srv.get('requests', 0)}, "
+            f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
+        )
+    else:
+        parts.append("offline: stored data only; hit rates, evictions and errors live in a server's memory")
+    return Group(*parts)
+
+
+def _summary(args: argparse.Namespace) -> int:
+    def body(source: LiveSource | OfflineSource) -> int:
+        if args.watch is None:
+            data = source.summary()
+            if args.json:
+                print_json(data)
+            else:
+                stdout_console().print(_summary_view(data))
+            return 0
+        if not source.live:
+            raise ConfigError("--watch needs a live server; drop --disk-path/--s3-bucket")
+        if args.watch <= 0:
+            raise ConfigError(f"--watch {args.watch:g} must be a positive number of seconds")
+        return _watch(source, args.watch, args.json)
+
+    return _run(args, body)
+
+
+def _watch(source: LiveSource | OfflineSource, interval: float, as_json: bool) -> int:
+    """Refresh until Ctrl-C (exit 0). ``--json`` prints one JSON object per line per refresh."""
+    try:
+        if as_json:
+            while True:
+                sys.stdout.write(json.dumps(source.summary()) + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
+        from rich.live import Live
+
+        with Live(_summary_view(source.summary()), console=stdout_console(), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_summary_view(source.summary()), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+# -- keys ------------------------------------------------------------------------------------------
+def parse_fingerprint(text: str, flag: str = "--fingerprint") -> Fingerprint:
+    """A fingerprint from its 32 hex digits, or a one-line :class:`ConfigError` naming ``flag``."""
+    try:
+        return Fingerprint.from_hex(text.strip().lower())
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {text!r} is not a fingerprint; use its 32 hex digits (see `tiercache inspect fingerprints`)") from exc
+
+
+def _keys(args: argparse.Namespace) -> int:
+    if not 1 <= args.limit <= 10_000:
+        raise ConfigError(f"--limit {args.limit} is out of range; use 1 to 10000")
+    if args.group is not None and not 0 <= args.group <= 0xFFFF:
+        raise ConfigError(f"--group {args.group} is out of range; use 0 to 65535")
+    try:
+        cursor = bytes.fromhex(args.cursor)
+    except ValueError as exc:
+        raise ConfigError(f"--cursor {args.cursor!r} is not a cursor; pass the value a previous page printed") from exc
+    flt = KeyFilter(args.tier, None if args.fingerprint is None else parse_fingerprint(args.fingerprint), args.group)
+
+    def body(source: LiveSource | OfflineSource) -> int:
+        page, nxt = source.keys(flt, args.limit, cursor)
+        if args.json:
+            print_json({"keys": page, "next_cursor": nxt.hex() or None})
+            return 0
+        from rich.table import Table
+
+        table = Table(title=f"keys: {source.where}", title_justify="left")
+        for col in ("fingerprint", "group", "prefix hash", "tiers"):
+            table.add_column(col, no_wrap=True)
+        for item in page:
+            fp, group, h = item["key"].split("/")
+            table.add_row(fp, group[1:], h, ",".join(item["tiers"]))
+        console = stdout_console()
+        console.print(table)
+        if nxt:
+            console.print(f"more: --cursor {nxt.hex()}")
+        else:
+            console.print(f"{len(page)} key(s); last page")
+        return 0
+
+    return _run(args, body)
+
+
+# -- fingerprints ----------------------------------------------------------------------------------
+_FIELDS = (
+    ("model", "model_id"), ("revision", "model_revision"), ("kv dtype", "kv_dtype"),
+    ("quantization", "kv_quantization"), ("backend", "attention_backend"), ("kv layout", "kv_layout"),
+    ("kernel block", "kernel_block_size"), ("manager block", "manager_block_size"),
+    ("page bytes", "page_bytes"), ("page bytes unpadded", "page_bytes_unpadded"),
+    ("group kind", "group_kind"), ("sliding window", "sliding_window"), ("chunk size", "chunk_size"),
+    ("layers", "num_layers"), ("state shapes", "state_shapes"), ("state dtypes", "state_dtypes"),
+    ("TP size/rank", ("tp_size", "tp_rank")), ("PP size/rank", ("pp_size", "pp_rank")),
+    ("DCP size/rank", ("dcp_size", "dcp_rank")), ("extra", "extra"), ("format", "format_version"),
+)
+
+
+def _field(m: dict[str, Any] | None, name: Any) -> str:
+    if m is None:
+        return "?"
+    if isinstance(name, tuple):
+        return "/".join(str(m.get(n)) for n in name)
+    value = m.get(name)
+    if value in (None, [], (), {}):
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def _fingerprints(args: argparse.Namespace) -> int:
+    def body(source: LiveSource | OfflineSource) -> int:
+        rows = source.fingerprints()
+        if args.json:
+            print_json({"fingerprints": rows})
+            return 0
+        console = stdout_console()
+        if not rows:
+            console.print(f"no fingerprints: {source.where} holds no objects or manifests")
+            return 0
+        from rich.table import Table
+
+        table = Table(title=f"fingerprints: {source.where}", title_justify="left")
+        table.add_column("field")
+        for r in rows:
+            table.add_column(r["fingerprint"], overflow="fold")
+        objects = [f"{r['objects']} ({', '.join(f'g{g}: {n}' for g, n in r['groups'].items()) or 'none'})" for r in rows]
+        table.add_row("objects", *objects)
+        for label, name in _FIELDS:
+            values = [_field(r["manifest"], name) for r in rows]
+            differs = len(set(values)) > 1
+            table.add_row(f"[bold]{label}[/]" if differs else label, *values)
+        console.print(table)
+        if any(r["manifest"] is None for r in rows):
+            console.print("?: no manifest stored for that fingerprint")
+        if len(rows) > 1:
+            console.print("bold fields differ between layouts: engines with different values never share chunks")
+        return 0
+
+    return _run(args, body)
+
+
+# -- explain ---------------------------------------------------------------------------------------
+def parse_tokens(text: str, where: str) -> list[int]:
+    """Token ids from whitespace/comma separated integers or a JSON list; ``ConfigError`` otherwise."""
+    text = text.strip()
+    if not text:
+        raise ConfigError(f"no token ids in {where}; give whitespace/comma separated integers or a JSON list")
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not a JSON list of token ids: {exc}") from exc
+        if not isinstance(items, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise ConfigError(f"{where}: a JSON list of integer token ids is expected")
+        tokens = items
+    else:
+        tokens = []
+        for word in _TOKEN_SPLIT.split(text):
+            if not word:
+                continue
+            try:
+                tokens.append(int(word))
+            except ValueError:
+                raise ConfigError(f"{where}: {word[:20]!r} is not an integer token id") from None
+    bad = next((t for t in tokens if not 0 <= t <= 0xFFFFFFFF), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: token id {bad} is outside 0..4294967295")
+    return tokens
+
+
+def _read_tokens(path: str) -> list[int]:
+    if path == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ConfigError("explain needs token ids: give a FILE or pipe them on stdin")
+        return parse_tokens(sys.stdin.read(), "stdin")
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read token ids from {path}: {exc.__class__.__name__}; check the FILE argument") from exc
+    return parse_tokens(text, path)
+
+
+def _status_text(e: dict[str, Any]) -> str:
+    s = e["status"]
+    if s == "never_stored":
+        return "[dim]never stored[/]"
+    if s == "evicted":
+        age = "" if e.get("age_s") is None else f", {e['age_s']:.1f} s ago"
+        return f"[yellow]evicted from {e['tier']} ({e['reason']}{age})[/]"
+    if s == "other_fingerprint":
+        return f"[magenta]under other fingerprint {e['other_fingerprint']}[/]"
+    return f"[green]{s}[/]"
+
+
+def _explain(args: argparse.Namespace) -> int:
+    fps = [parse_fingerprint(f) for f in args.fingerprint]
+    for g in args.group:
+        if not 0 <= g <= 0xFFFF:
+            raise ConfigError(f"--group {g} is out of range; use 0 to 65535")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise ConfigError(
+            f"--chunk-size {args.chunk_size} must be a positive number of tokens; use the server's --chunk-size "
+            "(default 256)"
+        )
+    offline = args.disk_path is not None or args.s3_bucket is not None
+    if offline and args.chunk_size is None:
+        raise ConfigError("--chunk-size is required offline (the server's --chunk-size, default 256)")
+    tokens = _read_tokens(args.file)
+
+    def body(source: LiveSource | OfflineSource) -> int:
+        from tiercache.keys.hashing import ExtraKeys, chunk_hashes
+
+        chunk = args.chunk_size or source.chunk_size()  # type: ignore[union-attr]
+        hashes = chunk_hashes(tokens, chunk, ExtraKeys(cache_salt=args.cache_salt, lora_name=args.lora))
+        known = source.known_groups()
+        groups: list[tuple[Fingerprint, int]] = []
+        for fp in fps or sorted(known):
+            seen = sorted(known.get(fp, {}))
+            for g in args.group or seen or [0]:
+                groups.append((fp, g))
+        if not groups:
+            raise ConfigError(f"{source.where} knows no fingerprint yet; pass --fingerprint HEX")
+        report = explain_report(chunk, len(tokens), hashes, groups, source.explain(hashes, groups) if hashes else [])
+        if args.json:
+            print_json(report)
+            return 0
+        _render_explain(report, source.where)
+        return 0
+
+    return _run(args, body)
+
+
+def _render_explain(report: dict[str, Any], where: str) -> None:
+    from rich.table import Table
+
+    console = stdout_console()
+    chunk = report["chunk_size"]
+    if not report["chunks"]:
+        console.print(f"{report['tokens']} token(s) make no full chunk of {chunk}: nothing is ever stored for them")
+        return
+    table = Table(title=f"explain: {where}", title_justify="left")
+    table.add_column("chunk", justify="right")
+    table.add_column("tokens", justify="right")
+    cols = [(g["fingerprint"], g["object_group"]) for g in report["groups"]]
+    for fp, g in cols:
+        table.add_column(f"{fp[:12]}…/g{g}")
+    cells: dict[tuple[int, str, int], str] = {
+        (e["chunk"], e["fingerprint"], e["object_group"]): _status_text(e) for e in report["entries"]
+    }
+    for i in range(report["chunks"]):
+        row = [str(i), f"{i * chunk}-{(i + 1) * chunk - 1}"]
+        row += [cells.get((i, fp, g), "?") for fp, g in cols]
+        table.add_row(*row)
+    console.print(table)
+    for fp, g in cols:
+        console.print(f"  {fp[:12]}…/g{g} = {fp} group {g}")
+    p = report["prefix_chunks"]
+    console.print(
+        f"restorable prefix: {p} of {report['chunks']} chunk(s) ({p * chunk} of {report['tokens']} tokens) "
+        "held for every group"
+    )
+
+
+__all__ = ["add_inspect_parser", "parse_fingerprint", "parse_tokens"]

@@ -1,0 +1,269 @@
+"""Validated, frozen settings for each part: the tiers, the engine that composes them, the server.
+
+These are the single source of truth: the option table (:mod:`tiercache.config.options`) derives
+every flag, ``TIERCACHE_*`` variable and config-file key from their fields; nothing else re-declares
+the option list. Every check raises :class:`~tiercache.errors.SettingError` naming the field, so a
+loader can say where the bad value came from; the default wording names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.config.units import GiB, MiB
+from tiercache.config.values import DEFAULT_TIERS, parse_tier_list
+from tiercache.errors import SettingError
+
+
+class EvictionPolicyName(enum.StrEnum):
+    """L1 eviction policies: ``lru`` (default) or the frequency-aware ``s3fifo``."""
+
+    LRU = "lru"
+    S3FIFO = "s3fifo"
+
+
+class L3WritePolicy(enum.StrEnum):
+    """When committed chunks go to S3: ``through`` (after L2, asynchronously) or ``back`` (on L2 eviction)."""
+
+    THROUGH = "through"
+    BACK = "back"
+
+
+class LogLevel(enum.StrEnum):
+    """Log levels of the server's own logger."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+def _positive(name: str, label: str, value: float, unit: str = "") -> None:
+    if not value > 0:
+        raise SettingError(name, label, f"must be > 0{unit}, got {value!r}; give a positive value")
+
+
+def _fraction(name: str, label: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise SettingError(name, label, f"must be in (0, 1], got {value!r}; give a fraction such as 0.9")
+
+
+def _at_least_one(name: str, label: str, value: int, fix: str = "") -> None:
+    if value < 1:
+        raise SettingError(name, label, f"must be >= 1, got {value}{fix}")
+
+
+@dataclass(frozen=True, slots=True)
+class GeneralOptions:
+    """The top-level settings: which tiers run (fastest first), how the server logs, and the address
+    its metrics endpoint binds to."""
+
+    tiers: tuple[str, ...] = DEFAULT_TIERS
+    log_level: LogLevel = LogLevel.INFO
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", parse_tier_list(self.tiers))
+        object.__setattr__(self, "log_level", LogLevel(self.log_level))
+        if not self.metrics_host:
+            raise SettingError("metrics_host", "--metrics-host", "is empty; use an address such as 127.0.0.1")
+
+
+@dataclass(frozen=True, slots=True)
+class L1Config:
+    """The shared host-memory arena.
+
+    ``name`` is the shared-memory object (``/dev/shm/<name>``) that workers attach to; ``None`` picks a
+    unique name. Reservations and read leases expire after their TTLs so a crashed client cannot leak
+    the arena.
+    """
+
+    size_bytes: int = 1 * GiB
+    name: str | None = None
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    alignment: int = 4096
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("size_bytes", "--l1-size-gb", self.size_bytes, " bytes")
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise SettingError(
+                "alignment", "L1 alignment", f"must be a power of two, got {self.alignment}; use e.g. 4096"
+            )
+        _positive("reservation_ttl_s", "L1 reservation TTL", self.reservation_ttl_s, " s")
+        _positive("lease_ttl_s", "L1 lease TTL", self.lease_ttl_s, " s")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """The LMDB tier at ``path``.
+
+    ``budget_bytes`` bounds payload bytes; eviction starts above ``high_watermark`` × budget and stops at
+    ``low_watermark`` × budget. The LMDB map is sized ``map_headroom`` × budget (+64 MiB) because large
+    values need *contiguous* free pages (measured: mixed sizes settle ~25% above live data), so
+    ``MDB_MAP_FULL`` does not happen in steady state. ``sync_interval_s`` is how far durability may lag
+    (writes are ``sync=False`` and a background thread calls ``env.sync()``); LMDB stays consistent
+    after a crash either way.
+    """
+
+    path: Path
+    budget_bytes: int = 10 * GiB
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    map_headroom: float = 1.5
+    sync_interval_s: float = 1.0
+    compress: bool = False
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        _positive("budget_bytes", "--disk-size-gb", self.budget_bytes, " bytes")
+        _fraction("high_watermark", "disk high watermark", self.high_watermark)
+        _fraction("low_watermark", "disk low watermark", self.low_watermark)
+        if self.low_watermark >= self.high_watermark:
+            raise SettingError(
+                "low_watermark",
+                "disk low watermark",
+                f"{self.low_watermark} must be below the high watermark {self.high_watermark}",
+            )
+        if self.map_headroom < 1.3:
+            raise SettingError(
+                "map_headroom",
+                "disk map headroom",
+                f"{self.map_headroom} is below 1.3; LMDB needs room for fragmentation of large values "
+                "(use 1.3 or more)",
+            )
+        _positive("sync_interval_s", "disk sync interval", self.sync_interval_s, " s")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config:
+    """The S3 (or S3-compatible) tier.
+
+    Objects live at ``s3://<bucket>/<prefix>/<fingerprint>/g<group>/<prefix hash>``. ``capacity_bytes``
+    bounds the bytes of objects under ``prefix`` (this deployment's namespace); the oldest are deleted
+    beyond it. Credentials come from boto3's standard chain and are never logged.
+    """
+
+    bucket: str
+    prefix: str = "tiercache"
+    endpoint_url: str | None = None
+    region: str | None = None
+    path_style: bool = False
+    capacity_bytes: int = 1024 * GiB
+    max_concurrency: int = 8
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 3
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 10.0
+    exists_ttl_s: float = 300.0
+    missing_ttl_s: float = 5.0
+    compress: bool = False
+    lease_ttl_s: float = 60.0
+    reservation_ttl_s: float = 30.0
+    create_bucket: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise SettingError("bucket", "--s3-bucket", "is required when the s3 tier is enabled")
+        object.__setattr__(self, "prefix", self.prefix.strip("/"))
+        _positive("capacity_bytes", "S3 capacity", self.capacity_bytes, " bytes")
+        _at_least_one("max_concurrency", "S3 max concurrency", self.max_concurrency)
+        _at_least_one("max_attempts", "S3 max attempts", self.max_attempts)
+        _positive("connect_timeout_s", "S3 connect timeout", self.connect_timeout_s, " s")
+        _positive("read_timeout_s", "S3 read timeout", self.read_timeout_s, " s")
+        _at_least_one("breaker_failures", "S3 breaker failures", self.breaker_failures)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine moves chunks between tiers.
+
+    Queues are bounded: when one is full the write is dropped and counted, never blocking a caller.
+    """
+
+    l3_write_policy: L3WritePolicy = L3WritePolicy.THROUGH
+    write_queue_depth: int = 256
+    promote_workers: int = 4
+    write_workers: int = 2
+
+    def __post_init__(self) -> None:
+        _at_least_one(
+            "write_queue_depth", "--write-queue-depth", self.write_queue_depth, "; use e.g. 256 (the default)"
+        )
+        _at_least_one("promote_workers", "--promote-workers", self.promote_workers, "; use e.g. 4 (the default)")
+        _at_least_one("write_workers", "--write-workers", self.write_workers, "; use e.g. 2 (the default)")
+
+
+def default_runtime_dir() -> Path:
+    """Per-user runtime directory for sockets: ``$XDG_RUNTIME_DIR/tiercache`` or ``/tmp/tiercache-<uid>``."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "tiercache"
+    return Path(f"/tmp/tiercache-{os.getuid()}")
+
+
+def default_endpoint() -> str:
+    """Where a server listens, and clients connect, unless told otherwise: an ipc socket in the
+    per-user runtime directory."""
+    return f"ipc://{default_runtime_dir() / 'server.sock'}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How the server listens and treats clients (the tiers have their own configs).
+
+    ``listen`` is a ZMQ endpoint: ``ipc://PATH`` (default: :func:`default_endpoint`, owner-only) or
+    ``tcp://HOST:PORT``, which requires ``auth_secret`` or ``curve_secret_key_file``.
+    ``chunk_size`` is in tokens; every connector must use the server's value. A client that sends
+    nothing for ``heartbeat_timeout_s`` loses its reservations and read leases. ``io_workers`` bounds
+    the executor that runs L2/L3 calls off the request loop. ``max_message_bytes`` bounds any single
+    message (a put over the socket included).
+    """
+
+    listen: str = ""
+    chunk_size: int = 256
+    separate_object_groups: bool = True
+    auth_secret: str | None = field(default=None, repr=False)  # never printed or logged
+    curve_secret_key_file: Path | None = None
+    heartbeat_timeout_s: float = 15.0
+    io_workers: int = 4
+    max_message_bytes: int = 64 * MiB
+    drain_timeout_s: float = 10.0
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            object.__setattr__(self, "listen", default_endpoint())
+        if not (self.listen.startswith("ipc://") or self.listen.startswith("tcp://")):
+            raise SettingError(
+                "listen", "--listen", f"{self.listen!r} is not supported; use ipc:///path/to/socket or tcp://HOST:PORT"
+            )
+        if self.listen.startswith("tcp://") and not (self.auth_secret or self.curve_secret_key_file):
+            raise SettingError(
+                "listen",
+                "--listen",
+                f"{self.listen} is TCP, which needs authentication: set --auth-secret "
+                "(or TIERCACHE_AUTH_SECRET) or --curve-secret-key-file",
+            )
+        if self.chunk_size <= 0:
+            raise SettingError(
+                "chunk_size", "--chunk-size", f"must be a positive number of tokens, got {self.chunk_size}"
+            )
+        _positive("heartbeat_timeout_s", "heartbeat timeout", self.heartbeat_timeout_s, " s")
+        _positive("drain_timeout_s", "drain timeout", self.drain_timeout_s, " s")
+        _at_least_one("io_workers", "io workers", self.io_workers)
+        if self.max_message_bytes < 1 * MiB:
+            raise SettingError(
+                "max_message_bytes", "max message bytes", f"must be >= 1 MiB, got {self.max_message_bytes}"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise SettingError(
+                "metrics_port", "--metrics-port", f"{self.metrics_port} is not a port number (0-65535)"
+            )

@@ -1,0 +1,63 @@
+"""Parsers of user-given values shared by every way of setting them (flags, environment, files,
+vLLM's ``kv_connector_extra_config``). Each returns the value or says, in one line, what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tiercache.errors import ConfigError
+
+#: Tier names in the only order they can be stacked: fastest first.
+TIER_ORDER = ("l1", "disk", "s3")
+
+#: What ``tiercache server`` runs with no flags: the embedded default.
+DEFAULT_TIERS = ("l1", "disk")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(raw: Any) -> bool | None:
+    """``raw`` as a boolean: a bool, or true/false, 1/0, yes/no, on/off in any case (and the ints 1
+    and 0); ``None`` for anything else, so each caller words its own error."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower() if isinstance(raw, str | int) else ""
+    return True if text in _TRUE else False if text in _FALSE else None
+
+
+def parse_tier_list(text: str | Sequence[str], where: str = "--tiers", *, stack: bool = True) -> tuple[str, ...]:
+    """``"l1,disk"`` → ``("l1", "disk")``: known names, each once, not empty.
+
+    ``stack=True`` (a server's tiers) also requires l1 first and the tiers fastest first, since the
+    engine stacks them in that order; ``stack=False`` takes any subset in any order (``tiercache
+    bench`` measures tiers one by one).
+    """
+    items = text.split(",") if isinstance(text, str) else list(text)
+    tiers = tuple(str(t).strip() for t in items if str(t).strip())
+    shown = ",".join(tiers) if tiers else repr(text)
+    unknown = [t for t in tiers if t not in TIER_ORDER]
+    if not tiers or unknown:
+        use = "use l1,disk, l1,s3 or l1,disk,s3" if stack else f"use a comma-separated subset of {','.join(TIER_ORDER)}, e.g. l1,disk"
+        raise ConfigError(
+            f"{where} {shown} is not valid ({'unknown: ' + ','.join(unknown) if unknown else 'empty'}); {use}"
+        )
+    if len(set(tiers)) != len(tiers):
+        raise ConfigError(f"{where} {shown} names a tier twice; name each once, e.g. l1,disk,s3")
+    if not stack:
+        return tiers
+    if tiers[0] != "l1":
+        raise ConfigError(
+            f"{where} {shown} does not start with l1; l1 (the shared-memory arena) is always required "
+            f"because workers copy KV through it: use l1,{','.join(t for t in tiers if t != 'l1')}"
+            if "l1" not in tiers
+            else f"{where} {shown} must start with l1 (tiers go fastest first): use "
+            f"{','.join(t for t in TIER_ORDER if t in tiers)}"
+        )
+    ordered = tuple(t for t in TIER_ORDER if t in tiers)
+    if tiers != ordered:
+        raise ConfigError(
+            f"{where} {shown} is out of order; tiers go fastest first: use {','.join(ordered)}"
+        )
+    return tiers

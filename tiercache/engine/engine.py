@@ -1,0 +1,242 @@
+"""The tiered engine: composes L1 with the lower tiers (L2 disk, L3 S3) into one cache.
+
+What it adds on top of the tiers, and nothing else:
+
+* **lookup** of the longest *restorable* prefix across all tiers (:mod:`tiercache.engine.lookup`);
+* **promotion** of lower-tier hits into L1, pinned for the caller, all-or-nothing
+  (:mod:`tiercache.engine.promotion`);
+* **write-behind** of committed chunks to the lower tiers (:mod:`tiercache.engine.writes`).
+
+The engine knows tiers only through the contract (:class:`~tiercache.tier.Tier`, and
+:class:`~tiercache.tier.FrontTier` for L1).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from time import perf_counter
+
+import msgspec
+
+from tiercache.config.parts import EngineConfig
+from tiercache.engine.counters import EngineCounters, timed_pin
+from tiercache.engine.groups import GroupSpec
+from tiercache.engine.lookup import Locator, LookupResult
+from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
+from tiercache.engine.writes import WriteBehind
+from tiercache.errors import TierCacheError, TierError
+from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier.contract import FrontTier, Tier, WriteHandle
+from tiercache.tier.latency import HistogramSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class TieredEngine:
+    """L1 plus zero or more lower tiers, ordered fastest first (``[disk]``, ``[disk, s3]``, ``[s3]``).
+
+    Thread-safe. Methods marked *non-blocking* do only in-memory work and are safe on a request loop;
+    the rest may wait on I/O and belong on a worker thread.
+    """
+
+    def __init__(
+        self,
+        l1: FrontTier,
+        lower: Sequence[Tier] = (),
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.l1 = l1
+        self.lower = list(lower)
+        self.config = config or EngineConfig()
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+        self._manifests: dict[Fingerprint, LayoutManifest] = {}  # guarded by _lock
+        self._closed = False
+        self._locator = Locator(self.tiers)
+        self._writes = WriteBehind(l1, self.lower, self.config, self.counters)
+        self._promoter = Promoter(l1, self.lower, self.config.promote_workers, self.counters)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued writes have reached their tiers, then make tiers durable.
+
+        Returns ``False`` if ``timeout`` passed first. Blocking; call from a worker or at shutdown.
+        """
+        if not self._writes.flush(timeout):
+            return False
+        for tier in self.lower:
+            tier.flush()
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Drain queues (up to ``timeout``), stop threads and close every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout)
+        self._writes.close()
+        self._promoter.close()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """All tiers, fastest first."""
+        return [self.l1, *self.lower]
+
+    # -- manifests -------------------------------------------------------------------------------
+    def register_manifest(self, manifest: LayoutManifest) -> Fingerprint:
+        """Remember a layout manifest and store it beside the data on the persistent tiers."""
+        fp = manifest.fingerprint()
+        with self._lock:
+            known = fp in self._manifests
+            self._manifests[fp] = manifest
+        if not known:
+            for tier in self.lower:
+                try:
+                    tier.put_manifest(fp, manifest.canonical())
+                except TierCacheError as exc:
+                    log.warning("could not store manifest %s on %s: %s", fp, tier.name, exc)
+        return fp
+
+    def manifest(self, fingerprint: Fingerprint) -> LayoutManifest | None:
+        """The manifest of ``fingerprint``: registered in this process, or stored on a lower tier."""
+        with self._lock:
+            found = self._manifests.get(fingerprint)
+        if found is not None:
+            return found
+        for tier in self.lower:
+            raw = tier.get_manifest(fingerprint)
+            if raw is not None:
+                return LayoutManifest.from_dict(msgspec.json.decode(raw))
+        return None
+
+    # -- write path ------------------------------------------------------------------------------
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle | None:
+        """Reserve an L1 slot for a new chunk; ``None`` (counted) when L1 has no room. Non-blocking."""
+        try:
+            return self.l1.reserve(key, nbytes)
+        except TierError as exc:
+            self.counters.add("stores_dropped")
+            log.debug("store of %s dropped: %s", key, exc)
+            return None
+
+    def commit(self, handle: WriteHandle) -> None:
+        """Publish a filled reservation in L1 and queue it for the lower tiers. Non-blocking."""
+        owed = self._writes.owes
+        t0 = perf_counter()
+        self.l1.commit(handle, owed=owed)
+        self.l1.stats.latency.observe("write", perf_counter() - t0)
+        self.counters.add("stores")
+        if owed:
+            self._writes.queue(handle.key)
+
+    def abort(self, handle: WriteHandle) -> None:
+        """Give a reservation back. Non-blocking."""
+        self.l1.abort(handle)
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> bool:
+        """Store ``data`` under ``key`` in one call; ``False`` if it was dropped. Non-blocking."""
+        view = memoryview(data).cast("B")
+        handle = self.reserve(key, view.nbytes)
+        if handle is None:
+            return False
+        handle.buffer[:] = view
+        self.commit(handle)
+        return True
+
+    # -- read path -------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult:
+        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing).
+
+        Blocking when lower tiers must be asked (LMDB lookups; a few S3 requests for a long prompt);
+        run it on a worker, not on a request loop.
+        """
+        self.counters.add("lookups")
+        found = self._locator.lookup(hashes, groups)
+        if found.chunks:
+            self.counters.add("lookup_chunks_hit", found.chunks)
+        return found
+
+    def prefetch(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int
+    ) -> PrefetchTicket:
+        """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
+
+        Non-blocking: L1 hits are pinned at once; lower-tier objects are copied on the promotion
+        executor. Poll with :meth:`poll`; release with :meth:`release_ticket`.
+        """
+        return self._promoter.prefetch(hashes, groups, chunks)
+
+    def poll(self, ticket: PrefetchTicket) -> TicketState:
+        """Where ``ticket`` stands. Non-blocking."""
+        return self._promoter.poll(ticket)
+
+    def wait(self, ticket: PrefetchTicket, timeout: float | None = None) -> TicketState:
+        """Block until ``ticket`` is decided or ``timeout`` passes. For tools and tests."""
+        return self._promoter.wait(ticket, timeout)
+
+    def release_ticket(self, ticket: PrefetchTicket) -> None:
+        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice."""
+        self._promoter.release(ticket)
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        """A verified copy of one object from the fastest tier, promoting it into L1. Blocking."""
+        handle = timed_pin(self.l1, key)
+        if handle is None:
+            handle = self._promoter.promote_one(key)
+        if handle is None:
+            return None
+        try:
+            return bytes(handle.buffer)
+        finally:
+            self.l1.release(handle)
+
+    def warm(self, key: ObjectKey) -> int | None:
+        """Promote ``key`` into L1 from the fastest lower tier holding it (``tiercache warm``).
+
+        Returns the bytes promoted, ``0`` if L1 already holds it, or ``None`` if it could not be
+        promoted (no lower tier holds it, it failed verification, or L1 has no room). Blocking.
+        """
+        if self.l1.contains(key):
+            return 0
+        handle = self._promoter.promote_one(key)
+        if handle is None:
+            return None
+        try:
+            return handle.buffer.nbytes
+        finally:
+            self.l1.release(handle)
+
+    def delete(self, key: ObjectKey) -> int:
+        """Remove ``key`` from every tier; the number of tiers that held it. Blocking."""
+        return sum(1 for tier in self.tiers if tier.delete(key))
+
+    # -- observation -----------------------------------------------------------------------------
+    def latency(self) -> dict[str, dict[str, HistogramSnapshot]]:
+        """Per tier, histograms of seconds per chunk object read and written (see
+        :attr:`TierStats.latency <tiercache.tier.TierStats.latency>`). Kept apart from
+        :meth:`stats`, whose counters stay small enough for ``tiercache inspect`` and the wire."""
+        return {tier.name: tier.stats.latency.snapshot() for tier in self.tiers}
+
+    def stats(self) -> dict[str, object]:
+        """Engine counters, queue depths, and per-tier usage and counters."""
+        tiers: dict[str, object] = {}
+        for tier in self.tiers:
+            usage = tier.usage()
+            tiers[tier.name] = {
+                "bytes_used": usage.bytes_used,
+                "bytes_budget": usage.bytes_budget,
+                "objects": usage.objects,
+                **tier.stats.snapshot(),
+            }
+        return {"engine": {**self.counters.snapshot(), **self._writes.depths()}, "tiers": tiers}

@@ -1,0 +1,52 @@
+"""Object groups as the engine's lookups see them, and the keys a restorable prefix needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.keys.fingerprint import Fingerprint, GroupKind
+from tiercache.keys.object_key import ObjectKey
+from tiercache.keys import restore
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One object group of a registered engine layout, as the lookup rule needs it.
+
+    ``window_chunks`` is, for a sliding-window group, how many trailing chunks a boundary needs
+    (see :meth:`sliding`); it is ignored for the other kinds.
+    """
+
+    object_group: int
+    kind: GroupKind
+    fingerprint: Fingerprint
+    window_chunks: int = 0
+
+    @classmethod
+    def sliding(
+        cls, object_group: int, fingerprint: Fingerprint, window_tokens: int, chunk_size: int
+    ) -> GroupSpec:
+        """A sliding-window group: the window's tokens span ``ceil(window / chunk)`` whole chunks."""
+        return cls(
+            object_group,
+            GroupKind.SLIDING_WINDOW,
+            fingerprint,
+            restore.window_chunks(window_tokens, chunk_size),
+        )
+
+    def key(self, prefix_hash: bytes) -> ObjectKey:
+        """The object key of this group's object for the chunk ending in ``prefix_hash``."""
+        return ObjectKey(self.fingerprint, self.object_group, prefix_hash)
+
+    def needed(self, hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:
+        """Keys this group needs to restore the first ``boundary`` chunks (:mod:`tiercache.keys.restore`)."""
+        chunks = restore.needed_chunks(self.kind, boundary, self.window_chunks)
+        return [self.key(h) for h in hashes[chunks.start : chunks.stop]]
+
+
+def needed_keys(
+    groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int
+) -> list[ObjectKey]:
+    """Every key needed to restore ``boundary`` chunks for all ``groups``."""
+    return [key for g in groups for key in g.needed(hashes, boundary)]

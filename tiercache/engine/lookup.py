@@ -1,0 +1,110 @@
+"""Lookup: the longest restorable prefix of a chain of chunk hashes across all tiers.
+
+At a boundary of ``T`` chunks every full-attention group needs all chunks before ``T``, every
+sliding-window group the chunks of its trailing window, every recurrent group the state snapshot
+stored under chunk ``T-1`` (:mod:`tiercache.keys.restore`). A hit is reported only when *all* groups
+are satisfied. Local tiers are asked in batches (one call per tier for all of a group's chunks);
+remote tiers (S3) by search, a run of keys at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.engine.groups import GroupSpec
+from tiercache.keys.fingerprint import GroupKind
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier.contract import Tier
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest restorable prefix, in chunks, and where its objects live.
+
+    ``per_tier`` counts the needed objects by the highest tier holding each one (``"l1"``, ``"disk"``,
+    ``"s3"``), so a caller can report hits per tier.
+    """
+
+    chunks: int
+    per_tier: dict[str, int]
+
+
+class Locator:
+    """Answers lookups over ``tiers`` (fastest first). Stateless between calls; thread-safe as the
+    tiers are. Blocking: local tiers may read LMDB, remote ones make a few requests."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = list(tiers)
+        self._remote = [t for t in self._tiers if t.remote]
+
+    def lookup(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult:
+        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing)."""
+        if not groups or not hashes:
+            return LookupResult(0, {})
+        where: dict[ObjectKey, str] = {}
+        boundary = len(hashes)
+        full: list[list[ObjectKey]] = []
+        for g in groups:
+            if g.kind is GroupKind.FULL_ATTENTION:
+                full.append(g.needed(hashes, boundary))
+                boundary = self._present_prefix(full[-1], where)
+        partial = [g for g in groups if g.kind is not GroupKind.FULL_ATTENTION]
+        partial_keys: list[ObjectKey] = []
+        while boundary > 0 and partial:
+            partial_keys = [k for g in partial for k in g.needed(hashes, boundary)]
+            if self._present(partial_keys, where):
+                break
+            boundary -= 1
+        if boundary == 0:
+            return LookupResult(0, {})
+        counts: dict[str, int] = {}
+        for key in [k for keys in full for k in keys[:boundary]] + partial_keys:
+            counts[where[key]] = counts.get(where[key], 0) + 1
+        return LookupResult(boundary, counts)
+
+    def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> None:
+        """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier
+        (one lock on L1, one read transaction on LMDB)."""
+        pending = [k for k in dict.fromkeys(keys) if k not in where]
+        for tier in self._tiers:
+            if not pending or tier.remote:
+                continue
+            found = tier.contains_many(pending)
+            for key, hit in zip(pending, found, strict=True):
+                if hit:
+                    where[key] = tier.name
+            pending = [k for k, hit in zip(pending, found, strict=True) if not hit]
+
+    def _present_prefix(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> int:
+        """How many leading ``keys`` some tier holds; fills ``where`` (remote finds included)."""
+        self._locate(keys, where)
+        i = 0
+        while i < len(keys):
+            if keys[i] in where:
+                i += 1
+                continue
+            # A remote tier answers a whole run with a search instead of one request per chunk.
+            run = 0
+            for tier in self._remote:
+                run = tier.lookup_prefix(keys[i:])
+                if run:
+                    for key in keys[i : i + run]:
+                        where.setdefault(key, tier.name)
+                    break
+            if run == 0:
+                break
+            i += run
+        return i
+
+    def _present(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> bool:
+        """Whether every key is held by some tier (asking remote tiers key by key, cached)."""
+        self._locate(keys, where)
+        for key in keys:
+            if key in where:
+                continue
+            tier = next((t for t in self._remote if t.contains(key)), None)
+            if tier is None:
+                return False
+            where[key] = tier.name
+        return True

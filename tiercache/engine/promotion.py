@@ -1,0 +1,178 @@
+"""Promotion: copy lower-tier hits into L1 and pin what a caller will read, all-or-nothing.
+
+:meth:`Promoter.prefetch` pins L1 hits at once and submits the rest to a bounded executor; the
+caller polls the :class:`PrefetchTicket` (the request loop never waits on L2/L3). The bytes of a
+promotion land in an invisible L1 reservation and are verified there by the lower tier
+(``read_into``); only a verified copy is committed. A ticket settles on the longest boundary whose
+objects are all pinned.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from tiercache.engine.counters import EngineCounters, hold
+from tiercache.engine.groups import GroupSpec, needed_keys
+from tiercache.errors import TierError
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier.contract import FrontTier, ReadHandle, Tier, WriteHandle
+
+log = logging.getLogger(__name__)
+
+
+class TicketState(enum.Enum):
+    """Where a :class:`PrefetchTicket` stands."""
+
+    PENDING = "pending"  # promotions still running
+    READY = "ready"  # ``chunks`` chunks are in L1 and pinned for the caller
+    MISS = "miss"  # nothing restorable after all (lower-tier objects vanished or were corrupt)
+
+
+@dataclass(slots=True)
+class PrefetchTicket:
+    """Promotion of one lookup's objects into L1; poll with :meth:`TieredEngine.poll
+    <tiercache.engine.TieredEngine.poll>`.
+
+    Once READY, ``handles`` pins every object of the first ``chunks`` chunks in L1 (keyed by object
+    key); give them back with ``release_ticket``.
+    """
+
+    ticket_id: int
+    hashes: tuple[bytes, ...]
+    groups: tuple[GroupSpec, ...]
+    target: int
+    state: TicketState = TicketState.PENDING
+    chunks: int = 0
+    handles: dict[ObjectKey, ReadHandle] = field(default_factory=dict)
+    released: bool = False
+    _futures: list[Future[bool]] = field(default_factory=list)
+
+
+class Promoter:
+    """Moves objects from ``lower`` tiers (fastest first) into ``l1`` on ``workers`` threads."""
+
+    def __init__(
+        self, l1: FrontTier, lower: Sequence[Tier], workers: int, counters: EngineCounters
+    ) -> None:
+        self._l1 = l1
+        self._lower = list(lower)
+        self._counters = counters
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards each ticket's ``handles`` and ``released``
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tiercache-promote")
+
+    def prefetch(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int
+    ) -> PrefetchTicket:
+        """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones. Non-blocking."""
+        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks)
+        for key in needed_keys(groups, hashes, chunks):
+            if key in ticket.handles:
+                continue
+            handle = hold(self._l1, key)
+            if handle is not None:
+                ticket.handles[key] = handle
+            else:
+                ticket._futures.append(self._executor.submit(self.promote, ticket, key))
+        if not ticket._futures:
+            self._settle(ticket)
+        return ticket
+
+    def promote(self, ticket: PrefetchTicket, key: ObjectKey) -> bool:
+        """Copy ``key`` from the fastest lower tier holding it into L1, and pin it for ``ticket``.
+
+        Blocking (reads L2/L3). ``False`` (counted) when no lower tier could provide a verified copy
+        or L1 had no room: the caller recomputes rather than waits.
+        """
+        l1 = self._l1
+        for tier in self._lower:
+            dst: list[WriteHandle] = []
+
+            def alloc(nbytes: int, dst: list[WriteHandle] = dst) -> memoryview:
+                dst.append(l1.reserve(key, nbytes))  # TierFullError: L1 has no room
+                return dst[0].buffer
+
+            try:
+                t0 = perf_counter()
+                found = tier.read_into(key, alloc)
+                elapsed = perf_counter() - t0
+            except TierError as exc:
+                log.debug("promotion of %s from %s failed: %s", key, tier.name, exc)
+                if dst:
+                    l1.abort(dst[0])
+                break  # L1 is full or the tier failed: recompute rather than wait
+            if not found:  # a miss, or corrupt here (then dst held unverified bytes)
+                if dst:
+                    l1.abort(dst[0])
+                continue  # a lower tier may still have it
+            tier.stats.latency.observe("read", elapsed)  # hits only: a miss is not a transfer
+            t0 = perf_counter()
+            l1.commit(dst[0])
+            l1.stats.latency.observe("write", perf_counter() - t0)
+            pinned = hold(l1, key)
+            if pinned is None:
+                break
+            with self._lock:
+                late = ticket.released
+                if not late:
+                    ticket.handles[key] = pinned
+            if late:  # the caller gave up on the ticket while we copied
+                l1.release(pinned)
+            self._counters.add("promotions")
+            return True
+        self._counters.add("promotion_failures")
+        return False
+
+    def promote_one(self, key: ObjectKey) -> ReadHandle | None:
+        """Promote ``key`` now (on the caller's thread) and return its L1 pin, or ``None``."""
+        ticket = PrefetchTicket(0, (), (), 0)
+        return ticket.handles.pop(key) if self.promote(ticket, key) else None
+
+    def _settle(self, ticket: PrefetchTicket) -> None:
+        """Decide a finished ticket: the longest boundary whose objects are all pinned."""
+        boundary = ticket.target
+        while boundary > 0:
+            needed = needed_keys(ticket.groups, ticket.hashes, boundary)
+            if all(k in ticket.handles for k in needed):
+                break
+            boundary -= 1
+        keep = set(needed_keys(ticket.groups, ticket.hashes, boundary))
+        for key in [k for k in ticket.handles if k not in keep]:
+            self._l1.release(ticket.handles.pop(key))
+        ticket.chunks = boundary
+        ticket.state = TicketState.READY if boundary > 0 else TicketState.MISS
+
+    def poll(self, ticket: PrefetchTicket) -> TicketState:
+        """Where ``ticket`` stands. Non-blocking."""
+        if ticket.state is TicketState.PENDING and all(f.done() for f in ticket._futures):
+            with self._lock:
+                self._settle(ticket)
+        return ticket.state
+
+    def wait(self, ticket: PrefetchTicket, timeout: float | None = None) -> TicketState:
+        """Block until ``ticket`` is decided or ``timeout`` passes (on the promotions themselves,
+        not by polling)."""
+        wait_futures(ticket._futures, timeout)
+        return self.poll(ticket)
+
+    def release(self, ticket: PrefetchTicket) -> None:
+        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice."""
+        for f in ticket._futures:
+            f.cancel()
+        with self._lock:
+            ticket.released = True
+            handles, ticket.handles = ticket.handles, {}
+        for handle in handles.values():
+            self._l1.release(handle)
+
+    def close(self) -> None:
+        """Stop the promotion threads; queued promotions are cancelled."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,391 @@
+"""The tiercache server: one per node, owning the engine and speaking :mod:`tiercache.wire.protocol`.
+
+Threads:
+
+* ``tiercache-server-loop`` — the request loop. Owns the ROUTER socket and every piece of per-client
+  state (:mod:`tiercache.server.sessions`; no lock needed: only this thread touches it). Does only
+  in-memory work: decoding, L1 reservations/pins/commits (L1 never blocks on I/O), bookkeeping.
+* ``tiercache-server-io-N`` — a bounded executor (``io_workers``) for anything that may touch L2/L3:
+  lookups, promotions, gets, stats, listing, explain, clear, warm, manifest registration. A finished job
+  puts its result on a queue and writes one byte to a wake-up pipe that the loop polls beside the
+  socket; the loop then builds and sends the reply. Jobs never touch per-client state.
+
+The requests themselves are handled by :mod:`tiercache.server.data_ops` (the data path) and
+:mod:`tiercache.server.management_ops` (stats, listing, explain, clear, warm); this module is the
+transport, the dispatch and the lifecycle.
+
+Lifecycle like uvicorn's: :meth:`Server.start` binds and starts the loop; :meth:`Server.serve_forever`
+blocks until :meth:`Server.stop`, which stops accepting requests, drains in-flight jobs, releases every
+client's reservations and leases, flushes the engine and closes the tiers. No signal handling and no
+``sys.exit`` here: the CLI owns both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from tiercache.config.parts import ServerOptions
+from tiercache.engine import TieredEngine
+from tiercache.errors import ConfigError, ServerError
+from tiercache.l1.arena import SharedArena
+from tiercache.l1.tier import L1Tier
+from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
+from tiercache.server.data_ops import DataOps
+from tiercache.server.layouts import Layouts
+from tiercache.server.management_ops import ManagementOps
+from tiercache.server.records import EvictionRecord
+from tiercache.server.replies import Handler, Refused, error_reply
+from tiercache.server.sessions import Session, Sessions
+from tiercache.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+#: In-flight executor jobs allowed per I/O worker before new ones get ``busy`` (bounds memory and
+#: queueing delay; a scheduler would rather recompute than wait behind a deep queue).
+_JOBS_PER_WORKER = 64
+#: Frames above max_message_bytes but below this multiple get an error reply; above it libzmq drops
+#: the connection before the bytes are buffered (``MAXMSGSIZE``), so a huge frame cannot exhaust memory.
+_HARD_LIMIT_FACTOR = 2
+
+
+@dataclass(slots=True)
+class _Completion:
+    identity: bytes
+    req_id: int
+    future: Future[Any]
+    finish: Callable[[Any], p._Msg | None]
+    #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
+    sent: Callable[[p._Msg | None], None] | None = None
+
+
+class Server:
+    """Serve ``engine`` on ``options.listen``. See the module docstring for threads and lifecycle.
+
+    The server takes ownership of ``engine``: :meth:`stop` flushes and closes it.
+    """
+
+    def __init__(self, engine: TieredEngine, options: ServerOptions | None = None) -> None:
+        if not isinstance(engine.l1, L1Tier):
+            raise ConfigError(
+                "the server needs an L1Tier (a shared arena) as the engine's first tier; build the engine with "
+                "tiercache.server.build.build_engine() or pass L1Tier first"
+            )
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self._l1: L1Tier = engine.l1
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._auth: Any = None
+        self._thread: threading.Thread | None = None
+        self._executor = ThreadPoolExecutor(self.options.io_workers, thread_name_prefix="tiercache-server-io")
+        self._max_inflight = self.options.io_workers * _JOBS_PER_WORKER
+        self._completed: queue.SimpleQueue[_Completion] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._stop_requested = threading.Event()
+        self._stopped = threading.Event()
+        self._lifecycle = threading.Lock()  # guards start/stop transitions
+        self._started = False
+        # Loop-thread state (no lock: only the loop thread reads or writes it).
+        self._codec = p.Codec()
+        self._sessions = Sessions(engine, self._l1, self.options)
+        self._inflight = 0
+        self._counters: dict[str, int] = {"requests": 0, "errors": 0}
+        self._received = 0.0  # perf_counter() when the request being handled arrived
+        self.evictions = EvictionRecord()
+        for tier in engine.tiers:
+            tier.stats.listener = self.evictions.listener(tier.name)
+        layouts = Layouts(engine, self.options)
+        data = DataOps(engine, self._l1, self.options, self._sessions, layouts, self._offload, lambda: self._received)
+        management = ManagementOps(engine, layouts, self.evictions, self._offload, self._server_stats)
+        #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
+        self.lookup_latency = data.lookup_latency
+        self._handlers: dict[type, Handler] = {
+            p.Ping: lambda session, msg: p.Pong(),
+            **data.handlers(),
+            **management.handlers(),
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def arena(self) -> SharedArena:
+        """The L1 arena workers attach to (this process's mapping)."""
+        return self._l1.arena
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint clients connect to (for ``tcp://host:0`` the port actually bound)."""
+        if self._sock is not None:
+            last = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+            if isinstance(last, bytes) and last:
+                return last.decode()
+        return self.options.listen
+
+    def start(self) -> None:
+        """Bind the socket (errors raise here, in the caller) and start the request loop thread."""
+        with self._lifecycle:
+            if self._started:
+                return
+            self._bind()
+            self._started = True
+            self._thread = threading.Thread(target=self._run, name="tiercache-server-loop", daemon=True)
+            self._thread.start()
+            log.info("tiercache server listening on %s (arena %s)", self.endpoint, self._l1.arena_name)
+
+    def serve_forever(self) -> None:
+        """Start if needed and block until :meth:`stop` finished. Signal handlers keep running."""
+        self.start()
+        while not self._stopped.wait(0.2):  # short waits so the main thread can run signal handlers
+            pass
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop accepting, drain in-flight work, flush and close the engine. Idempotent.
+
+        Blocks up to about ``timeout`` seconds (default ``options.drain_timeout_s``) for in-flight
+        requests and again for the engine's flush; returns ``False`` if something was cut short.
+        """
+        timeout = self.options.drain_timeout_s if timeout is None else timeout
+        with self._lifecycle:
+            first = not self._stop_requested.is_set()
+            self._stop_requested.set()
+            self._wake()
+            thread = self._thread
+        clean = True
+        if thread is not None:
+            thread.join(timeout + 1.0)
+            clean = not thread.is_alive()
+        if first:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            clean = self.engine.flush(timeout) and clean
+            self.engine.close(timeout)
+            if self._auth is not None:
+                self._auth.stop()
+            if self._ctx is not None:
+                self._ctx.term()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._stopped.set()
+        return clean
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _bind(self) -> None:
+        opts = self.options
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes * _HARD_LIMIT_FACTOR + 4096)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client with the same id takes over
+        try:
+            if opts.listen.startswith("tcp://"):
+                self._auth = setup_curve(ctx, sock, opts)
+                sock.bind(opts.listen)
+            else:
+                path = ipc_path(opts.listen)
+                prepare_ipc(path)
+                sock.bind(opts.listen)
+                secure_ipc(path)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            ctx.term()
+            raise ServerError(f"cannot listen on {opts.listen}: {exc}; is another server using it?") from exc
+        except BaseException:
+            sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            ctx.term()
+            raise
+        self._ctx, self._sock = ctx, sock
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        sweep_every = min(1.0, self.options.heartbeat_timeout_s / 4)
+        next_sweep = time.monotonic() + sweep_every
+        drain_end: float | None = None
+        try:
+            while True:
+                if self._stop_requested.is_set():
+                    if drain_end is None:
+                        drain_end = time.monotonic() + self.options.drain_timeout_s
+                    if self._inflight == 0 or time.monotonic() > drain_end:
+                        break
+                events = dict(poller.poll(100 if drain_end is not None else int(sweep_every * 1000)))
+                if sock in events:
+                    self._read_requests(sock)
+                if self._wake_r in events:
+                    self._drain_wakeups()
+                self._send_completions(sock)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._sessions.expire(now)
+                    next_sweep = now + sweep_every
+        except Exception:  # a bug here must not leave the arena leaked: release below, then report
+            log.exception("tiercache server loop failed")
+        finally:
+            self._sessions.close_all()
+            sock.close(0)
+            self._sock = None
+
+    def _read_requests(self, sock: zmq.Socket[bytes]) -> None:
+        for _ in range(256):  # bounded batch so completions are not starved by a flood
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            identity = frames[0]
+            reply = self._handle(identity, frames[1:])
+            if reply is not None:
+                self._send(sock, identity, reply)
+
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p._Msg) -> None:
+        if isinstance(reply, p.ErrorReply):
+            self._counters["errors"] += 1
+        try:
+            sock.send_multipart([identity, self._codec.encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("reply to a client dropped: its queue is full")
+        except zmq.ZMQError as exc:
+            log.debug("reply to a client dropped: %s", exc)
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> p._Msg | None:
+        """Decode and dispatch one request; every failure becomes an error reply."""
+        self._received = time.perf_counter()
+        self._counters["requests"] += 1
+        now = time.monotonic()
+        session = self._sessions.get(identity)
+        if session is not None:
+            session.last_seen = now
+        frame = frames[0]
+        if len(frames) != 1:
+            return p.ErrorReply(code=p.ErrorCode.MALFORMED, message=f"a request is one frame, got {len(frames)}")
+        if len(frame) > self.options.max_message_bytes:
+            return p.ErrorReply(
+                code=p.ErrorCode.TOO_LARGE,
+                message=f"message of {len(frame)} bytes exceeds the server's max_message_bytes "
+                f"{self.options.max_message_bytes}; store large chunks through the arena",
+            )
+        try:
+            msg = self._codec.requests.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            req_id, code, message = self._codec.classify_bad_request(frame)
+            return p.ErrorReply(req_id=req_id, code=code, message=message)
+        try:
+            if self._stop_requested.is_set():
+                raise Refused(p.ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry on its successor")
+            if isinstance(msg, p.Challenge):
+                reply: p._Msg | None = self._sessions.challenge(identity)
+            elif isinstance(msg, p.Hello):
+                reply = self._sessions.hello(identity, msg, now)
+            elif session is None:
+                raise Refused(
+                    p.ErrorCode.HELLO_REQUIRED,
+                    "send hello first (new connection, or the server restarted)",
+                )
+            else:
+                reply = self._handlers[type(msg)](session, msg)
+        except Refused as exc:
+            return p.ErrorReply(req_id=msg.req_id, code=exc.code, message=exc.message)
+        except Exception as exc:  # never crash the loop on client input
+            return error_reply(msg.req_id, exc)
+        if reply is not None:
+            reply.req_id = msg.req_id
+        return reply
+
+    # -- offloading to the I/O executor ----------------------------------------------------------
+    def _offload(
+        self,
+        session: Session,
+        req_id: int,
+        job: Callable[[], Any],
+        finish: Callable[[Any], p._Msg | None],
+        sent: Callable[[p._Msg | None], None] | None = None,
+    ) -> None:
+        """Run ``job`` on the I/O executor; ``finish(result)`` then runs on the loop and its reply
+        is sent, then ``sent(reply)`` is called. Raises ``busy`` when the executor already has its
+        bound of jobs."""
+        if self._inflight >= self._max_inflight:
+            raise Refused(p.ErrorCode.BUSY, f"{self._inflight} requests in flight; retry shortly")
+        self._inflight += 1
+        identity = session.identity
+
+        def done(fut: Future[Any]) -> None:
+            self._completed.put(_Completion(identity, req_id, fut, finish, sent))
+            self._wake()
+
+        self._executor.submit(job).add_done_callback(done)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (the loop is already due to wake) or closed at shutdown
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _send_completions(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                c = self._completed.get_nowait()
+            except queue.Empty:
+                return
+            self._inflight -= 1
+            try:
+                reply = c.finish(c.future.result())
+            except Exception as exc:
+                reply = error_reply(c.req_id, exc)
+            if reply is not None:
+                reply.req_id = c.req_id
+                self._send(sock, c.identity, reply)
+            if c.sent is not None:
+                c.sent(reply)
+
+    # -- observation -----------------------------------------------------------------------------
+    def _server_stats(self) -> dict[str, int]:
+        """The server's own counters for the ``stats`` reply. Request loop."""
+        return {
+            **self._counters,
+            "clients_expired": self._sessions.expired,
+            **self._sessions.counts(),
+            "in_flight": self._inflight,
+            "eviction_records": len(self.evictions),
+        }
+
+    def metrics_stats(self) -> dict[str, Any]:
+        """What ``/metrics`` exports: :meth:`TieredEngine.stats` plus latency histograms (lookups by
+        outcome, per-tier transfers). Thread-safe: called on the metrics server's thread."""
+        return {
+            **self.engine.stats(),
+            "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
+        }

@@ -1,0 +1,231 @@
+"""The data path's requests: registration, lookup and promotion tickets, the arena's two-phase
+stores and loads, and bytes over the socket for tools.
+
+Stores and pins touch only L1, which never blocks: they are answered on the request loop. Anything
+that may touch L2/L3 (registration, lookups, gets, deletes) is offloaded to the I/O executor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tiercache.config.parts import ServerOptions
+from tiercache.engine import LookupResult, PrefetchTicket, TicketState, TieredEngine, needed_keys
+from tiercache.errors import TierFullError
+from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
+from tiercache.keys.object_key import ObjectKey
+from tiercache.l1.tier import L1Tier
+from tiercache.server.layouts import Layouts, check_hashes
+from tiercache.server.replies import Handler, Offload, Refused, parse_key
+from tiercache.server.sessions import Session, Sessions
+from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.tier.latency import LatencySet
+from tiercache.wire import protocol as p
+
+#: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
+LOOKUP_OUTCOMES = ("hit", "miss", "error")
+
+
+class DataOps:
+    """Handlers of the data path's requests. Every method runs on the request loop."""
+
+    def __init__(
+        self,
+        engine: TieredEngine,
+        l1: L1Tier,
+        options: ServerOptions,
+        sessions: Sessions,
+        layouts: Layouts,
+        offload: Offload,
+        arrival: Callable[[], float],
+    ) -> None:
+        self._engine = engine
+        self._l1 = l1
+        self._options = options
+        self._sessions = sessions
+        self._layouts = layouts
+        self._offload = offload
+        self._arrival = arrival  # perf_counter() when the request being handled arrived
+        #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
+        self.lookup_latency = LatencySet(LOOKUP_OUTCOMES)
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            p.RegisterEngine: self.register,
+            p.Lookup: self.lookup,
+            p.PollTicket: self.poll_ticket,
+            p.ReleaseTicket: self.release_ticket,
+            p.Reserve: self.reserve,
+            p.Commit: self.commit,
+            p.Abort: self.abort,
+            p.Pin: self.pin,
+            p.Release: self.release,
+            p.Put: self.put,
+            p.Get: self.get,
+            p.Delete: self.delete,
+        }
+
+    # -- registration ----------------------------------------------------------------------------
+    def register(self, session: Session, msg: p.RegisterEngine) -> None:
+        parsed = self._layouts.check(msg)
+
+        def job() -> list[tuple[int, Fingerprint, LayoutManifest]]:
+            return [(group, self._engine.register_manifest(m), m) for group, m in parsed]
+
+        def finish(done: list[tuple[int, Fingerprint, LayoutManifest]]) -> p._Msg:
+            return p.RegisterReply(groups=[self._layouts.record(fp, group, m) for group, fp, m in done])
+
+        self._offload(session, msg.req_id, job, finish)
+
+    # -- lookup and promotion --------------------------------------------------------------------
+    def lookup(self, session: Session, msg: p.Lookup) -> None:
+        check_hashes(msg.hashes)
+        if not msg.groups:
+            raise Refused(p.ErrorCode.INVALID, "lookup needs at least one group")
+        engine = self._engine
+
+        def job() -> tuple[LookupResult, PrefetchTicket | None]:
+            specs = self._layouts.resolve(msg.groups)
+            found = engine.lookup(msg.hashes, specs)
+            ticket = None
+            if msg.prefetch and found.chunks > 0:
+                target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
+                ticket = engine.prefetch(msg.hashes, specs, target)
+                engine.poll(ticket)
+            return found, ticket
+
+        identity = session.identity
+        received = self._arrival()
+
+        def sent(reply: p._Msg | None) -> None:
+            if reply is None:  # the client went away: nothing was answered
+                return
+            if isinstance(reply, p.LookupReply):
+                outcome = "hit" if reply.chunks > 0 else "miss"
+            else:
+                outcome = "error"
+            self.lookup_latency.observe(outcome, time.perf_counter() - received)
+
+        def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p._Msg | None:
+            found, ticket = result
+            owner = self._sessions.get(identity)
+            if ticket is None:
+                return p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
+            if owner is None:  # the client went away while we looked
+                engine.release_ticket(ticket)
+                return None
+            self._sessions.hold_ticket(owner, ticket)
+            return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
+
+        self._offload(session, msg.req_id, job, finish, sent)
+
+    def _ticket_reply(self, ticket: PrefetchTicket, reply: p.LookupReply) -> p.LookupReply:
+        state = self._engine.poll(ticket)
+        reply.ticket = ticket.ticket_id
+        reply.state = p.TicketStateName(state.value)
+        if state is TicketState.READY:
+            reply.ready_chunks = ticket.chunks
+            slots = []
+            seen: set[ObjectKey] = set()
+            for key in needed_keys(ticket.groups, ticket.hashes, ticket.chunks):
+                if key in seen:
+                    continue
+                seen.add(key)
+                handle = ticket.handles[key]
+                where = self._l1.slot_of(handle)
+                slots.append(p.Slot(key.to_bytes(), where.offset, where.nbytes, handle.token))
+            reply.slots = slots
+        return reply
+
+    def poll_ticket(self, session: Session, msg: p.PollTicket) -> p._Msg:
+        ticket = self._sessions.ticket(session, msg.ticket)
+        return self._ticket_reply(ticket, p.LookupReply(chunks=ticket.target, per_tier={}))
+
+    def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p._Msg:
+        self._engine.release_ticket(self._sessions.drop_ticket(session, msg.ticket))
+        return p.Done(count=1)
+
+    # -- store path (L1 only: never blocks) -----------------------------------------------------
+    def reserve(self, session: Session, msg: p.Reserve) -> p._Msg:
+        items = []
+        for raw, nbytes in msg.items:
+            if not 0 <= nbytes <= self._l1.arena.size:
+                raise Refused(p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}")
+            items.append((parse_key(raw), nbytes))
+        try:
+            handles = self._l1.reserve_many(items)
+        except TierFullError:
+            self._engine.counters.add("stores_dropped", len(items))
+            raise
+        slots: list[p.Slot | None] = []
+        for handle in handles:
+            self._sessions.hold_reservation(session, handle)
+            slots.append(self._slot(handle))
+        return p.SlotsReply(slots=slots)
+
+    def commit(self, session: Session, msg: p.Commit) -> p._Msg:
+        handles = self._sessions.claim_reservations(session, msg.tokens)
+        for handle in handles:
+            self._sessions.forget_reservation(session, handle)
+            self._engine.commit(handle)
+        return p.Done(count=len(handles))
+
+    def abort(self, session: Session, msg: p.Abort) -> p._Msg:
+        handles = self._sessions.claim_reservations(session, msg.tokens)
+        for handle in handles:
+            self._sessions.forget_reservation(session, handle)
+            self._engine.abort(handle)
+        return p.Done(count=len(handles))
+
+    def pin(self, session: Session, msg: p.Pin) -> p._Msg:
+        keys = [parse_key(raw) for raw in msg.keys]
+        slots: list[p.Slot | None] = []
+        t0 = time.perf_counter()
+        handles = self._l1.pin_many(keys)
+        hits = sum(1 for h in handles if h is not None)
+        if hits:  # one lock round trip for all: each hit gets its share, as a "read" of L1
+            share = (time.perf_counter() - t0) / hits
+            for _ in range(hits):
+                self._l1.stats.latency.observe("read", share)
+        for handle in handles:
+            if handle is None:
+                slots.append(None)
+                continue
+            self._sessions.hold_lease(session, handle)
+            slots.append(self._slot(handle))
+        return p.SlotsReply(slots=slots)
+
+    def _slot(self, handle: WriteHandle | ReadHandle) -> p.Slot:
+        """Where a reservation's or lease's bytes live in the arena, as the client sees it."""
+        where = self._l1.slot_of(handle)
+        return p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token)
+
+    def release(self, session: Session, msg: p.Release) -> p._Msg:
+        handles = self._sessions.claim_leases(session, msg.tokens)
+        for handle in handles:
+            self._sessions.forget_lease(session, handle)
+        self._l1.release_many(handles)
+        return p.Done(count=len(handles))
+
+    # -- bytes over the socket (tools, remote clients) ------------------------------------------
+    def put(self, session: Session, msg: p.Put) -> p._Msg:
+        return p.Done(count=int(self._engine.put(parse_key(msg.key), msg.data)))
+
+    def get(self, session: Session, msg: p.Get) -> None:
+        key = parse_key(msg.key)
+        limit = self._options.max_message_bytes
+
+        def finish(data: bytes | None) -> p._Msg:
+            if data is not None and len(data) > limit - 1024:
+                raise Refused(p.ErrorCode.TOO_LARGE, f"{key} has {len(data)} bytes, over max_message_bytes {limit}; load it through the arena")
+            return p.DataReply(data=data)
+
+        self._offload(session, msg.req_id, lambda: self._engine.get(key), finish)
+
+    def delete(self, session: Session, msg: p.Delete) -> None:
+        key = parse_key(msg.key)
+        self._offload(session, msg.req_id, lambda: self._engine.delete(key), lambda n: p.Done(count=n))
+
+
+__all__ = ["LOOKUP_OUTCOMES", "DataOps"]

@@ -1,0 +1,84 @@
+"""How the server refuses: a request it answers with an error reply, and the one mapping from an
+exception to the reply the client gets. A refusal never escapes the request loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tiercache.errors import (
+    ConfigError,
+    KeyFormatError,
+    LeaseError,
+    ReservationError,
+    TierCacheError,
+    TierFullError,
+)
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+#: A request handler: given the session and the decoded message, the reply to send now, or
+#: ``None`` when the reply comes later (the work was offloaded to the I/O executor).
+Handler = Callable[[Any, Any], p._Msg | None]
+
+
+class Refused(Exception):
+    """A request the server answers with an error reply (never escapes the loop)."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def error_reply(req_id: int, exc: BaseException) -> p.ErrorReply:
+    """The error reply for a request that raised ``exc``; an unexpected exception is logged."""
+    if isinstance(exc, Refused):
+        code, message = exc.code, exc.message
+    elif isinstance(exc, TierFullError):
+        code, message = p.ErrorCode.TIER_FULL, str(exc)
+    elif isinstance(exc, ReservationError | LeaseError):
+        code, message = p.ErrorCode.UNKNOWN_TOKEN, str(exc)
+    elif isinstance(exc, KeyFormatError | ConfigError | ValueError):
+        code, message = p.ErrorCode.INVALID, str(exc)
+    elif isinstance(exc, TierCacheError):
+        code, message = p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    else:
+        log.exception("request %d failed", req_id, exc_info=exc)
+        code, message = p.ErrorCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+    return p.ErrorReply(req_id=req_id, code=code, message=message)
+
+
+class Offload(Protocol):
+    """Run ``job`` on the I/O executor; ``finish(result)`` then runs on the request loop and its
+    reply is sent to the session, then ``sent(reply)`` is called (``reply`` is ``None`` when nothing
+    was sent). Raises :class:`Refused` (``busy``) when the executor already has its bound of jobs."""
+
+    def __call__(
+        self,
+        session: Any,
+        req_id: int,
+        job: Callable[[], Any],
+        finish: Callable[[Any], p._Msg | None],
+        sent: Callable[[p._Msg | None], None] | None = None,
+    ) -> None: ...
+
+
+def parse_key(raw: bytes) -> ObjectKey:
+    """The object key encoded in ``raw``, or :class:`Refused` (``invalid``)."""
+    try:
+        return ObjectKey.from_bytes(raw)
+    except KeyFormatError as exc:
+        raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
+
+
+def parse_fingerprint(raw: bytes) -> Fingerprint:
+    """The fingerprint in ``raw``, or :class:`Refused` (``invalid``)."""
+    try:
+        return Fingerprint(raw)
+    except KeyFormatError as exc:
+        raise Refused(p.ErrorCode.INVALID, str(exc)) from exc

@@ -1,0 +1,217 @@
+"""Who holds what: one session per connected client (ROUTER identity), and the handshake.
+
+A session owns the client's open reservations, read leases and promotion tickets; the tokens of all
+sessions are indexed so that a client naming another's token is told ``not_owner`` rather than
+``unknown_token``. A client silent for the heartbeat timeout loses its session and everything it
+held, so a crashed worker cannot leak the arena. Everything here runs on the server's request loop
+only: no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache import __version__ as SERVER_VERSION
+from tiercache.config.parts import ServerOptions
+from tiercache.engine import PrefetchTicket, TieredEngine
+from tiercache.l1.tier import L1Tier
+from tiercache.server.replies import Refused
+from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.wire import protocol as p
+from tiercache.wire.auth import check_proof
+
+log = logging.getLogger(__name__)
+
+#: Challenges handed out but not yet used (a stranger cannot grow this without bound).
+_MAX_PENDING_NONCES = 4096
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """What one connected client (ROUTER identity) holds."""
+
+    identity: bytes
+    name: str
+    last_seen: float
+    reservations: dict[int, WriteHandle] = field(default_factory=dict)
+    leases: dict[int, ReadHandle] = field(default_factory=dict)
+    tickets: dict[int, PrefetchTicket] = field(default_factory=dict)
+
+
+class Sessions:
+    """Every session, the owner of every open token, and the handshake that opens a session."""
+
+    def __init__(self, engine: TieredEngine, l1: L1Tier, options: ServerOptions) -> None:
+        self._engine = engine
+        self._l1 = l1
+        self._options = options
+        self.by_identity: dict[bytes, Session] = {}
+        self._owner: dict[int, bytes] = {}  # reservation/lease token -> client identity
+        self._ticket_owner: dict[int, bytes] = {}
+        self._nonces: OrderedDict[bytes, bytes] = OrderedDict()
+        self.expired = 0  # sessions dropped for missed heartbeats
+
+    def get(self, identity: bytes) -> Session | None:
+        return self.by_identity.get(identity)
+
+    def __len__(self) -> int:
+        return len(self.by_identity)
+
+    # -- the handshake -------------------------------------------------------------------------
+    def challenge(self, identity: bytes) -> p.ChallengeReply:
+        """A fresh single-use nonce for ``identity`` to prove the shared secret with."""
+        nonce = secrets.token_bytes(32)
+        self._nonces[identity] = nonce
+        self._nonces.move_to_end(identity)
+        while len(self._nonces) > _MAX_PENDING_NONCES:
+            self._nonces.popitem(last=False)
+        return p.ChallengeReply(nonce=nonce)
+
+    def hello(self, identity: bytes, msg: p.Hello, now: float) -> p.HelloReply:
+        """Check the version and the secret's proof, then open (or refresh) the session."""
+        if msg.protocol_version != p.PROTOCOL_VERSION:
+            raise Refused(
+                p.ErrorCode.VERSION_MISMATCH,
+                f"client speaks protocol {msg.protocol_version}, this server {p.PROTOCOL_VERSION} "
+                f"(tiercache {SERVER_VERSION}); install matching tiercache versions",
+            )
+        secret = self._options.auth_secret
+        if secret:
+            nonce = self._nonces.pop(identity, None)
+            if nonce is None or not check_proof(secret, nonce, msg.auth):
+                raise Refused(
+                    p.ErrorCode.AUTH_FAILED,
+                    "this server requires the shared secret: give the client the same auth secret "
+                    "as the server (--auth-secret / TIERCACHE_AUTH_SECRET)",
+                )
+        session = self.by_identity.get(identity)
+        if session is None:
+            self.by_identity[identity] = Session(identity, msg.client_name[:128], now)
+        else:
+            session.last_seen = now
+        opts = self._options
+        return p.HelloReply(
+            protocol_version=p.PROTOCOL_VERSION,
+            server_version=SERVER_VERSION,
+            chunk_size=opts.chunk_size,
+            separate_object_groups=opts.separate_object_groups,
+            arena_name=self._l1.arena_name,
+            arena_size=self._l1.arena.size,
+            heartbeat_timeout_s=opts.heartbeat_timeout_s,
+            max_message_bytes=opts.max_message_bytes,
+        )
+
+    # -- what sessions hold --------------------------------------------------------------------
+    def hold_reservation(self, session: Session, handle: WriteHandle) -> None:
+        session.reservations[handle.token] = handle
+        self._owner[handle.token] = session.identity
+
+    def hold_lease(self, session: Session, handle: ReadHandle) -> None:
+        session.leases[handle.token] = handle
+        self._owner[handle.token] = session.identity
+
+    def hold_ticket(self, session: Session, ticket: PrefetchTicket) -> None:
+        session.tickets[ticket.ticket_id] = ticket
+        self._ticket_owner[ticket.ticket_id] = session.identity
+
+    def claim_reservations(self, session: Session, tokens: list[int]) -> list[WriteHandle]:
+        """The reservations behind ``tokens``, if all are this client's (checked before any is used)."""
+        handles: list[WriteHandle] = self._claim(session.reservations, tokens, "reservation")
+        return handles
+
+    def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle]:
+        """The leases behind ``tokens``, if all are this client's (checked before any is used)."""
+        handles: list[ReadHandle] = self._claim(session.leases, tokens, "lease")
+        return handles
+
+    def forget_reservation(self, session: Session, handle: WriteHandle) -> None:
+        """The client is done with ``handle`` (committed or aborted)."""
+        del session.reservations[handle.token]
+        self._owner.pop(handle.token, None)
+
+    def forget_lease(self, session: Session, handle: ReadHandle) -> None:
+        """The client released ``handle``."""
+        del session.leases[handle.token]
+        self._owner.pop(handle.token, None)
+
+    def ticket(self, session: Session, ticket_id: int) -> PrefetchTicket:
+        """The client's open ticket ``ticket_id``."""
+        ticket = session.tickets.get(ticket_id)
+        if ticket is None:
+            if ticket_id in self._ticket_owner:
+                raise Refused(p.ErrorCode.NOT_OWNER, f"ticket {ticket_id} belongs to another client")
+            raise Refused(p.ErrorCode.UNKNOWN_TOKEN, f"no open ticket {ticket_id}; look up again")
+        return ticket
+
+    def drop_ticket(self, session: Session, ticket_id: int) -> PrefetchTicket:
+        """Remove and return the client's open ticket ``ticket_id``."""
+        ticket = self.ticket(session, ticket_id)
+        del session.tickets[ticket_id]
+        self._ticket_owner.pop(ticket_id, None)
+        return ticket
+
+    def _claim(self, own: dict[int, Any], tokens: list[int], kind: str) -> list[Any]:
+        """The handles behind ``tokens`` if all are this client's (checked before acting on any)."""
+        handles = []
+        for token in tokens:
+            handle = own.get(token)
+            if handle is None:
+                if token in self._owner:
+                    raise Refused(p.ErrorCode.NOT_OWNER, f"{kind} {token} belongs to another client")
+                raise Refused(
+                    p.ErrorCode.UNKNOWN_TOKEN,
+                    f"no open {kind} {token}: never issued, already finished, or released when this "
+                    "client missed its heartbeats",
+                )
+            handles.append(handle)
+        return handles
+
+    # -- ending sessions -----------------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        """Drop every session silent for longer than the heartbeat timeout, releasing what it held."""
+        limit = self._options.heartbeat_timeout_s
+        for session in [s for s in self.by_identity.values() if now - s.last_seen > limit]:
+            log.info(
+                "client %r silent for %.1f s; releasing its reservations and leases",
+                session.name,
+                now - session.last_seen,
+            )
+            self._release(session)
+            del self.by_identity[session.identity]
+            self.expired += 1
+
+    def close_all(self) -> None:
+        """Release what every session holds (the server is stopping)."""
+        for session in list(self.by_identity.values()):
+            self._release(session)
+        self.by_identity.clear()
+
+    def _release(self, session: Session) -> None:
+        for token, handle in session.reservations.items():
+            self._owner.pop(token, None)
+            self._engine.abort(handle)
+        if session.leases:
+            for token in session.leases:
+                self._owner.pop(token, None)
+            self._l1.release_many(list(session.leases.values()))
+        for ticket_id, ticket in session.tickets.items():
+            self._ticket_owner.pop(ticket_id, None)
+            self._engine.release_ticket(ticket)
+        session.reservations.clear()
+        session.leases.clear()
+        session.tickets.clear()
+
+    # -- observation ---------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Clients, and what they hold, for the server's stats."""
+        sessions = self.by_identity.values()
+        return {
+            "clients": len(self.by_identity),
+            "reservations": sum(len(s.reservations) for s in sessions),
+            "leases": sum(len(s.leases) for s in sessions),
+            "tickets": len(self._ticket_owner),
+        }

@@ -1,0 +1,258 @@
+"""The tier contract: what L1, L2 and L3 each implement, and all the engine knows of them.
+
+Two-phase moves on every tier:
+
+* **write**: :meth:`Tier.reserve` returns a :class:`WriteHandle` whose ``buffer`` the caller fills,
+  then :meth:`Tier.commit` makes the object visible (or :meth:`Tier.abort` drops it). An object is
+  never visible before its commit, and a reservation that is never finished expires.
+* **read**: :meth:`Tier.pin` returns a :class:`ReadHandle` whose ``buffer`` holds the *verified*
+  payload and stays valid until :meth:`Tier.release`. A pinned object is never evicted (until its
+  lease expires). A corrupt object is a miss (``None``), deleted and counted — never a hit.
+
+Nine methods are abstract: the write pair (``reserve``, ``commit``, ``abort``), the read pair
+(``pin``, ``release``), and ``contains``, ``delete``, ``usage`` and ``iter_keys``. Everything else
+has a default written in terms of them, which a tier overrides only to be faster (L2's :meth:`put`
+writes straight from the caller's buffer, L3's :meth:`lookup_prefix` searches instead of asking once
+per chunk) or to add a capability (manifests on the persistent tiers, eviction hand-over on L2).
+
+:class:`FrontTier` is the engine's first tier (L1): the one tier that may hold the only copy of an
+object a lower tier is still owed. Batched calls, slot offsets and the arena are L1's own interface
+(:class:`~tiercache.l1.tier.L1Tier`), not part of any contract.
+
+Tiers are synchronous and thread-safe. They may block on I/O (LMDB, S3); the engine calls L2/L3 only
+from its own bounded executors, never from a request loop. Only L1 promises that its calls do not
+block on I/O.
+
+:class:`tiercache.testing.tier_suite.TierSuite` checks all of this against any tier from one fixture.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tiercache.errors import TierError
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier.stats import TierStats
+
+#: ``listener(key, payload)``: handed each object a tier evicts for capacity (write-back uses it).
+EvictionListener = Callable[[ObjectKey, memoryview], None]
+
+
+class WriteHandle(NamedTuple):
+    """A reservation: fill ``buffer`` (exactly ``nbytes``), then commit or abort it.
+
+    Handles are immutable tuples: one is made per chunk on the hottest path, and a tuple is built in
+    a third of the time of a frozen dataclass.
+    """
+
+    key: ObjectKey
+    nbytes: int
+    buffer: memoryview
+    token: int
+    expires_at: float
+
+
+class ReadHandle(NamedTuple):
+    """A pinned, verified object: ``buffer`` is valid until the handle is released."""
+
+    key: ObjectKey
+    buffer: memoryview
+    token: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes and objects a tier holds against its budget (payload bytes, not file sizes)."""
+
+    bytes_used: int
+    bytes_budget: int
+    objects: int
+
+
+class Tier(ABC):
+    """One storage tier. See the module docstring for the contract."""
+
+    #: Short name used in stats, logs and the CLI ("l1", "disk", "s3").
+    name: str = "tier"
+    #: True when every lookup costs a network round trip (S3): the engine then asks
+    #: :meth:`lookup_prefix` for whole runs of keys instead of :meth:`contains` per key.
+    remote: bool = False
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+
+    # -- writes --------------------------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        """Reserve room for ``nbytes`` under ``key``; evicts if needed.
+
+        Raises :class:`~tiercache.errors.TierFullError` if no room can be made. Reserving a key that is
+        already committed is allowed; the new object replaces the old one at commit. A reservation
+        neither committed nor aborted expires after the tier's reservation TTL (counted in
+        ``stats.expired_reservations``).
+        """
+
+    @abstractmethod
+    def commit(self, handle: WriteHandle) -> None:
+        """Make the reserved object visible.
+
+        Raises :class:`~tiercache.errors.ReservationError` if the reservation is unknown, finished
+        or expired.
+        """
+
+    @abstractmethod
+    def abort(self, handle: WriteHandle) -> None:
+        """Drop a reservation; a no-op if it already expired or finished."""
+
+    # -- reads ---------------------------------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is (believed) committed here. Cheap; does not verify the bytes."""
+
+    @abstractmethod
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
+        """Verified payload of ``key``, held until :meth:`release`; ``None`` on a miss.
+
+        A failed verification deletes the object, counts ``verify_failures`` and returns ``None``.
+        A lease not released within the tier's lease TTL expires (``stats.expired_leases``) and no
+        longer protects the object from eviction. ``count=False`` is for the engine's own reads that
+        serve no reader (the source of a write to a lower tier): neither a hit nor a miss, and no
+        recency touch.
+        """
+
+    @abstractmethod
+    def release(self, handle: ReadHandle) -> None:
+        """End a pin. Releasing twice or after expiry is harmless."""
+
+    # -- management ----------------------------------------------------------------------------
+    @abstractmethod
+    def delete(self, key: ObjectKey) -> bool:
+        """Remove ``key``; ``True`` if it was there. Pinned objects go once released."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """Bytes and objects held against the budget."""
+
+    @abstractmethod
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        """Every committed key (order unspecified)."""
+
+    # -- defaults ------------------------------------------------------------------------------
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        """Every committed key, most recently used first where the tier keeps a use order (the
+        disk tier's LRU records, the S3 tier's index); :meth:`iter_keys` order otherwise. What
+        ``tiercache warm`` promotes first under a byte budget."""
+        return self.iter_keys()
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` in one call (reserve, copy, commit)."""
+        view = memoryview(data).cast("B")
+        handle = self.reserve(key, view.nbytes)
+        try:
+            handle.buffer[:] = view
+        except BaseException:
+            self.abort(handle)
+            raise
+        self.commit(handle)
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        """A verified copy of the payload of ``key``, or ``None`` on a miss."""
+        handle = self.pin(key)
+        if handle is None:
+            return None
+        try:
+            return bytes(handle.buffer)
+        finally:
+            self.release(handle)
+
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+        """Copy the verified payload of ``key`` into ``alloc(payload length)``; ``False`` on a miss.
+
+        For moving an object into a buffer the caller owns (promotion into an L1 reservation). A
+        tier may copy first and verify the destination; so after a ``False`` for which ``alloc``
+        was called the destination holds unverified bytes and must be discarded. Default: pin,
+        copy, release.
+        """
+        handle = self.pin(key)
+        if handle is None:
+            return False
+        try:
+            alloc(handle.buffer.nbytes)[:] = handle.buffer
+        finally:
+            self.release(handle)
+        return True
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """:meth:`contains` for each key; tiers override it to answer in one lock or transaction."""
+        return [self.contains(key) for key in keys]
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading ``keys`` are present. Tiers with costly lookups override this."""
+        for i, key in enumerate(keys):
+            if not self.contains(key):
+                return i
+        return len(keys)
+
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        """Keep a layout manifest (canonical JSON) beside the data. No-op on tiers that do not persist."""
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        """The manifest stored for ``fingerprint``, or ``None``."""
+        return None
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        """Every stored ``(fingerprint, manifest JSON)``."""
+        return iter(())
+
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        """Have ``listener(key, payload)`` called before each capacity eviction (write-back uses it).
+
+        The payload view is only valid during the call. Default: refuse, so that write-back to a
+        tier that cannot hand over its evictions fails at start-up instead of silently never writing.
+        """
+        raise TierError(
+            f"the {self.name} tier cannot hand evicted objects to a listener, so nothing would be "
+            "written back from it; use --l3-write-policy through, or write back from the disk tier"
+        )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Make committed objects durable (LMDB sync). No-op where commit already is durable."""
+
+    def close(self) -> None:
+        """Release files, sockets and memory. Idempotent."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FrontTier(Tier):
+    """The engine's first tier (L1): it may hold the only copy of an object while a lower tier is
+    still owed it, and must not evict such an object until the engine settles the debt."""
+
+    @abstractmethod
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        """Make the reserved object visible; ``owed=True``: keep it from eviction until
+        :meth:`settle`. Raises :class:`~tiercache.errors.ReservationError` as :meth:`Tier.commit`."""
+
+    @abstractmethod
+    def settle(self, key: ObjectKey) -> None:
+        """A lower tier now holds ``key`` (or will never get it): it may be evicted again."""
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked."""
+        view = memoryview(data).cast("B")
+        handle = self.reserve(key, view.nbytes)
+        try:
+            handle.buffer[:] = view
+        except BaseException:
+            self.abort(handle)
+            raise
+        self.commit(handle, owed=owed)

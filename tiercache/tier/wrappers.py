@@ -1,0 +1,122 @@
+"""Cross-cutting behaviour as tier wrappers, not as flags inside every tier.
+
+:class:`WrapperTier` forwards every call of the contract to an inner tier; subclasses override what
+they change (fault injection for tests: :class:`tiercache.testing.faults.FaultInjectingTier`). It
+forwards *every* method, defaults included, so a wrapper never hides what the inner tier does better
+or in addition (its eviction hand-over, its manifests); a test checks that no method is missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from tiercache.keys.fingerprint import Fingerprint
+from tiercache.keys.object_key import ObjectKey
+from tiercache.tier.contract import (
+    EvictionListener,
+    FrontTier,
+    ReadHandle,
+    Tier,
+    TierUsage,
+    WriteHandle,
+)
+from tiercache.tier.stats import TierStats
+
+
+class WrapperTier(FrontTier):
+    """A tier that forwards everything to ``inner``; shares its name, stats and flags.
+
+    It is a :class:`FrontTier` so that it can wrap L1 too; around any other tier ``owed`` must stay
+    false and :meth:`settle` has nothing to do.
+    """
+
+    def __init__(self, inner: Tier) -> None:
+        # No Tier.__init__: the inner tier owns the stats (see the property below).
+        self.inner = inner
+        self.name = inner.name
+        self.remote = inner.remote
+
+    @property
+    def stats(self) -> TierStats:  # type: ignore[override]
+        return self.inner.stats
+
+    @stats.setter
+    def stats(self, value: TierStats) -> None:  # Tier.__init__ compatibility; inner owns stats
+        pass
+
+    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+        return self.inner.reserve(key, nbytes)
+
+    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+        if isinstance(self.inner, FrontTier):
+            self.inner.commit(handle, owed=owed)
+        elif owed:
+            raise TypeError(f"the {self.name} tier is not a front tier: it cannot hold owed objects")
+        else:
+            self.inner.commit(handle)
+
+    def settle(self, key: ObjectKey) -> None:
+        if isinstance(self.inner, FrontTier):
+            self.inner.settle(key)
+
+    def abort(self, handle: WriteHandle) -> None:
+        self.inner.abort(handle)
+
+    def contains(self, key: ObjectKey) -> bool:
+        return self.inner.contains(key)
+
+    def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
+        return self.inner.pin(key, count=count)
+
+    def release(self, handle: ReadHandle) -> None:
+        self.inner.release(handle)
+
+    def delete(self, key: ObjectKey) -> bool:
+        return self.inner.delete(key)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def iter_keys(self) -> Iterator[ObjectKey]:
+        return self.inner.iter_keys()
+
+    def iter_keys_by_use(self) -> Iterator[ObjectKey]:
+        return self.inner.iter_keys_by_use()
+
+    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+        if isinstance(self.inner, FrontTier):
+            self.inner.put(key, data, owed=owed)
+        elif owed:
+            raise TypeError(f"the {self.name} tier is not a front tier: it cannot hold owed objects")
+        else:
+            self.inner.put(key, data)
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        return self.inner.get(key)
+
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+        return self.inner.read_into(key, alloc)
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
+        return self.inner.lookup_prefix(keys)
+
+    def put_manifest(self, fingerprint: Fingerprint, data: bytes) -> None:
+        self.inner.put_manifest(fingerprint, data)
+
+    def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
+        return self.inner.get_manifest(fingerprint)
+
+    def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
+        return self.inner.iter_manifests()
+
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        self.inner.set_eviction_listener(listener)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self.inner.flush(timeout)
+
+    def close(self) -> None:
+        self.inner.close()

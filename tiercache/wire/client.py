@@ -1,0 +1,556 @@
+"""The one Python client of the tiercache server: used by the vLLM connector, the CLI and the tests.
+
+Runs in the caller's process (a vLLM scheduler or worker, a tool). One ZMQ ``DEALER`` socket per
+:class:`Client`, guarded by a lock, so one client may be shared by threads. Three ways to talk:
+
+* **sync** methods per op (:meth:`Client.lookup`, :meth:`Client.reserve`, ...) that wait up to a
+  timeout and raise :class:`~tiercache.errors.ServerError` (``.code`` tells which refusal),
+  :class:`~tiercache.errors.ProtocolError`, :class:`~tiercache.errors.AuthenticationError` or
+  :class:`~tiercache.errors.ServerUnavailableError`;
+* **non-blocking** for the scheduler: :meth:`Client.lookup_async` / :meth:`Client.poll_ticket_async`
+  return a request id at once, :meth:`Client.poll` returns the result or ``None`` without waiting;
+* **data path** helpers that move bytes through the shared arena, never through the socket:
+  :meth:`Client.store_chunks` (reserve → copy in → commit) and :meth:`Client.load_chunks` /
+  :meth:`Client.read_ticket` (pin or lookup → copy out → release). The arena is attached lazily.
+
+A background thread (``tiercache-client-heartbeat``) pings while the client is idle so the server
+keeps its reservations and leases. If the server restarts, the socket reconnects by itself and the
+next request says hello again (the server answers ``hello_required``); calls made while it is down
+raise :class:`ServerUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.auth
+
+from tiercache.config.parts import default_endpoint
+from tiercache.errors import (
+    AuthenticationError,
+    ProtocolError,
+    ServerError,
+    ServerUnavailableError,
+)
+from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
+from tiercache.keys.object_key import ObjectKey
+from tiercache.l1.arena import SharedArena
+from tiercache.wire import protocol as p
+from tiercache.wire.auth import auth_proof
+
+Buffer = bytes | bytearray | memoryview
+
+_PROTOCOL_CODES = {p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.VERSION_MISMATCH}
+
+
+#: What the server said in its hello reply (chunk size, arena name and size, heartbeat, limits).
+ServerInfo = p.HelloReply
+
+#: A lookup's answer: restorable ``chunks``, objects per tier, and the promotion ticket's state and
+#: (when ``ready``) its pinned slots. See :class:`~tiercache.wire.protocol.LookupReply`.
+LookupResult = p.LookupReply
+
+
+@dataclass(slots=True)
+class _Pending:
+    convert: Callable[[Any], Any]
+    deadline: float
+    reply: Any = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _State:
+    """Socket-side state; guarded by ``Client._lock``."""
+
+    sock: zmq.Socket[bytes] | None = None
+    hello: ServerInfo | None = None
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    last_send: float = 0.0
+
+
+class Client:
+    """Connect to a tiercache server at ``endpoint`` (default: the server's default ipc socket).
+
+    ``timeout`` bounds every sync call unless the call passes its own. ``auth_secret`` answers a
+    shared-secret server; ``curve_server_key`` (the server's public key, z85 bytes) plus
+    ``curve_client_key_file`` (this client's ``zmq.auth`` secret key file, whose public half the
+    server admits) talk to a CURVE server. Connecting and saying hello happen in the constructor
+    (one round trip, or two with a shared secret).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        auth_secret: str | None = None,
+        curve_server_key: bytes | None = None,
+        curve_client_key_file: Path | None = None,
+        client_name: str = "",
+        heartbeat: bool = True,
+    ) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self._secret = auth_secret
+        self._curve_server_key = curve_server_key
+        self._curve_key_file = curve_client_key_file
+        self._name = client_name
+        self._codec = p.Codec()
+        self._ids = itertools.count(1)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._lock = threading.RLock()  # guards _state, the socket and _codec
+        self._state = _State()
+        self._arena: SharedArena | None = None  # guarded by _lock
+        self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        try:
+            self._connect()
+            self.hello()
+        except BaseException:
+            self.close()
+            raise
+        if heartbeat:
+            self._heartbeat = threading.Thread(
+                target=self._beat, name="tiercache-client-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
+
+    # -- connection --------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        # A fixed identity lets the server recognise us after a reconnect (and say hello_required).
+        sock.setsockopt(zmq.ROUTING_ID, b"tc-" + secrets.token_bytes(12))
+        if self._curve_server_key is not None:
+            if self._curve_key_file is None:
+                raise AuthenticationError(
+                    "a CURVE server needs this client's secret key file (curve_client_key_file)",
+                    "auth_failed",
+                )
+            public, secret = zmq.auth.load_certificate(self._curve_key_file)
+            if not secret:
+                raise AuthenticationError(
+                    f"{self._curve_key_file} holds no secret key; pass the client's .key_secret file, not its public "
+                    ".key",
+                    "auth_failed",
+                )
+            sock.curve_serverkey = self._curve_server_key
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(self.endpoint)
+        self._state.sock = sock
+
+    def _reset(self) -> None:
+        """Drop the socket (stale replies with it) and make a fresh one; hello again on next use."""
+        st = self._state
+        if st.sock is not None:
+            st.sock.close(0)
+        st.sock = None
+        st.hello = None
+        st.pending.clear()
+        if not self._closed.is_set():
+            self._connect()
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the socket and unmap the arena. Idempotent.
+
+        Open reservations and leases are freed by the server once the heartbeat timeout passes.
+        """
+        self._closed.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(2.0)
+        with self._lock:
+            if self._state.sock is not None:
+                self._state.sock.close(0)
+                self._state.sock = None
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _beat(self) -> None:
+        while not self._closed.is_set():
+            info = self._state.hello
+            interval = (info.heartbeat_timeout_s if info else 15.0) / 3
+            if self._closed.wait(min(interval, 1.0)):
+                return
+            if time.monotonic() - self._state.last_send < interval:
+                continue
+            if not self._lock.acquire(timeout=0.1):
+                continue  # someone is talking to the server: that is a heartbeat too
+            try:
+                self.ping(timeout=min(self.timeout, interval))
+            except Exception:  # down or restarting: the next real call reports it
+                pass
+            finally:
+                self._lock.release()
+
+    # -- request machinery -----------------------------------------------------------------------
+    def _send(self, msg: p._Msg, convert: Callable[[Any], Any], timeout: float | None) -> int:
+        if self._closed.is_set():
+            raise ServerUnavailableError("this client is closed; create a new one")
+        req_id = next(self._ids)
+        msg.req_id = req_id
+        st = self._state
+        if st.sock is None:
+            self._connect()
+        assert st.sock is not None
+        try:
+            st.sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise ServerUnavailableError(
+                f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
+                "not reading: stopped or overloaded); check that it runs, then retry"
+            ) from exc
+        st.last_send = time.monotonic()
+        st.pending[req_id] = _Pending(convert, time.monotonic() + (self.timeout if timeout is None else timeout))
+        return req_id
+
+    def _drain(self, wait_s: float) -> None:
+        """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
+        sock = self._state.sock
+        assert sock is not None
+        if wait_s > 0 and not sock.poll(int(wait_s * 1000) or 1, zmq.POLLIN):
+            return
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = self._codec.replies.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProtocolError(
+                    f"undecodable reply from the server at {self.endpoint}: {exc}; use the same tiercache version "
+                    "for the server and its clients",
+                    "malformed",
+                ) from exc
+            entry = self._state.pending.get(reply.req_id)
+            if entry is not None:
+                entry.reply, entry.done = reply, True
+
+    def _result(self, req_id: int) -> Any:
+        entry = self._state.pending.pop(req_id)
+        reply = entry.reply
+        if isinstance(reply, p.ErrorReply):
+            raise self._error(reply)
+        return entry.convert(reply)
+
+    @staticmethod
+    def _error(reply: p.ErrorReply) -> ServerError:
+        code = reply.code
+        if code is p.ErrorCode.AUTH_FAILED:
+            return AuthenticationError(reply.message, code.value)
+        if code in _PROTOCOL_CODES:
+            return ProtocolError(reply.message, code.value)
+        return ServerError(f"{code.value}: {reply.message}", code.value)
+
+    def _call(self, msg: p._Msg, convert: Callable[[Any], Any] = lambda r: r, timeout: float | None = None) -> Any:
+        """Send and wait for the reply. Says hello again once if the server forgot us (restart)."""
+        with self._lock:
+            for attempt in (0, 1):
+                if self._state.hello is None and not isinstance(msg, (p.Hello, p.Challenge)):
+                    self._say_hello(timeout)
+                req_id = self._send(msg, convert, timeout)
+                entry = self._state.pending[req_id]
+                while not entry.done:
+                    left = entry.deadline - time.monotonic()
+                    if left <= 0:
+                        self._reset()
+                        raise ServerUnavailableError(
+                            f"no reply from the tiercache server at {self.endpoint} within "
+                            f"{self.timeout if timeout is None else timeout:g} s; is it running?"
+                        )
+                    self._drain(left)
+                reply = entry.reply
+                if (
+                    attempt == 0
+                    and isinstance(reply, p.ErrorReply)
+                    and reply.code is p.ErrorCode.HELLO_REQUIRED
+                    and not isinstance(msg, (p.Hello, p.Challenge))
+                ):
+                    self._state.pending.pop(req_id)
+                    self._state.hello = None
+                    continue
+                return self._result(req_id)
+        raise AssertionError("unreachable")
+
+    def _say_hello(self, timeout: float | None) -> ServerInfo:
+        auth = b""
+        if self._secret:
+            nonce = self._call(p.Challenge(), lambda r: r.nonce, timeout)
+            auth = auth_proof(self._secret, nonce)
+        msg = p.Hello(protocol_version=p.PROTOCOL_VERSION, client_name=self._name, auth=auth)
+        info: ServerInfo = self._call(msg, timeout=timeout)
+        self._state.hello = info
+        if self._arena is not None and self._arena.name != info.arena_name:
+            self._arena.close()  # the server restarted with a new arena
+            self._arena = None
+        return info
+
+    # -- handshake and liveness ------------------------------------------------------------------
+    def hello(self, timeout: float | None = None) -> ServerInfo:
+        """Say hello (version check, authentication); returns what the server reported. Round trip."""
+        with self._lock:
+            return self._say_hello(timeout)
+
+    @property
+    def server(self) -> ServerInfo:
+        """The last hello reply (says hello first if needed)."""
+        info = self._state.hello
+        return info if info is not None else self.hello()
+
+    def ping(self, timeout: float | None = None) -> None:
+        """One round trip; raises :class:`ServerUnavailableError` if nobody answers in time."""
+        self._call(p.Ping(), timeout=timeout)
+
+    # -- registration ----------------------------------------------------------------------------
+    def register(self, groups: Sequence[tuple[int, LayoutManifest]], timeout: float | None = None) -> list[p.GroupRef]:
+        """Register an engine's object groups ``(group id, manifest)``; returns their refs
+        (fingerprint + group) for lookups. Round trip; the server stores manifests on L2/L3."""
+        msg = p.RegisterEngine(groups=[p.RegisterGroup(g, m.to_dict()) for g, m in groups])
+        return self._call(msg, lambda r: r.groups, timeout)
+
+    def manifest(self, fingerprint: Fingerprint, timeout: float | None = None) -> LayoutManifest | None:
+        """The manifest stored for ``fingerprint``, or ``None``."""
+        d = self._call(p.GetManifest(fingerprint=fingerprint.raw), lambda r: r.manifest, timeout)
+        return None if d is None else LayoutManifest.from_dict(d)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def lookup(
+        self,
+        hashes: Sequence[bytes],
+        groups: Sequence[p.GroupRef],
+        *,
+        prefetch: bool = True,
+        max_chunks: int = 0,
+        timeout: float | None = None,
+    ) -> LookupResult:
+        """Longest restorable prefix; with ``prefetch`` also a promotion ticket. One round trip."""
+        msg = p.Lookup(hashes=list(hashes), groups=list(groups), prefetch=prefetch, max_chunks=max_chunks)
+        return self._call(msg, timeout=timeout)
+
+    def lookup_async(
+        self, hashes: Sequence[bytes], groups: Sequence[p.GroupRef], *, prefetch: bool = True, max_chunks: int = 0
+    ) -> int:
+        """Send a lookup and return its request id at once; collect it with :meth:`poll`."""
+        msg = p.Lookup(hashes=list(hashes), groups=list(groups), prefetch=prefetch, max_chunks=max_chunks)
+        return self._submit(msg, lambda r: r)
+
+    def poll_ticket_async(self, ticket: int) -> int:
+        """Ask where a promotion ticket stands without waiting; collect with :meth:`poll`."""
+        return self._submit(p.PollTicket(ticket=ticket), lambda r: r)
+
+    def _submit(self, msg: p._Msg, convert: Callable[[Any], Any]) -> int:
+        with self._lock:
+            if self._state.hello is None:
+                self._say_hello(None)
+            return self._send(msg, convert, None)
+
+    def poll(self, req_id: int) -> Any:
+        """The result of an ``*_async`` request, or ``None`` if it has not arrived. Never waits.
+
+        Raises the request's error, or :class:`ServerUnavailableError` once its timeout passed.
+        """
+        with self._lock:
+            entry = self._state.pending.get(req_id)
+            if entry is None:
+                raise ServerError(
+                    f"request {req_id} is unknown or already collected; poll each request id until it returns a "
+                    "result, once",
+                    "unknown_token",
+                )
+            if not entry.done:
+                self._drain(0)
+            if entry.done:
+                return self._result(req_id)
+            if time.monotonic() > entry.deadline:
+                self._state.pending.pop(req_id)
+                raise ServerUnavailableError(
+                    f"no reply to request {req_id} from {self.endpoint} in time; check that the server runs and is "
+                    "not overloaded (tiercache inspect summary), or raise the client timeout"
+                )
+            return None
+
+    def poll_ticket(self, ticket: int, timeout: float | None = None) -> LookupResult:
+        """Where a promotion ticket stands. One round trip."""
+        return self._call(p.PollTicket(ticket=ticket), timeout=timeout)
+
+    def wait_ticket(self, ticket: int, timeout: float | None = None) -> LookupResult:
+        """Poll ``ticket`` until it is no longer pending (tools and tests; a scheduler polls)."""
+        end = time.monotonic() + (self.timeout if timeout is None else timeout)
+        pause = 0.0005
+        while True:
+            result = self.poll_ticket(ticket)
+            if not result.pending:
+                return result
+            if time.monotonic() > end:
+                return result
+            time.sleep(pause)  # promotions take ms: back off instead of spinning on the server
+            pause = min(pause * 2, 0.01)
+
+    def release_ticket(self, ticket: int, timeout: float | None = None) -> None:
+        """Unpin everything a ticket holds."""
+        self._call(p.ReleaseTicket(ticket=ticket), timeout=timeout)
+
+    # -- two-phase store / pin -------------------------------------------------------------------
+    def reserve(self, items: Sequence[tuple[ObjectKey, int]], timeout: float | None = None) -> list[p.Slot]:
+        """Reserve arena slots for ``(key, nbytes)``, all or nothing (``ServerError`` code
+        ``tier_full`` when L1 has no room)."""
+        msg = p.Reserve(items=[(k.to_bytes(), n) for k, n in items])
+        return self._call(msg, lambda r: r.slots, timeout)
+
+    def commit(self, tokens: Sequence[int], timeout: float | None = None) -> int:
+        return self._call(p.Commit(tokens=list(tokens)), lambda r: r.count, timeout)
+
+    def abort(self, tokens: Sequence[int], timeout: float | None = None) -> int:
+        return self._call(p.Abort(tokens=list(tokens)), lambda r: r.count, timeout)
+
+    def pin(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[p.Slot | None]:
+        """Lease the L1 copies of ``keys`` (``None`` for each not in L1)."""
+        return self._call(p.Pin(keys=[k.to_bytes() for k in keys]), lambda r: r.slots, timeout)
+
+    def release(self, tokens: Sequence[int], timeout: float | None = None) -> int:
+        return self._call(p.Release(tokens=list(tokens)), lambda r: r.count, timeout)
+
+    # -- the arena data path ---------------------------------------------------------------------
+    def arena(self) -> SharedArena:
+        """The server's L1 arena mapped into this process (attached on first use)."""
+        with self._lock:
+            info = self.server
+            if self._arena is None:
+                self._arena = SharedArena.attach(info.arena_name)
+            return self._arena
+
+    def store_chunks(self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], timeout: float | None = None) -> int:
+        """Store each buffer under its key: reserve → copy into the arena → commit. Two round trips
+        plus the copies; aborts the reservations if a copy fails."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [memoryview(b).cast("B") for b in buffers]
+        slots = self.reserve([(k, v.nbytes) for k, v in zip(keys, views)], timeout)
+        arena = self.arena()
+        try:
+            for slot, view in zip(slots, views):
+                assert slot is not None
+                arena.view(slot.offset, slot.nbytes)[:] = view
+        except BaseException:
+            self.abort([s.token for s in slots if s is not None], timeout)
+            raise
+        return self.commit([s.token for s in slots if s is not None], timeout)
+
+    def load_chunks(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[bytes | None]:
+        """Copies of the L1 objects of ``keys`` (``None`` where not in L1): pin → copy → release.
+        Use :meth:`lookup` + :meth:`read_ticket` to restore from lower tiers too."""
+        slots = self.pin(keys, timeout)
+        arena = self.arena()
+        try:
+            return [None if s is None else bytes(arena.view(s.offset, s.nbytes)) for s in slots]
+        finally:
+            tokens = [s.token for s in slots if s is not None]
+            if tokens:
+                self.release(tokens, timeout)
+
+    def read_ticket(self, result: LookupResult, *, release: bool = True) -> dict[ObjectKey, bytes]:
+        """Copy out every slot of a READY lookup (then release its ticket unless told not to)."""
+        if result.state is not p.TicketStateName.READY:
+            raise ServerError(
+                f"ticket {result.ticket} is {result.state.value}, not ready; wait_ticket() first, or read only READY "
+                "lookups",
+                "invalid",
+            )
+        arena = self.arena()
+        try:
+            return {ObjectKey.from_bytes(s.key): bytes(arena.view(s.offset, s.nbytes)) for s in result.slots}
+        finally:
+            if release:
+                self.release_ticket(result.ticket)
+
+    # -- bytes over the socket (tools, remote clients) ------------------------------------------
+    def put(self, key: ObjectKey, data: Buffer, timeout: float | None = None) -> bool:
+        """Store ``data`` through the socket; ``False`` if L1 had no room. Bounded by the
+        server's max_message_bytes."""
+        return bool(self._call(p.Put(key=key.to_bytes(), data=bytes(data)), lambda r: r.count, timeout))
+
+    def get(self, key: ObjectKey, timeout: float | None = None) -> bytes | None:
+        """A verified copy of ``key`` from the fastest tier (promoting it), through the socket."""
+        return self._call(p.Get(key=key.to_bytes()), lambda r: r.data, timeout)
+
+    def delete(self, key: ObjectKey, timeout: float | None = None) -> int:
+        """Remove ``key`` from every tier; how many held it."""
+        return self._call(p.Delete(key=key.to_bytes()), lambda r: r.count, timeout)
+
+    # -- observation and management --------------------------------------------------------------
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return self._call(p.Stats(), lambda r: r.stats, timeout)
+
+    def list_keys(
+        self,
+        *,
+        tier: str = "",
+        fingerprint: Fingerprint | None = None,
+        object_group: int = -1,
+        cursor: bytes = b"",
+        limit: int = 1000,
+        order: str = "key",
+        timeout: float | None = None,
+    ) -> tuple[list[p.ListedKey], bytes]:
+        """One page of keys after ``cursor`` and the cursor of the next page (``b""``: last page);
+        ``order="use"`` lists one ``tier`` most recently used first (see :class:`protocol.ListKeys`)."""
+        msg = p.ListKeys(
+            tier=tier,
+            fingerprint=b"" if fingerprint is None else fingerprint.raw,
+            object_group=object_group,
+            cursor=cursor,
+            limit=limit,
+            order=order,
+        )
+        return self._call(msg, lambda r: (r.keys, r.next_cursor), timeout)
+
+    def explain(self, hashes: Sequence[bytes], groups: Sequence[p.GroupRef], timeout: float | None = None) -> list[p.ExplainEntry]:
+        """Per chunk and group: which tier holds it, or why not."""
+        return self._call(p.Explain(hashes=list(hashes), groups=list(groups)), lambda r: r.entries, timeout)
+
+    def clear(self, fingerprint: Fingerprint | None = None, timeout: float | None = None) -> int:
+        """Delete everything (or one fingerprint's objects) from every tier; how many keys went."""
+        msg = p.Clear(fingerprint=b"" if fingerprint is None else fingerprint.raw)
+        return self._call(msg, lambda r: r.count, timeout)
+
+    def clear_batch(
+        self,
+        limit: int,
+        *,
+        tier: str = "",
+        fingerprint: Fingerprint | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Delete at most ``limit`` keys (one fingerprint's, or any) from every tier or only ``tier``;
+        how many went. Call again until it returns 0 (``tiercache clear`` does, to show progress).
+
+        ``ServerError`` code ``invalid`` for an unknown tier; ``ProtocolError`` code ``unknown_op``
+        from a server older than this op.
+        """
+        msg = p.ClearBatch(limit=limit, tier=tier, fingerprint=b"" if fingerprint is None else fingerprint.raw)
+        return self._call(msg, lambda r: r.count, timeout)
+
+    def warm(self, keys: Sequence[ObjectKey], *, max_bytes: int = 0, timeout: float | None = None) -> p.WarmReply:
+        """Promote ``keys`` (at most 10 000) into L1 from lower tiers, until ``max_bytes`` (0: no
+        limit) are promoted. A server older than this op answers ``ProtocolError`` code ``unknown_op``."""
+        msg = p.Warm(keys=[k.to_bytes() for k in keys], max_bytes=max_bytes)
+        return self._call(msg, lambda r: r, timeout)

@@ -1,0 +1,437 @@
+"""The wire protocol between the tiercache server and its clients (connector halves, CLI, tools).
+
+Transport: ZeroMQ, the client a ``DEALER``, the server a ``ROUTER``. Every message is **one frame**
+holding one msgpack-encoded :class:`msgspec.Struct`. Requests and replies are tagged unions: the
+``op`` field names the message (``{"op": "lookup", ...}``), so a decoder never guesses and nothing is
+ever pickled. Each request carries a client-chosen ``req_id`` that its reply echoes, so a client may
+have many requests in flight (the scheduler's non-blocking lookups) and match replies as they come.
+
+Versioning: :data:`PROTOCOL_VERSION` is checked once, in :class:`Hello`; a mismatch is an
+:class:`ErrorReply` with code :attr:`ErrorCode.VERSION_MISMATCH`. Within one version, fields may only be
+*added* with defaults (msgspec ignores unknown fields and fills missing ones), so an older peer still
+decodes a newer one's messages; anything else bumps the version.
+
+KV bytes never travel here on one node: :class:`Reserve` / :class:`Lookup` / :class:`Pin` answer with
+:class:`Slot` offsets into the shared L1 arena that the client maps (its name and size come in
+:class:`HelloReply`). :class:`Put` / :class:`Get` carry bytes only for remote tools and tests, bounded
+by the server's ``max_message_bytes``.
+
+See ``docs/protocol.md`` for the sequences.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+#: Bumped on any change that an older peer could misread (see the module docstring).
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(enum.StrEnum):
+    """Why the server refused a request; the :class:`ErrorReply` message says what to do."""
+
+    MALFORMED = "malformed"  # not one msgpack frame of a known message shape
+    TOO_LARGE = "too_large"  # over the server's max_message_bytes
+    UNKNOWN_OP = "unknown_op"  # a well-formed message with an op this server does not know
+    VERSION_MISMATCH = "version_mismatch"
+    HELLO_REQUIRED = "hello_required"  # first message of a connection must be a Hello
+    AUTH_FAILED = "auth_failed"  # missing or wrong shared-secret proof
+    INVALID = "invalid"  # well-formed but meaningless (bad key bytes, bad manifest, ...)
+    UNKNOWN_FINGERPRINT = "unknown_fingerprint"  # lookup/explain for a layout never registered
+    UNKNOWN_TOKEN = "unknown_token"  # commit/abort/release of a token this server does not hold
+    NOT_OWNER = "not_owner"  # token belongs to another client
+    TIER_FULL = "tier_full"  # no room in L1 even after evicting
+    BUSY = "busy"  # too many requests in flight on the I/O executor; retry later
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"  # a bug or a tier failure; the server logged it and goes on
+
+
+class TicketStateName(enum.StrEnum):
+    """Where a lookup's promotion into L1 stands."""
+
+    NONE = "none"  # no promotion was asked for (``prefetch=False``) or nothing to promote
+    PENDING = "pending"  # poll with :class:`PollTicket`
+    READY = "ready"  # ``slots`` are pinned; copy, then :class:`ReleaseTicket`
+    MISS = "miss"  # the objects vanished or failed verification meanwhile
+
+
+class _Msg(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    """Base of every message: ``req_id`` is echoed by the reply."""
+
+    req_id: int = 0
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+
+
+class GroupRef(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One object group of a registered layout: its fingerprint (16 bytes) and group id."""
+
+    fingerprint: bytes
+    object_group: int
+
+
+class Slot(msgspec.Struct, frozen=True):
+    """``nbytes`` at ``offset`` in the L1 arena, held under ``token`` (a reservation or a lease)."""
+
+    key: bytes  # ObjectKey.to_bytes()
+    offset: int
+    nbytes: int
+    token: int
+
+
+class RegisterGroup(msgspec.Struct, frozen=True):
+    """One object group of an engine: its id and the manifest saying what its bytes mean."""
+
+    object_group: int
+    manifest: dict[str, Any]  # LayoutManifest.to_dict()
+
+
+class ListedKey(msgspec.Struct, frozen=True):
+    """One key and the tiers (fastest first) that hold it."""
+
+    key: bytes
+    tiers: list[str]
+
+
+class ExplainEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why chunk ``chunk`` of group ``object_group`` is or is not restorable.
+
+    ``status`` is a tier name (``l1``/``disk``/``s3``) when held, else ``never_stored``, ``evicted``
+    (``tier``, ``reason`` and ``age_s`` say where, why and how long ago) or ``other_fingerprint``
+    (the same chunk hash is stored under ``other_fingerprint``: the engine layout differs).
+    """
+
+    chunk: int
+    object_group: int
+    status: str
+    tier: str = ""
+    reason: str = ""
+    age_s: float = 0.0
+    other_fingerprint: bytes = b""
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    """First message of every connection. ``auth`` is HMAC-SHA256(secret, nonce) with the nonce
+    from :class:`Challenge` when the server requires a shared secret."""
+
+    protocol_version: int
+    client_name: str = ""
+    auth: bytes = b""
+
+
+class Challenge(_Msg, tag="challenge"):
+    """Ask for a single-use nonce to prove the shared secret in the next :class:`Hello`."""
+
+
+class Ping(_Msg, tag="ping"):
+    """Liveness and heartbeat: any message counts, ping is the one that does nothing else."""
+
+
+class RegisterEngine(_Msg, tag="register"):
+    """Register an engine's layout: every object group with its manifest."""
+
+    groups: list[RegisterGroup]
+
+
+class Lookup(_Msg, tag="lookup"):
+    """Longest restorable prefix of ``hashes`` (16-byte chained chunk hashes) for ``groups``.
+
+    With ``prefetch`` the server also promotes lower-tier hits into L1 and pins the objects of the
+    first ``min(chunks, max_chunks)`` chunks for the caller (``max_chunks=0``: no limit).
+    """
+
+    hashes: list[bytes]
+    groups: list[GroupRef]
+    prefetch: bool = True
+    max_chunks: int = 0
+
+
+class PollTicket(_Msg, tag="poll_ticket"):
+    ticket: int
+
+
+class ReleaseTicket(_Msg, tag="release_ticket"):
+    ticket: int
+
+
+class Reserve(_Msg, tag="reserve"):
+    """Reserve arena slots for ``(key bytes, nbytes)`` pairs, all or nothing."""
+
+    items: list[tuple[bytes, int]]
+
+
+class Commit(_Msg, tag="commit"):
+    tokens: list[int]
+
+
+class Abort(_Msg, tag="abort"):
+    tokens: list[int]
+
+
+class Pin(_Msg, tag="pin"):
+    """Lease the L1 copies of ``keys`` (no promotion; use :class:`Lookup` for that)."""
+
+    keys: list[bytes]
+
+
+class Release(_Msg, tag="release"):
+    tokens: list[int]
+
+
+class Put(_Msg, tag="put"):
+    """Store ``data`` under ``key`` through the socket (tools, tests, remote clients)."""
+
+    key: bytes
+    data: bytes
+
+
+class Get(_Msg, tag="get"):
+    key: bytes
+
+
+class Delete(_Msg, tag="delete"):
+    key: bytes
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+class ListKeys(_Msg, tag="list_keys"):
+    """A page of keys after ``cursor``; filters are ANDed, empty means any.
+
+    ``order="key"``: byte order, ``cursor`` the last key of the previous page. ``order="use"``: one
+    named ``tier``'s keys most recently used first (:meth:`Tier.iter_keys_by_use`), ``cursor`` an
+    opaque position (an order that changes between pages may repeat or skip a key)."""
+
+    tier: str = ""
+    fingerprint: bytes = b""
+    object_group: int = -1
+    cursor: bytes = b""
+    limit: int = 1000
+    order: str = "key"
+
+
+class GetManifest(_Msg, tag="manifest"):
+    fingerprint: bytes
+
+
+class Explain(_Msg, tag="explain"):
+    hashes: list[bytes]
+    groups: list[GroupRef]
+
+
+class Clear(_Msg, tag="clear"):
+    """Delete everything, or everything of one ``fingerprint``, from every tier."""
+
+    fingerprint: bytes = b""
+
+
+class ClearBatch(_Msg, tag="clear_batch"):
+    """Delete at most ``limit`` (1 … 10 000) keys, of one ``fingerprint`` or any, from every tier or
+    only from ``tier``; the :class:`Done` reply counts the keys that went. Repeat until it is 0: a
+    client clearing a large tier this way can show progress.
+
+    A new op rather than fields on :class:`Clear`: an older server would ignore unknown fields and
+    clear every tier; this way it answers ``unknown_op`` instead.
+    """
+
+    limit: int
+    tier: str = ""
+    fingerprint: bytes = b""
+
+
+class Warm(_Msg, tag="warm"):
+    """Promote ``keys`` (at most 10 000) into L1 from the fastest lower tier holding each.
+
+    Stops once ``max_bytes`` (0: no limit) have been promoted by this request. Promoting into a full
+    L1 evicts its least recently used objects, like any promotion.
+    """
+
+    keys: list[bytes]
+    max_bytes: int = 0
+
+
+Request = (
+    Hello
+    | Challenge
+    | Ping
+    | RegisterEngine
+    | Lookup
+    | PollTicket
+    | ReleaseTicket
+    | Reserve
+    | Commit
+    | Abort
+    | Pin
+    | Release
+    | Put
+    | Get
+    | Delete
+    | Stats
+    | ListKeys
+    | GetManifest
+    | Explain
+    | Clear
+    | ClearBatch
+    | Warm
+)
+
+# -- replies ---------------------------------------------------------------------------------------
+
+
+class ErrorReply(_Msg, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+class HelloReply(_Msg, tag="hello_ok"):
+    protocol_version: int
+    server_version: str
+    chunk_size: int
+    separate_object_groups: bool
+    arena_name: str
+    arena_size: int
+    heartbeat_timeout_s: float
+    max_message_bytes: int
+
+
+class ChallengeReply(_Msg, tag="challenge_ok"):
+    nonce: bytes
+
+
+class Pong(_Msg, tag="pong"):
+    pass
+
+
+class RegisterReply(_Msg, tag="register_ok"):
+    groups: list[GroupRef]
+
+
+class LookupReply(_Msg, tag="lookup_ok"):
+    """``chunks`` restorable, ``per_tier`` objects by the tier holding them; with a prefetch, the
+    ticket, its state and (when READY) the pinned slots of the first ``ready_chunks`` chunks."""
+
+    chunks: int
+    per_tier: dict[str, int]
+    state: TicketStateName = TicketStateName.NONE
+    ticket: int = 0
+    ready_chunks: int = 0
+    slots: list[Slot] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether the promotion is still running (poll the ticket again)."""
+        return self.state is TicketStateName.PENDING
+
+
+class SlotsReply(_Msg, tag="slots"):
+    """Reserve: one slot per item. Pin: one per key, ``None`` for a key not in L1."""
+
+    slots: list[Slot | None]
+
+
+class Done(_Msg, tag="done"):
+    """A request that answers only with success; ``count`` is what it affected."""
+
+    count: int = 0
+
+
+class DataReply(_Msg, tag="data"):
+    data: bytes | None = None
+
+
+class StatsReply(_Msg, tag="stats_ok"):
+    stats: dict[str, Any]
+
+
+class KeysReply(_Msg, tag="keys"):
+    keys: list[ListedKey]
+    next_cursor: bytes = b""  # empty: no more pages
+
+
+class ManifestReply(_Msg, tag="manifest_ok"):
+    manifest: dict[str, Any] | None = None
+
+
+class ExplainReply(_Msg, tag="explain_ok"):
+    entries: list[ExplainEntry]
+
+
+class WarmReply(_Msg, tag="warm_ok"):
+    """What a :class:`Warm` did: keys ``promoted`` (``bytes`` in all), already ``present`` in L1, and
+    ``failed`` (held by no lower tier, corrupt, or no room in L1). Keys after the budget ran out are
+    in none of the three."""
+
+    promoted: int = 0
+    present: int = 0
+    failed: int = 0
+    bytes: int = 0
+
+
+Reply = (
+    ErrorReply
+    | HelloReply
+    | ChallengeReply
+    | Pong
+    | RegisterReply
+    | LookupReply
+    | SlotsReply
+    | Done
+    | DataReply
+    | StatsReply
+    | KeysReply
+    | ManifestReply
+    | ExplainReply
+    | WarmReply
+)
+
+#: Every request op this version knows (to tell an unknown op from a malformed message).
+REQUEST_OPS: frozenset[str] = frozenset(
+    t.__struct_config__.tag for t in Request.__args__  # type: ignore[attr-defined]
+)
+
+
+class Codec:
+    """Encoders/decoders for one side. Not thread-safe (msgspec's are reused); one per thread."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.requests = msgspec.msgpack.Decoder(Request)
+        self.replies = msgspec.msgpack.Decoder(Reply)
+        self._any = msgspec.msgpack.Decoder()
+
+    def encode(self, msg: _Msg) -> bytes:
+        return self.encoder.encode(msg)
+
+    def classify_bad_request(self, frame: bytes) -> tuple[int, ErrorCode, str]:
+        """For a frame that did not decode as a request: its ``req_id`` if any, and why it failed."""
+        try:
+            raw = self._any.decode(frame)
+        except msgspec.DecodeError as exc:
+            return 0, ErrorCode.MALFORMED, f"not a msgpack message: {exc}"
+        if not isinstance(raw, dict):
+            return 0, ErrorCode.MALFORMED, "a request must be a msgpack map with an 'op' field"
+        req_id = raw.get("req_id", 0)
+        if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id < 2**63:
+            req_id = 0
+        op = raw.get("op")
+        if not isinstance(op, str):
+            return req_id, ErrorCode.MALFORMED, "a request needs a string 'op' field"
+        if op not in REQUEST_OPS:
+            return req_id, ErrorCode.UNKNOWN_OP, (
+                f"unknown op {op[:64]!r} for protocol version {PROTOCOL_VERSION}; "
+                f"known: {', '.join(sorted(REQUEST_OPS))}"
+            )
+        try:
+            self.requests.decode(frame)
+        except msgspec.ValidationError as exc:
+            return req_id, ErrorCode.MALFORMED, f"bad {op!r} request: {exc}"
+        return req_id, ErrorCode.MALFORMED, f"bad {op!r} request"
