@@ -154,8 +154,8 @@ class TierCacheServer:
 
     def _wait_ready(self, deadline_s: float = 60.0) -> None:
         # Poll with hello round trips while the process lives, as tests/server/serverproc.py does.
-        from tiercache.wire.client import Client
         from tiercache.errors import ServerUnavailableError
+        from tiercache.wire.client import Client
 
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:

@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.wire.client import Client
 from tiercache.keys import (
     Fingerprint,
     GroupKind,
@@ -33,6 +32,7 @@ from tiercache.keys import (
     chunk_hashes,
 )
 from tiercache.l1.arena import SharedArena
+from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef
 
 MiB = 1 << 20

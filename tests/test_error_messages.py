@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.errors import ConfigError
 from tiercache.config.server import ServerConfig
+from tiercache.errors import ConfigError
 
 
 @pytest.mark.parametrize(

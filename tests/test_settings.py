@@ -19,10 +19,10 @@ from tiercache.config import (
     S3Config,
     ServerOptions,
 )
-from tiercache.errors import ArenaError, ConfigError, DiskTierError, S3TierError
 from tiercache.config.parts import LogLevel
 from tiercache.config.server import ServerConfig
 from tiercache.config.table import options, options_by_key
+from tiercache.errors import ArenaError, ConfigError, DiskTierError, S3TierError
 from tiercache.server.build import build_engine
 
 SMALL_L1 = {"l1.size_gb": "0.01"}

@@ -10,10 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_key
-from tiercache.engine import TieredEngine
-from tiercache.server.metrics import MetricsServer, render
 from tiercache.config.server import ServerConfig
+from tiercache.engine import TieredEngine
 from tiercache.server.build import build_engine
+from tiercache.server.metrics import MetricsServer, render
 
 
 @pytest.fixture

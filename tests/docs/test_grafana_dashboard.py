@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_key
 from tiercache.config import ServerOptions
-from tiercache.engine import TieredEngine
-from tiercache.server.metrics import render
-from tiercache.server import Server
 from tiercache.config.server import ServerConfig
 from tiercache.config.values import TIER_ORDER
+from tiercache.engine import TieredEngine
+from tiercache.server import Server
 from tiercache.server.build import build_engine
+from tiercache.server.metrics import render
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 KiB = 1 << 10

@@ -24,8 +24,8 @@ from tests.e2e import engine_run
 
 
 def install(drop_index: int, hide_load_errors: bool) -> None:
-    from tiercache.wire.client import Client
     from tiercache.connector.connector import TierCacheConnector
+    from tiercache.wire.client import Client
 
     real_pin = Client.pin
 

@@ -12,9 +12,8 @@ import pytest
 from tests.conftest import FakeClock, make_key, payload_for
 from tiercache.config import L1Config
 from tiercache.errors import ArenaError
-from tiercache.l1.arena import SharedArena, default_arena_name
+from tiercache.l1.arena import SHM_DIR, SharedArena, default_arena_name
 from tiercache.l1.tier import L1Tier
-from tiercache.l1.arena import SHM_DIR
 
 
 # -- run in a spawned child process (module level so that spawn can import them) -------------------

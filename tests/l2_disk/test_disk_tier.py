@@ -19,9 +19,9 @@ import pytest
 from tests.conftest import FakeClock, make_key, payload_for
 from tiercache.config import DiskConfig
 from tiercache.errors import DiskTierError, TierFullError
-from tiercache.tier.frames import HEADER_BYTES, FrameFlags, FrameHeader
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.l2_disk import DiskTier
+from tiercache.tier.frames import HEADER_BYTES, FrameFlags, FrameHeader
 
 KiB = 1 << 10
 MiB = 1 << 20

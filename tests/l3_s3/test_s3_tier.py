@@ -21,10 +21,10 @@ from tests.l3_s3.helpers import (
     s3_config,
 )
 from tiercache.errors import CircuitOpenError, S3TierError, TierFullError
-from tiercache.tier.frames import HEADER_BYTES, encode_frame
 from tiercache.keys import Fingerprint
 from tiercache.l3_s3 import BreakerState, S3Tier
 from tiercache.tier import EvictionReason
+from tiercache.tier.frames import HEADER_BYTES, encode_frame
 
 CHUNK = 4096
 

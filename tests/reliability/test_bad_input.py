@@ -19,8 +19,8 @@ from tests.server.conftest import manifest
 from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
 from tests.server.test_errors import frames
-from tiercache.wire import protocol as p
 from tiercache.keys import ObjectKey
+from tiercache.wire import protocol as p
 
 KiB = 1 << 10
 FUZZED = {"frames": 0, "replies": 0}

@@ -20,10 +20,10 @@ from tests.l3_s3.helpers import BUCKET, make_s3_tier, raw_client
 from tests.reliability.common import figures, payload
 from tiercache.config import DiskConfig, L1Config
 from tiercache.engine import TieredEngine
-from tiercache.tier.frames import HEADER_BYTES
 from tiercache.keys import ObjectKey
 from tiercache.l1.tier import L1Tier
 from tiercache.l2_disk import DiskTier
+from tiercache.tier.frames import HEADER_BYTES
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from tests.server.conftest import StartServer, manifest
 from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
-from tiercache.wire import protocol as p
 from tiercache.errors import ProtocolError, ServerError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.wire import protocol as p
 
 MiB = 1 << 20
 

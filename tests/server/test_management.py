@@ -9,9 +9,9 @@ import pytest
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
-from tiercache.wire.client import Client
 from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.wire.client import Client
 
 KiB = 1 << 10
 

@@ -11,8 +11,8 @@ import pytest
 import zmq.auth
 
 from tests.server.conftest import StartServer
-from tiercache.wire.client import Client
 from tiercache.errors import AuthenticationError, ServerUnavailableError
+from tiercache.wire.client import Client
 
 
 def free_port() -> int:

@@ -50,7 +50,9 @@ def flags_from_namespace(namespace: argparse.Namespace) -> dict[str, Any]:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from tiercache.server.run import run  # the server, the engine and the tiers: only when serving
+    from tiercache.server.run import (
+        run,  # the server, the engine and the tiers: only when serving
+    )
 
     config = ServerConfig.load(flags_from_namespace(args), os.environ, args.config)
     logging.basicConfig(

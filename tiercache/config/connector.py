@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.errors import ConfigError
 from tiercache.config.values import parse_bool
+from tiercache.errors import ConfigError
 
 _KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads")
 

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiercache.config.options import CONFIG_ENV, Option, Origin, nearest, parse_value, read_config_file
+from tiercache.config.options import (
+    CONFIG_ENV,
+    Option,
+    Origin,
+    nearest,
+    parse_value,
+    read_config_file,
+)
 from tiercache.config.parts import (
     DiskConfig,
     EngineConfig,

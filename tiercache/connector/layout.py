@@ -49,8 +49,7 @@ from tiercache.connector.kernel_blocks import (
     derive_kernel_block_size,
 )
 from tiercache.errors import ConfigError
-from tiercache.keys import Fingerprint, GroupKind, LayoutManifest
-from tiercache.keys import restore
+from tiercache.keys import Fingerprint, GroupKind, LayoutManifest, restore
 
 if TYPE_CHECKING:
     from tiercache.connector.pages import PageView

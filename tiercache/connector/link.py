@@ -7,6 +7,9 @@ thread (``tiercache-connector-reconnect``) tries to reconnect every ``retry_s`` 
 :meth:`client` returns ``None`` at once, so the engine sees misses and skipped stores instead of
 waiting on timeouts. On every (re)connect the ``on_connect`` callback runs (it re-registers the
 layout; a restarted server may have forgotten it).
+
+The connector's halves take a :data:`LinkFactory` (default: :class:`ServerLink`), so their unit tests
+hand them a fake link instead of a thread and a socket.
 """
 
 from __future__ import annotations
@@ -14,18 +17,37 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-from tiercache.wire.client import Client
 from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ConfigError, TierCacheError
+from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
+
+#: What a half runs on every (re)connect, with the connected client.
+OnConnect = Callable[[Client], None]
+
+
+class Link(Protocol):
+    """What the connector's halves need of their connection to the server (:class:`ServerLink`)."""
+
+    outages: int
+
+    def start(self) -> bool: ...
+    def client(self) -> Client | None: ...
+    def failed(self, what: str, exc: BaseException) -> None: ...
+    def close(self) -> None: ...
+
+
+#: Builds a half's link: ``(settings, client name, on_connect) -> Link``.
+LinkFactory = Callable[[ConnectorSettings, str, OnConnect], Link]
 
 
 class ServerLink:
     """A client that is either up (usable) or down (reconnecting in the background)."""
 
-    def __init__(self, settings: ConnectorSettings, name: str, on_connect: Callable[[Client], None]) -> None:
+    def __init__(self, settings: ConnectorSettings, name: str, on_connect: OnConnect) -> None:
         self.settings = settings
         self._name = name
         self._on_connect = on_connect

@@ -37,8 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.wire import protocol as p
-from tiercache.wire.client import Client, LookupResult
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
 from tiercache.connector.layout import (
     EngineLayout,
@@ -46,17 +45,18 @@ from tiercache.connector.layout import (
     cpu_in_step_checkpoints,
     derive_layout,
 )
-from tiercache.connector.link import ServerLink
+from tiercache.connector.link import LinkFactory, ServerLink
 from tiercache.connector.metadata import (
     ChunkLoad,
     ChunkSave,
     RequestLoad,
     TierCacheMetadata,
 )
-from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import TierCacheError
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
+from tiercache.wire import protocol as p
+from tiercache.wire.client import Client, LookupResult
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,20 @@ def _extra_keys(request: Any) -> ExtraKeys:
 
 
 class SchedulerHalf:
-    """See the module docstring. Every method runs on the engine loop thread."""
+    """See the module docstring. Every method runs on the engine loop thread.
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
+    ``link`` builds the connection to the server (a test passes a fake one); it is started here, and
+    on every (re)connect the engine's layout is derived, checked and registered (:meth:`use_layout`).
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: ConnectorSettings,
+        *,
+        link: LinkFactory = ServerLink,
+    ) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._settings = settings
@@ -125,7 +136,7 @@ class SchedulerHalf:
         self._async_loads = False  # set at connect: see _on_connect
         self.stats = StatsRecorder()
         self._outages_counted = 0
-        self.link = ServerLink(settings, "vllm-scheduler", self._on_connect)
+        self.link = link(settings, "vllm-scheduler", self._on_connect)
         self.link.start()
 
     # -- connection ----------------------------------------------------------------------------
@@ -141,17 +152,21 @@ class SchedulerHalf:
             )
         if layout.has_recurrent:
             self._check_recurrent(layout, info.separate_object_groups)
-        self._refs = client.register([(g.object_group, g.manifest) for g in layout.groups])
+        self.use_layout(layout, client.register([(g.object_group, g.manifest) for g in layout.groups]))
+        log.info(
+            "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
+            len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
+        )
+
+    def use_layout(self, layout: EngineLayout, refs: list[p.GroupRef]) -> None:
+        """Serve lookups and plan loads and stores for ``layout``, registered as ``refs``."""
+        self._refs = refs
         # vLLM cannot map block-level load failures back to requests when there are several KV-cache
         # groups (it raises; Scheduler._handle_invalid_blocks): such layouts load asynchronously and
         # report a failure per request (failed_recving). Recurrent state always goes that way, so the
         # state lands before the request's first step (preprocess_mamba) and needs no zeroing tricks.
         self._async_loads = len(layout.kv_group_block_sizes()) > 1 or layout.has_recurrent
         self.layout = layout
-        log.info(
-            "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
-            len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
-        )
 
     def _check_recurrent(self, layout: EngineLayout, separate_object_groups: bool) -> None:
         """Refuse an engine config under which recurrent state could never be stored or restored."""

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from tiercache.wire.client import Client
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.copy import PageCopyEngine, select_copy_engine
 from tiercache.connector.layout import (
     EngineLayout,
@@ -62,14 +62,14 @@ from tiercache.connector.layout import (
     parallel_rank,
     verify_kv_caches,
 )
-from tiercache.connector.link import ServerLink
+from tiercache.connector.link import LinkFactory, ServerLink
 from tiercache.connector.loads import LoadJob, PageWrite, forward_order
 from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
 from tiercache.connector.pages import PageView
-from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
-from tiercache.keys import ObjectKey
+from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,20 @@ class _StepLoad:
 class WorkerHalf:
     """See the module docstring. Engine-facing methods run on the worker's model-runner thread."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: ConnectorSettings,
+        *,
+        link: LinkFactory = ServerLink,
+    ) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._settings = settings
         self._rank = 0
         self._groups: list[GroupLayout] = []
-        self._fingerprints: dict[int, Any] = {}
+        self._fingerprints: dict[int, Fingerprint] = {}
         self._pages: dict[int, list[PageView]] = {}  # kv group → per-layer page views
         self._copy: PageCopyEngine | None = None
         self._kv_caches: dict[str, torch.Tensor] | None = None
@@ -127,7 +134,7 @@ class WorkerHalf:
         self._overlap = settings.overlap_loads
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
-        self.link = ServerLink(settings, "vllm-worker", self._on_connect)
+        self.link = link(settings, "vllm-worker", self._on_connect)
         self.stats = {"loaded_chunks": 0, "load_failures": 0, "saved_chunks": 0, "save_skipped": 0}
         self.recorder = StatsRecorder()  # the same events per interval, for vLLM's metrics
         self._outages_counted = 0
@@ -162,8 +169,20 @@ class WorkerHalf:
                 raise ConfigError("tiercache: the server computed another fingerprint for our manifest")
         assert self._copy is not None
         self._copy.attach(client.arena())
+        self.use_layout(groups, pages, {g.object_group: g.fingerprint for g in groups}, self._copy)
+
+    def use_layout(
+        self,
+        groups: list[GroupLayout],
+        pages: dict[int, list[PageView]],
+        fingerprints: dict[int, Fingerprint],
+        copy: PageCopyEngine,
+    ) -> None:
+        """Load and store ``groups`` (this rank's), whose KV pages are ``pages`` (by KV-cache group),
+        with these fingerprints, copying through ``copy`` (attached to the server's arena)."""
+        self._copy = copy
         self._pages = pages
-        self._fingerprints = {g.object_group: g.fingerprint for g in groups}
+        self._fingerprints = fingerprints
         self._groups = groups
 
     # -- loads ---------------------------------------------------------------------------------

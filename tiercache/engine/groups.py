@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiercache.keys import restore
 from tiercache.keys.fingerprint import Fingerprint, GroupKind
 from tiercache.keys.object_key import ObjectKey
-from tiercache.keys import restore
 
 
 @dataclass(frozen=True, slots=True)

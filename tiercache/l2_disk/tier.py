@@ -54,16 +54,6 @@ from tiercache.errors import (
     FrameError,
     TierFullError,
 )
-from tiercache.tier.frames import (
-    HEADER_BYTES,
-    ZSTD_FLAG,
-    FrameHeader,
-    checksum,
-    encode_header,
-    pack_payload,
-    plain_header_fields,
-    verify_payload,
-)
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l2_disk import records
@@ -85,7 +75,23 @@ from tiercache.l2_disk.records import (
     stale_recency,
     u64,
 )
-from tiercache.tier.contract import EvictionListener, ReadHandle, Tier, TierUsage, WriteHandle
+from tiercache.tier.contract import (
+    EvictionListener,
+    ReadHandle,
+    Tier,
+    TierUsage,
+    WriteHandle,
+)
+from tiercache.tier.frames import (
+    HEADER_BYTES,
+    ZSTD_FLAG,
+    FrameHeader,
+    checksum,
+    encode_header,
+    pack_payload,
+    plain_header_fields,
+    verify_payload,
+)
 from tiercache.tier.staging import StagedWrites
 from tiercache.tier.stats import EvictionReason
 

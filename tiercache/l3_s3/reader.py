@@ -22,7 +22,13 @@ from tiercache.config.parts import S3Config
 from tiercache.errors import S3TierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l3_s3.client import NOT_FOUND_CODES, error_code, make_client, request_failure, where
+from tiercache.l3_s3.client import (
+    NOT_FOUND_CODES,
+    error_code,
+    make_client,
+    request_failure,
+    where,
+)
 from tiercache.l3_s3.names import ObjectNames
 from tiercache.tier.contract import TierUsage
 

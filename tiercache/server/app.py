@@ -40,12 +40,12 @@ from tiercache.engine import TieredEngine
 from tiercache.errors import ConfigError, ServerError
 from tiercache.l1.arena import SharedArena
 from tiercache.l1.tier import L1Tier
-from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.data_ops import DataOps
 from tiercache.server.layouts import Layouts
 from tiercache.server.management_ops import ManagementOps
 from tiercache.server.records import EvictionRecord
 from tiercache.server.replies import Handler, Refused, error_reply
+from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.sessions import Session, Sessions
 from tiercache.wire import protocol as p
 

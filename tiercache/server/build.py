@@ -24,12 +24,16 @@ def build_engine(config: ServerConfig) -> TieredEngine:
     lower: list[Tier] = []
     try:
         if config.disk is not None:
-            from tiercache.l2_disk import DiskTier  # lmdb: imported only when the tier runs
+            from tiercache.l2_disk import (
+                DiskTier,  # lmdb: imported only when the tier runs
+            )
 
             _check_writable(config.disk.path)
             lower.append(DiskTier(config.disk))
         if config.s3 is not None:
-            from tiercache.l3_s3 import S3Tier  # boto3: imported only when the tier runs
+            from tiercache.l3_s3 import (
+                S3Tier,  # boto3: imported only when the tier runs
+            )
 
             lower.append(S3Tier(config.s3))
         return TieredEngine(l1, lower, config.engine)

@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable
 
 from tiercache.config.parts import ServerOptions
-from tiercache.engine import LookupResult, PrefetchTicket, TicketState, TieredEngine, needed_keys
+from tiercache.engine import (
+    LookupResult,
+    PrefetchTicket,
+    TicketState,
+    TieredEngine,
+    needed_keys,
+)
 from tiercache.errors import TierFullError
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey

@@ -15,7 +15,13 @@ from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.server.layouts import Layouts, check_hashes
 from tiercache.server.records import EvictionRecord
-from tiercache.server.replies import Handler, Offload, Refused, parse_fingerprint, parse_key
+from tiercache.server.replies import (
+    Handler,
+    Offload,
+    Refused,
+    parse_fingerprint,
+    parse_key,
+)
 from tiercache.server.sessions import Session
 from tiercache.tier.contract import Tier
 from tiercache.wire import protocol as p

@@ -1,6 +1,8 @@
-"""Connector pieces that need no vLLM: settings, weights identity, block-size validation, imports.
+"""The connector's pieces and its two halves, without an engine: settings, weights identity, block
+sizes, layouts, the scheduler half's planning and the worker half's loads (fake links and clients).
 
-These run in every environment (the project's own CI has no vLLM); ``test_dense.py`` runs the engine.
+Tests that need vLLM (for its metadata base class) skip without it; CI runs them in its vLLM
+environment. ``tests/e2e`` runs the real engine.
 """
 
 from __future__ import annotations
@@ -8,14 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 
 import pytest
 
+from tests.connector.fakes import link_to
+from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.identity import content_fingerprint, weights_identity
 from tiercache.connector.layout import check_block_sizes
-from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,25 +160,18 @@ def test_recurrent_group_needs_only_the_state_at_the_boundary() -> None:
 # -- the scheduler half's recurrent-state planning (needs vLLM only for the metadata base class) -----
 
 
-def _recurrent_scheduler(chunk: int = 768, block: int = 384) -> object:
-    """A SchedulerHalf with kv group 0 full attention and kv group 1 recurrent state, not connected
-    to any server (its planning methods only need a layout and a link that reports 'up')."""
+def _recurrent_scheduler(chunk: int = 768, block: int = 384, client: object = None, recurrent: bool = True) -> object:
+    """A SchedulerHalf with kv group 0 full attention and (``recurrent``) kv group 1 recurrent
+    state, whose link is up with ``client`` (its planning methods only need a layout and a link)."""
     pytest.importorskip("vllm")
     from tiercache.connector.layout import EngineLayout, GroupLayout
     from tiercache.connector.scheduler import SchedulerHalf
 
-    sched = SchedulerHalf.__new__(SchedulerHalf)
-    sched.layout = EngineLayout(
-        (
-            GroupLayout(0, 0, 0, ("attn",), block, chunk // block, 196608, None),  # type: ignore[arg-type]
-            GroupLayout(1, 1, 0, ("gdn",), block, 1, 134144, None, recurrent=True),  # type: ignore[arg-type]
-        ),
-        world_size=1, scheduler_block_size=block, chunk_size=chunk,
-    )
-    sched._reqs, sched._loads, sched._step, sched._release_at = {}, [], 0, {}
-    sched._unfinished_steps, sched._orphans, sched._saves_last_step = deque(), [], False
-    sched._async_loads = True  # as _on_connect decides for this layout (two KV-cache groups)
-    sched.link = type("UpLink", (), {"client": lambda self: object()})()
+    sched = SchedulerHalf(None, None, ConnectorSettings(), link=link_to(client if client is not None else object()))
+    groups = [GroupLayout(0, 0, 0, ("attn",), block, chunk // block, 196608, None)]  # type: ignore[arg-type]
+    if recurrent:
+        groups.append(GroupLayout(1, 1, 0, ("gdn",), block, 1, 134144, None, recurrent=True))  # type: ignore[arg-type]
+    sched.use_layout(EngineLayout(tuple(groups), world_size=1, scheduler_block_size=block, chunk_size=chunk), [])
     return sched
 
 
@@ -256,10 +251,9 @@ def _hit_scheduler(asynchronous: bool) -> tuple[object, object, _TicketClient]:
     from tiercache.connector.scheduler import LookupState, _Request
     from tiercache.keys import ExtraKeys
 
-    sched = _recurrent_scheduler()
-    sched._async_loads = asynchronous  # type: ignore[attr-defined]
     client = _TicketClient()
-    sched.link = type("UpLink", (), {"client": lambda self: client})()  # type: ignore[attr-defined]
+    # Two KV-cache groups make vLLM's loads asynchronous; one full-attention group keeps them in step.
+    sched = _recurrent_scheduler(client=client, recurrent=asynchronous)
     st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0, hit_chunks=2, ticket=5)
     sched._reqs["r"] = st  # type: ignore[attr-defined]
     return sched, st, client
@@ -469,7 +463,6 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     recurrent (8-byte state pages), 10 blocks each, all 0xEE; its fake client pins one slot per key
     with the given sizes, each slot's bytes filled with its index + 1."""
     pytest.importorskip("vllm")
-    import threading
     from types import SimpleNamespace
 
     import torch
@@ -477,7 +470,6 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     from tiercache.connector.copy import CpuPageCopy
     from tiercache.connector.layout import GroupLayout
     from tiercache.connector.pages import page_view
-    from tiercache.connector.stats import StatsRecorder
     from tiercache.connector.worker import WorkerHalf
     from tiercache.keys import Fingerprint
 
@@ -490,25 +482,20 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
         arena=lambda: arena,
         release=lambda tokens: len(tokens),
     )
-    w = WorkerHalf.__new__(WorkerHalf)
-    w._groups = [
-        GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
-        GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
-    ]
-    w._pages = {
-        0: [page_view("attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1)],
-        1: [page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)],
-    }
-    w._copy = CpuPageCopy()
-    w._fingerprints = {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}
-    w._lock, w._load_errors, w._loaded_step = threading.Lock(), set(), -1
-    w._idle = threading.Condition(w._lock)
-    w._recv_done, w._recv_failed, w._pending, w._with_saves, w._finished_waiting = set(), set(), {}, set(), set()
-    w._loads, w._sync_load, w._overlap = [], None, True
+    w = WorkerHalf(None, None, ConnectorSettings(overlap_loads=True), link=link_to(client))
+    w.use_layout(
+        [
+            GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
+            GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
+        ],
+        {
+            0: [page_view("attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1)],
+            1: [page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)],
+        },
+        {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)},
+        CpuPageCopy(),
+    )
     w.order_layers(["attn", "gdn"])
-    w.stats = {"loaded_chunks": 0, "load_failures": 0}
-    w.recorder = StatsRecorder()
-    w.link = SimpleNamespace(client=lambda: client, failed=lambda what, exc: None)
     return w, arena
 
 
@@ -545,7 +532,7 @@ def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
     assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
     assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
-    assert w.stats == {"loaded_chunks": 2, "load_failures": 0}  # type: ignore[attr-defined]
+    assert w.stats["loaded_chunks"] == 2 and w.stats["load_failures"] == 0  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]  # reported once
 
@@ -566,7 +553,7 @@ def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() ->
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]
     assert _reported(w) == (set(), {"r"}, {"r"})
     assert w.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
-    assert w.stats == {"loaded_chunks": 1, "load_failures": 1}  # type: ignore[attr-defined]
+    assert w.stats["loaded_chunks"] == 1 and w.stats["load_failures"] == 1  # type: ignore[attr-defined]
 
 
 def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy() -> None:

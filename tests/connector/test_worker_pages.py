@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the worker half needs torch")
 pytest.importorskip("vllm", reason="the worker half's metadata types come from vLLM")
 
+from tests.connector.fakes import link_to  # noqa: E402
+from tiercache.config.connector import ConnectorSettings  # noqa: E402
 from tiercache.connector.copy import CpuPageCopy  # noqa: E402
 from tiercache.connector.layout import GroupLayout, verify_kv_caches  # noqa: E402
 from tiercache.connector.metadata import (  # noqa: E402
@@ -22,7 +24,6 @@ from tiercache.connector.metadata import (  # noqa: E402
     RequestLoad,
     TierCacheMetadata,
 )
-from tiercache.config.connector import ConnectorSettings  # noqa: E402
 from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402
@@ -86,15 +87,11 @@ def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]
     )
     group = GroupLayout(0, 0, 0, ("l0", "l1"), K * KERNEL_BLOCK, BPC, PAGE, manifest)
     caches = {"l0": _kv(), "l1": _kv()}
-    w = WorkerHalf(None, None, ConnectorSettings())
     arena = SharedArena.create(None, 1 << 20)
     client = FakeClient(arena)
-    w._copy = CpuPageCopy()
-    w._pages = verify_kv_caches([group], caches, None)
-    w._groups = [group]
-    w._fingerprints = {0: group.fingerprint}
+    w = WorkerHalf(None, None, ConnectorSettings(), link=link_to(client))
+    w.use_layout([group], verify_kv_caches([group], caches, None), {0: group.fingerprint}, CpuPageCopy())
     w.order_layers(caches)
-    w.link.client = lambda: client  # type: ignore[method-assign]
     try:
         yield w, client, caches
     finally:
