@@ -26,8 +26,12 @@ import time
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4, help="layers per object (default 4)")
-    parser.add_argument("--blocks-per-chunk", type=int, default=16, help="pages per layer per chunk (default 16)")
-    parser.add_argument("--kernel-split", type=int, default=4, help="kernel blocks per manager block (default 4)")
+    parser.add_argument(
+        "--blocks-per-chunk", type=int, default=16, help="pages per layer per chunk (default 16)"
+    )
+    parser.add_argument(
+        "--kernel-split", type=int, default=4, help="kernel blocks per manager block (default 4)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions per size (default 20)")
     args = parser.parse_args()
     try:
@@ -41,13 +45,19 @@ def main() -> int:
 
     dev = torch.device("cuda", torch.cuda.current_device())
     k, bpc, layers = args.kernel_split, args.blocks_per_chunk, args.layers
-    print(f"cuda_copy on {torch.cuda.get_device_name(dev)}: {layers} layers x {bpc} pages per chunk, "
-          f"{k} kernel blocks per page, {args.iters} iterations")
-    print(f"{'page':>9} {'chunk':>9} {'save GB/s':>10} {'raw d2h':>9} {'ratio':>6} {'load GB/s':>10} {'raw h2d':>9} {'ratio':>6}")
+    print(
+        f"cuda_copy on {torch.cuda.get_device_name(dev)}: {layers} layers x {bpc} pages per chunk, "
+        f"{k} kernel blocks per page, {args.iters} iterations"
+    )
+    print(
+        f"{'page':>9} {'chunk':>9} {'save GB/s':>10} {'raw d2h':>9} {'ratio':>6} {'load GB/s':>10} {'raw h2d':>9} {'ratio':>6}"
+    )
     for page in (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20):
         r = _measure(dev, page, k, bpc, layers, args.iters)
-        print(f"{page >> 10:>6} KiB {layers * bpc * page >> 20:>6} MiB {r['save']:>10.2f} {r['d2h']:>9.2f} "
-              f"{r['save'] / r['d2h']:>6.2f} {r['load']:>10.2f} {r['h2d']:>9.2f} {r['load'] / r['h2d']:>6.2f}")
+        print(
+            f"{page >> 10:>6} KiB {layers * bpc * page >> 20:>6} MiB {r['save']:>10.2f} {r['d2h']:>9.2f} "
+            f"{r['save'] / r['d2h']:>6.2f} {r['load']:>10.2f} {r['h2d']:>9.2f} {r['load'] / r['h2d']:>6.2f}"
+        )
     return 0
 
 
@@ -64,7 +74,13 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
     tokens_per_kernel_block = page // k // (heads * content)
     num_blocks = 4 * bpc + 1
     caches = [
-        torch.randint(-100, 100, (num_blocks * k, heads, tokens_per_kernel_block, content // 2), dtype=torch.int16, device=dev)
+        torch.randint(
+            -100,
+            100,
+            (num_blocks * k, heads, tokens_per_kernel_block, content // 2),
+            dtype=torch.int16,
+            device=dev,
+        )
         for _ in range(layers)
     ]
     views = [page_view(f"l{i}", c, page_bytes=page, kernel_blocks=k) for i, c in enumerate(caches)]
@@ -94,7 +110,10 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
             raw_dev.copy_(raw_host, non_blocking=True)
             torch.cuda.synchronize(dev)
 
-        return {name: _rate(fn, chunk, iters, dev) for name, fn in (("save", save), ("d2h", d2h), ("load", load), ("h2d", h2d))}
+        return {
+            name: _rate(fn, chunk, iters, dev)
+            for name, fn in (("save", save), ("d2h", d2h), ("load", load), ("h2d", h2d))
+        }
     finally:
         engine.close()
         arena.close()

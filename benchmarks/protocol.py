@@ -38,9 +38,18 @@ from tiercache.wire.protocol import GroupRef
 MiB = 1 << 20
 CHUNK_TOKENS = 256
 MANIFEST = LayoutManifest(
-    model_id="bench", model_revision="r1", kv_dtype="bfloat16", attention_backend="TORCH_SDPA",
-    kv_layout="NHD", kernel_block_size=16, manager_block_size=16, page_bytes=4096,
-    page_bytes_unpadded=4096, group_kind=GroupKind.FULL_ATTENTION, chunk_size=CHUNK_TOKENS, num_layers=2,
+    model_id="bench",
+    model_revision="r1",
+    kv_dtype="bfloat16",
+    attention_backend="TORCH_SDPA",
+    kv_layout="NHD",
+    kernel_block_size=16,
+    manager_block_size=16,
+    page_bytes=4096,
+    page_bytes_unpadded=4096,
+    group_kind=GroupKind.FULL_ATTENTION,
+    chunk_size=CHUNK_TOKENS,
+    num_layers=2,
 )
 
 
@@ -86,7 +95,9 @@ def main() -> int:
     procs: list[ServerProcess] = []
 
     def start(**kw: object) -> ServerProcess:
-        spec = ServerSpec(listen=f"ipc://{tmp}/s{len(procs)}/server.sock", options={"chunk_size": CHUNK_TOKENS}, **kw)  # type: ignore[arg-type]
+        spec = ServerSpec(
+            listen=f"ipc://{tmp}/s{len(procs)}/server.sock", options={"chunk_size": CHUNK_TOKENS}, **kw
+        )  # type: ignore[arg-type]
         proc = ServerProcess(spec)
         procs.append(proc)
         proc.wait_ready()
@@ -114,7 +125,11 @@ def main() -> int:
             from moto.server import ThreadedMotoServer
 
             logging.getLogger("werkzeug").setLevel(logging.ERROR)
-            for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"), ("AWS_DEFAULT_REGION", "us-east-1")):
+            for k, v in (
+                ("AWS_ACCESS_KEY_ID", "x"),
+                ("AWS_SECRET_ACCESS_KEY", "x"),
+                ("AWS_DEFAULT_REGION", "us-east-1"),
+            ):
                 os.environ.setdefault(k, v)
             moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             moto.start()
@@ -128,7 +143,14 @@ def main() -> int:
             srv = start(s3_url=url, l1_bytes=64 * MiB)
             with srv.client(timeout=120) as c:
                 p50, p99, n = lookup_latency(c, hashes, group, args.lookups)
-                rows.append(("lookup 512 chunks, L3 hits (warm existence cache)", f"{p50:.3f} ms", f"{p99:.3f} ms", f"{n} chunks"))
+                rows.append(
+                    (
+                        "lookup 512 chunks, L3 hits (warm existence cache)",
+                        f"{p50:.3f} ms",
+                        f"{p99:.3f} ms",
+                        f"{n} chunks",
+                    )
+                )
             srv.stop()
 
         # -- throughput: arena path vs raw shared-memory copy -------------------------------------

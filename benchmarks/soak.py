@@ -32,7 +32,9 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--ops-per-round", type=int, default=500, help="operations per process per round")
     ap.add_argument("--disk-error-rate", type=float, default=0.0)
-    ap.add_argument("--every", type=float, default=30.0, help="seconds between figure lines (at least one round)")
+    ap.add_argument(
+        "--every", type=float, default=30.0, help="seconds between figure lines (at least one round)"
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tiercache-soak-"))
@@ -56,7 +58,10 @@ def main() -> int:
     try:
         while time.monotonic() < end:
             out = ctx.Queue()
-            procs = [ctx.Process(target=worker, args=(server.endpoint, rounds * 1000 + i, args.ops_per_round, out)) for i in range(args.procs)]
+            procs = [
+                ctx.Process(target=worker, args=(server.endpoint, rounds * 1000 + i, args.ops_per_round, out))
+                for i in range(args.procs)
+            ]
             for p in procs:
                 p.start()
             for _ in procs:

@@ -43,7 +43,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
     except (ImportError, RuntimeError, OSError) as exc:  # e.g. CUDA torchvision: fail here, in one line
-        raise SystemExit(f"error: cannot import vLLM with {sys.executable}: {type(exc).__name__}: {exc}") from None
+        raise SystemExit(
+            f"error: cannot import vLLM with {sys.executable}: {type(exc).__name__}: {exc}"
+        ) from None
     t_start = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if spec["kv_transfer_config"] is not None:
@@ -104,7 +106,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Time first tokens on one fresh vLLM CPU engine (used by e2e_ttft.py).")
+    ap = argparse.ArgumentParser(
+        description="Time first tokens on one fresh vLLM CPU engine (used by e2e_ttft.py)."
+    )
     ap.add_argument("--spec", required=True, type=Path, help="JSON engine spec written by e2e_ttft.py")
     ap.add_argument("--out", required=True, type=Path, help="where to write the JSON result")
     args = ap.parse_args()

@@ -28,7 +28,9 @@ from tiercache.server.build import build_engine
 SMALL_L1 = {"l1.size_gb": "0.01"}
 
 
-def load(flags: dict[str, object] | None = None, env: dict[str, str] | None = None, file: Path | None = None) -> ServerConfig:
+def load(
+    flags: dict[str, object] | None = None, env: dict[str, str] | None = None, file: Path | None = None
+) -> ServerConfig:
     return ServerConfig.load(flags or {}, env or {}, file)
 
 
@@ -55,7 +57,9 @@ def test_defaults_are_the_embedded_server_l1_and_disk_under_the_per_user_data_di
     assert config.server.separate_object_groups is True
 
 
-def test_without_xdg_data_home_the_disk_lives_under_local_share(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_without_xdg_data_home_the_disk_lives_under_local_share(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     config = load()
@@ -83,7 +87,13 @@ def test_it_composes_the_part_configs_rather_than_copying_their_fields() -> None
 
 def test_every_field_of_every_part_config_is_an_option() -> None:
     fields = {(o.section, o.field) for o in options()}
-    for section, cls in (("server", ServerOptions), ("l1", L1Config), ("disk", DiskConfig), ("s3", S3Config), ("engine", EngineConfig)):
+    for section, cls in (
+        ("server", ServerOptions),
+        ("l1", L1Config),
+        ("disk", DiskConfig),
+        ("s3", S3Config),
+        ("engine", EngineConfig),
+    ):
         for f in dataclasses.fields(cls):
             assert (section, f.name) in fields, f"{cls.__name__}.{f.name} has no option"
 
@@ -100,10 +110,26 @@ def test_every_option_has_help_and_unique_flag_env_and_key() -> None:
 def test_the_issue_s_flags_and_variables_exist() -> None:
     flags = {o.flag: o for o in options()}
     for flag in (
-        "--tiers", "--chunk-size", "--separate-object-groups", "--l1-size-gb", "--l1-name", "--eviction-policy",
-        "--disk-path", "--disk-size-gb", "--s3-bucket", "--s3-prefix", "--s3-endpoint-url", "--s3-region",
-        "--s3-path-style", "--s3-capacity-gb", "--l3-write-policy", "--listen", "--auth-secret",
-        "--curve-secret-key-file", "--metrics-port", "--log-level",
+        "--tiers",
+        "--chunk-size",
+        "--separate-object-groups",
+        "--l1-size-gb",
+        "--l1-name",
+        "--eviction-policy",
+        "--disk-path",
+        "--disk-size-gb",
+        "--s3-bucket",
+        "--s3-prefix",
+        "--s3-endpoint-url",
+        "--s3-region",
+        "--s3-path-style",
+        "--s3-capacity-gb",
+        "--l3-write-policy",
+        "--listen",
+        "--auth-secret",
+        "--curve-secret-key-file",
+        "--metrics-port",
+        "--log-level",
     ):
         assert flag in flags, flag
     assert flags["--auth-secret"].env == "TIERCACHE_AUTH_SECRET"
@@ -149,8 +175,15 @@ def test_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
 
 
 def test_enums_are_parsed_from_their_names() -> None:
-    config = load({"l1.eviction_policy": "s3fifo", "log_level": "DEBUG", "engine.l3_write_policy": "back",
-                   "tiers": "l1,disk,s3", "s3.bucket": "b"})
+    config = load(
+        {
+            "l1.eviction_policy": "s3fifo",
+            "log_level": "DEBUG",
+            "engine.l3_write_policy": "back",
+            "tiers": "l1,disk,s3",
+            "s3.bucket": "b",
+        }
+    )
     assert config.l1.eviction_policy is EvictionPolicyName.S3FIFO
     assert config.log_level is LogLevel.DEBUG
     assert config.engine.l3_write_policy is L3WritePolicy.BACK
@@ -173,7 +206,10 @@ def test_allowed_tier_stacks(tiers: str) -> None:
 @pytest.mark.parametrize(
     ("tiers", "says"),
     [
-        ("disk,s3", "l1 (the shared-memory arena) is always required because workers copy KV through it: use l1,disk,s3"),
+        (
+            "disk,s3",
+            "l1 (the shared-memory arena) is always required because workers copy KV through it: use l1,disk,s3",
+        ),
         ("disk", "always required"),
         ("l1,s3,disk", "out of order; tiers go fastest first: use l1,disk,s3"),
         ("disk,l1", "must start with l1"),
@@ -189,12 +225,16 @@ def test_bad_tier_lists_say_what_to_use(tiers: str, says: str) -> None:
 
 
 def test_the_s3_tier_needs_a_bucket() -> None:
-    with pytest.raises(ConfigError, match=r"includes s3 but no bucket is set; set --s3-bucket \(or TIERCACHE_S3_BUCKET"):
+    with pytest.raises(
+        ConfigError, match=r"includes s3 but no bucket is set; set --s3-bucket \(or TIERCACHE_S3_BUCKET"
+    ):
         load({"tiers": "l1,disk,s3"})
 
 
 def test_settings_of_a_tier_that_is_not_enabled_are_an_error_not_silently_ignored() -> None:
-    with pytest.raises(ConfigError, match="TIERCACHE_S3_BUCKET is set but --tiers l1,disk has no s3 tier; add s3"):
+    with pytest.raises(
+        ConfigError, match="TIERCACHE_S3_BUCKET is set but --tiers l1,disk has no s3 tier; add s3"
+    ):
         load(env={"TIERCACHE_S3_BUCKET": "b"})
     with pytest.raises(ConfigError, match="--disk-path is set but --tiers l1,s3 has no disk tier"):
         load({"tiers": "l1,s3", "s3.bucket": "b", "disk.path": "/x"})
@@ -214,16 +254,33 @@ def test_write_back_needs_a_disk_tier_to_evict_from() -> None:
         ({"l1.size_gb": "lots"}, {}, "--l1-size-gb lots is not a number; use a decimal number"),
         ({"l1.size_gb": "-1"}, {}, "--l1-size-gb -1 is not a positive size; give a number of GiB > 0"),
         ({}, {"TIERCACHE_DISK_SIZE_GB": "0"}, "TIERCACHE_DISK_SIZE_GB=0 is not a positive size"),
-        ({"server.chunk_size": "1.5"}, {}, "--chunk-size 1.5 is not an integer; use a whole number, e.g. 256"),
+        (
+            {"server.chunk_size": "1.5"},
+            {},
+            "--chunk-size 1.5 is not an integer; use a whole number, e.g. 256",
+        ),
         ({"server.chunk_size": "0"}, {}, "--chunk-size must be a positive number of tokens, got 0"),
-        ({"l1.eviction_policy": "fifo"}, {}, "--eviction-policy fifo is not a valid choice; use one of lru, s3fifo"),
-        ({}, {"TIERCACHE_S3_PATH_STYLE": "maybe", "TIERCACHE_TIERS": "l1,s3", "TIERCACHE_S3_BUCKET": "b"},
-         "TIERCACHE_S3_PATH_STYLE=maybe is not a boolean; use true or false"),
+        (
+            {"l1.eviction_policy": "fifo"},
+            {},
+            "--eviction-policy fifo is not a valid choice; use one of lru, s3fifo",
+        ),
+        (
+            {},
+            {"TIERCACHE_S3_PATH_STYLE": "maybe", "TIERCACHE_TIERS": "l1,s3", "TIERCACHE_S3_BUCKET": "b"},
+            "TIERCACHE_S3_PATH_STYLE=maybe is not a boolean; use true or false",
+        ),
         ({"server.metrics_port": "70000"}, {}, "--metrics-port 70000 is not a port number (0-65535)"),
-        ({"server.listen": "http://x"}, {}, "--listen 'http://x' is not supported; use ipc:///path/to/socket"),
+        (
+            {"server.listen": "http://x"},
+            {},
+            "--listen 'http://x' is not supported; use ipc:///path/to/socket",
+        ),
     ],
 )
-def test_value_errors_name_the_source_the_value_and_the_fix(flags: dict[str, object], env: dict[str, str], message: str) -> None:
+def test_value_errors_name_the_source_the_value_and_the_fix(
+    flags: dict[str, object], env: dict[str, str], message: str
+) -> None:
     with pytest.raises(ConfigError) as info:
         load(flags, env)
     assert message in str(info.value)
@@ -231,9 +288,13 @@ def test_value_errors_name_the_source_the_value_and_the_fix(flags: dict[str, obj
 
 
 def test_errors_raised_by_a_part_config_are_renamed_to_the_variable_that_set_the_value() -> None:
-    with pytest.raises(ConfigError, match=r"^TIERCACHE_DISK_LOW_WATERMARK 0.99 must be below the high watermark 0.95$"):
+    with pytest.raises(
+        ConfigError, match=r"^TIERCACHE_DISK_LOW_WATERMARK 0.99 must be below the high watermark 0.95$"
+    ):
         load(env={"TIERCACHE_DISK_LOW_WATERMARK": "0.99"})
-    with pytest.raises(ConfigError, match=r"^TIERCACHE_LISTEN tcp://0.0.0.0:5555 is TCP, which needs authentication"):
+    with pytest.raises(
+        ConfigError, match=r"^TIERCACHE_LISTEN tcp://0.0.0.0:5555 is TCP, which needs authentication"
+    ):
         load(env={"TIERCACHE_LISTEN": "tcp://0.0.0.0:5555"})
 
 
@@ -280,21 +341,44 @@ def test_invalid_toml_and_missing_files_are_config_errors(tmp_path: Path) -> Non
 
 def test_every_option_can_be_set_from_the_file(tmp_path: Path) -> None:
     # TOML keys are exactly the option keys: a table per part, top-level keys bare.
-    assert set(options_by_key()) >= {"tiers", "log_level", "server.listen", "l1.size_gb", "disk.path", "s3.bucket", "engine.l3_write_policy"}
+    assert set(options_by_key()) >= {
+        "tiers",
+        "log_level",
+        "server.listen",
+        "l1.size_gb",
+        "disk.path",
+        "s3.bucket",
+        "engine.l3_write_policy",
+    }
 
 
 # -- describe() and build_engine() --------------------------------------------------------------------
 
 
 def test_describe_says_tiers_listen_address_storage_and_budgets(tmp_path: Path) -> None:
-    config = load({
-        "tiers": "l1,disk,s3", "l1.size_gb": "2", "disk.path": str(tmp_path / "d"), "disk.size_gb": "100",
-        "s3.bucket": "kv", "s3.prefix": "prod", "s3.endpoint_url": "http://127.0.0.1:9000",
-        "server.listen": "ipc:///tmp/x.sock", "server.metrics_port": "9400",
-    })
+    config = load(
+        {
+            "tiers": "l1,disk,s3",
+            "l1.size_gb": "2",
+            "disk.path": str(tmp_path / "d"),
+            "disk.size_gb": "100",
+            "s3.bucket": "kv",
+            "s3.prefix": "prod",
+            "s3.endpoint_url": "http://127.0.0.1:9000",
+            "server.listen": "ipc:///tmp/x.sock",
+            "server.metrics_port": "9400",
+        }
+    )
     text = config.describe()
-    for expected in ("l1 -> disk -> s3", "ipc:///tmp/x.sock", "2 GiB", f"100 GiB in {tmp_path / 'd'}",
-                     "s3://kv/prod", "endpoint http://127.0.0.1:9000", "http://127.0.0.1:9400/metrics"):
+    for expected in (
+        "l1 -> disk -> s3",
+        "ipc:///tmp/x.sock",
+        "2 GiB",
+        f"100 GiB in {tmp_path / 'd'}",
+        "s3://kv/prod",
+        "endpoint http://127.0.0.1:9000",
+        "http://127.0.0.1:9400/metrics",
+    ):
         assert expected in text
 
 
@@ -309,9 +393,18 @@ def test_build_engine_composes_l1_and_disk(tmp_path: Path) -> None:
 
 
 def test_build_engine_composes_all_three_tiers(tmp_path: Path, s3: S3Endpoint) -> None:
-    config = load({**SMALL_L1, "tiers": "l1,disk,s3", "disk.path": str(tmp_path / "disk"), "s3.bucket": "kv-cache",
-                   "s3.endpoint_url": s3.url, "s3.region": s3.region, "s3.path_style": True,
-                   "s3.create_bucket": True})
+    config = load(
+        {
+            **SMALL_L1,
+            "tiers": "l1,disk,s3",
+            "disk.path": str(tmp_path / "disk"),
+            "s3.bucket": "kv-cache",
+            "s3.endpoint_url": s3.url,
+            "s3.region": s3.region,
+            "s3.path_style": True,
+            "s3.create_bucket": True,
+        }
+    )
     engine = build_engine(config)
     try:
         assert [t.name for t in engine.tiers] == ["l1", "disk", "s3"]
@@ -323,13 +416,24 @@ def test_an_unwritable_disk_directory_fails_at_start_up(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a directory cannot be created under a regular file, even by root
     config = load({**SMALL_L1, "disk.path": str(blocker / "disk")})
-    with pytest.raises(DiskTierError, match=r"is not writable .*; fix its permissions or choose another --disk-path"):
+    with pytest.raises(
+        DiskTierError, match=r"is not writable .*; fix its permissions or choose another --disk-path"
+    ):
         build_engine(config)
 
 
 def test_an_unreachable_bucket_fails_at_start_up_with_the_s3_tier_s_message(s3: S3Endpoint) -> None:
-    config = load({**SMALL_L1, "tiers": "l1,s3", "s3.bucket": "no-such-bucket", "s3.endpoint_url": s3.url,
-                   "s3.region": s3.region, "s3.path_style": True, "s3.max_attempts": "1"})
+    config = load(
+        {
+            **SMALL_L1,
+            "tiers": "l1,s3",
+            "s3.bucket": "no-such-bucket",
+            "s3.endpoint_url": s3.url,
+            "s3.region": s3.region,
+            "s3.path_style": True,
+            "s3.max_attempts": "1",
+        }
+    )
     with pytest.raises(S3TierError, match="does not exist; create it, fix --s3-bucket"):
         build_engine(config)
 

@@ -24,17 +24,33 @@ def test_each_tier_reports_every_size_case_in_order(tmp_path: Path) -> None:
     bench.bench_l1([256 * KiB, 512 * KiB], 1 << 20, 1, progress=lambda *a: calls.append(a))
     bench.bench_disk([256 * KiB], 1 << 20, 1, tmp_path, progress=lambda *a: calls.append(a))
     assert calls == [
-        ("l1", 256 * KiB, "start"), ("l1", 256 * KiB, "done"),
-        ("l1", 512 * KiB, "start"), ("l1", 512 * KiB, "done"),
-        ("disk", 256 * KiB, "start"), ("disk", 256 * KiB, "done"),
+        ("l1", 256 * KiB, "start"),
+        ("l1", 256 * KiB, "done"),
+        ("l1", 512 * KiB, "start"),
+        ("l1", 512 * KiB, "done"),
+        ("disk", 256 * KiB, "start"),
+        ("disk", 256 * KiB, "done"),
     ]
 
 
 def test_without_a_terminal_progress_is_plain_lines_on_stderr(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    code = main(["bench", "--tiers", "l1,disk", "--sizes", "256k,512k", "--total-mb", "1", "--rounds", "1",
-                 "--disk-path", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--tiers",
+            "l1,disk",
+            "--sizes",
+            "256k,512k",
+            "--total-mb",
+            "1",
+            "--rounds",
+            "1",
+            "--disk-path",
+            str(tmp_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     lines = err.splitlines()

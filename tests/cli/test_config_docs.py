@@ -18,7 +18,9 @@ REGENERATE = "tiercache config docs --output docs/configuration.md"
 
 
 def test_the_committed_reference_matches_the_option_table() -> None:
-    assert DOC.read_text() == render_docs(), f"docs/configuration.md is stale; regenerate it with: {REGENERATE}"
+    assert DOC.read_text() == render_docs(), (
+        f"docs/configuration.md is stale; regenerate it with: {REGENERATE}"
+    )
 
 
 def test_the_reference_lists_every_flag_variable_and_file_key() -> None:

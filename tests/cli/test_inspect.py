@@ -54,7 +54,9 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("inspect-live")
-    proc = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1024 * KiB, options={"chunk_size": 256}))
+    proc = ServerProcess(
+        ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1024 * KiB, options={"chunk_size": 256})
+    )
     try:
         proc.wait_ready()
         with proc.client() as client:
@@ -83,7 +85,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
 # -- summary ---------------------------------------------------------------------------------------
 
 
-def test_summary_json_reports_usage_hit_rate_and_evictions_per_tier(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+def test_summary_json_reports_usage_hit_rate_and_evictions_per_tier(
+    live: Live, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = run_json(capsys, "inspect", "summary", "--server", live.endpoint)
     assert data["source"] == "server" and data["where"] == live.endpoint and data["format"] == 1
     l1 = data["tiers"]["l1"]
@@ -95,7 +99,9 @@ def test_summary_json_reports_usage_hit_rate_and_evictions_per_tier(live: Live, 
     assert l1["objects"] == len(keys["keys"])
 
 
-def test_summary_table_names_each_tier_and_the_engine_counters(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+def test_summary_table_names_each_tier_and_the_engine_counters(
+    live: Live, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run(capsys, "inspect", "summary", "--server", live.endpoint)
     assert code == 0, err
     assert live.endpoint in out
@@ -103,7 +109,9 @@ def test_summary_table_names_each_tier_and_the_engine_counters(live: Live, capsy
     assert "queue drops" in out
 
 
-def test_watch_refreshes_until_ctrl_c_and_exits_0(live: Live, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_watch_refreshes_until_ctrl_c_and_exits_0(
+    live: Live, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tiercache.cli.inspect as ci
 
     ticks = iter([None])
@@ -132,7 +140,9 @@ def test_keys_pages_with_a_cursor_until_the_last_page(live: Live, capsys: pytest
     seen: list[str] = []
     cursor = ""
     while True:
-        page = run_json(capsys, "inspect", "keys", "--server", live.endpoint, "--limit", "3", "--cursor", cursor)
+        page = run_json(
+            capsys, "inspect", "keys", "--server", live.endpoint, "--limit", "3", "--cursor", cursor
+        )
         assert len(page["keys"]) <= 3
         seen += [k["key"] for k in page["keys"]]
         if page["next_cursor"] is None:
@@ -152,7 +162,9 @@ def test_keys_filter_by_fingerprint_group_and_tier(live: Live, capsys: pytest.Ca
     assert code == 2 and "tape" in one_line(err)
 
 
-def test_keys_table_shows_the_key_parts_and_how_to_continue(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+def test_keys_table_shows_the_key_parts_and_how_to_continue(
+    live: Live, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = run(capsys, "inspect", "keys", "--server", live.endpoint, "--limit", "2")
     assert code == 0
     assert "prefix hash" in out and "more: --cursor " in out
@@ -166,7 +178,9 @@ def test_fingerprints_show_each_layout_manifest(live: Live, capsys: pytest.Captu
     rows = {r["fingerprint"]: r for r in data["fingerprints"]}
     assert set(rows) == {live.a, live.b}
     assert rows[live.b]["manifest"]["kv_dtype"] == "fp8" and rows[live.b]["objects"] == 2
-    assert rows[live.a]["manifest"]["kv_dtype"] == "bfloat16" and rows[live.a]["groups"] == {"0": rows[live.a]["objects"]}
+    assert rows[live.a]["manifest"]["kv_dtype"] == "bfloat16" and rows[live.a]["groups"] == {
+        "0": rows[live.a]["objects"]
+    }
 
     code, out, _ = run(capsys, "inspect", "fingerprints", "--server", live.endpoint)
     assert code == 0
@@ -177,15 +191,21 @@ def test_fingerprints_show_each_layout_manifest(live: Live, capsys: pytest.Captu
 # -- explain ---------------------------------------------------------------------------------------
 
 
-def test_explain_from_a_file_finds_the_stored_prefix(live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_explain_from_a_file_finds_the_stored_prefix(
+    live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     tokens = tmp_path / "prompt.txt"
     tokens.write_text(", ".join(map(str, prompt_tokens(4, seed=5))) + "\n")  # R's 3 chunks and one more
-    data = run_json(capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", live.a)
+    data = run_json(
+        capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", live.a
+    )
     assert data["chunk_size"] == 256 and data["chunks"] == 4 and data["tokens"] == 1024
     assert [e["status"] for e in data["entries"]] == ["l1", "l1", "l1", "never_stored"]
     assert data["prefix_chunks"] == 3
 
-    code, out, _ = run(capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", live.a)
+    code, out, _ = run(
+        capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", live.a
+    )
     assert code == 0
     assert "never stored" in out and "restorable prefix: 3 of 4 chunk(s)" in out
 
@@ -208,20 +228,36 @@ def test_explain_from_stdin_names_evictions_and_other_fingerprints(
     assert data["prefix_chunks"] == 0
 
 
-def test_explain_with_a_cache_salt_hashes_other_chunks(live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_explain_with_a_cache_salt_hashes_other_chunks(
+    live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     tokens = tmp_path / "prompt.txt"
     tokens.write_text(" ".join(map(str, prompt_tokens(3, seed=5))))
     data = run_json(
-        capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", live.a,
-        "--cache-salt", "tenant-1", "--chunk-size", "256",
+        capsys,
+        "inspect",
+        "explain",
+        str(tokens),
+        "--server",
+        live.endpoint,
+        "--fingerprint",
+        live.a,
+        "--cache-salt",
+        "tenant-1",
+        "--chunk-size",
+        "256",
     )
     assert [e["status"] for e in data["entries"]] == ["never_stored"] * 3
 
 
-def test_explain_of_an_unknown_fingerprint_is_a_usage_error(live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_explain_of_an_unknown_fingerprint_is_a_usage_error(
+    live: Live, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     tokens = tmp_path / "prompt.txt"
     tokens.write_text(" ".join(["7"] * 300))
-    code, _, err = run(capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", "ab" * 16)
+    code, _, err = run(
+        capsys, "inspect", "explain", str(tokens), "--server", live.endpoint, "--fingerprint", "ab" * 16
+    )
     assert code == 2 and "ab" * 16 in one_line(err)
 
 
@@ -234,7 +270,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_unreachable_server_is_one_line_naming_the_endpoint_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_an_unreachable_server_is_one_line_naming_the_endpoint_exit_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     missing = f"ipc://{tmp_path}/nobody.sock"
     code, out, err = run(capsys, "inspect", "summary", "--server", missing)
     assert code == 1 and out == ""
@@ -242,7 +280,9 @@ def test_an_unreachable_server_is_one_line_naming_the_endpoint_exit_1(capsys: py
     assert missing in line and "tiercache server" in line
 
     tcp = f"tcp://127.0.0.1:{free_port()}"
-    code, out, err = run(capsys, "inspect", "keys", "--server", tcp, "--auth-secret", SECRET, "--timeout", "0.3")
+    code, out, err = run(
+        capsys, "inspect", "keys", "--server", tcp, "--auth-secret", SECRET, "--timeout", "0.3"
+    )
     assert code == 1 and out == ""
     line = one_line(err)
     assert tcp in line and "--auth-secret" in line and SECRET not in line
@@ -262,14 +302,18 @@ def test_an_unreachable_server_is_one_line_naming_the_endpoint_exit_1(capsys: py
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_bad_arguments_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+def test_bad_arguments_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     code, out, err = run(capsys, "inspect", *argv)
     assert code == 2 and out == ""
     assert needle in one_line(err)
 
 
-@pytest.mark.parametrize("text", ["1 2 x3", "[1, 2.5]", "", "[1, -1]", "{\"a\": 1}"])
-def test_bad_token_files_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str) -> None:
+@pytest.mark.parametrize("text", ["1 2 x3", "[1, 2.5]", "", "[1, -1]", '{"a": 1}'])
+def test_bad_token_files_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str
+) -> None:
     tokens = tmp_path / "t.txt"
     tokens.write_text(text)
     code, _, err = run(capsys, "inspect", "explain", str(tokens), "--server", f"ipc://{tmp_path}/none.sock")
@@ -290,7 +334,9 @@ def test_a_shared_secret_server_is_inspected_without_ever_showing_the_secret(
         code, out, err = run(capsys, "inspect", "fingerprints", "--server", endpoint, "--json")
         assert code == 0 and SECRET not in out + err
         monkeypatch.delenv("TIERCACHE_AUTH_SECRET")
-        code, out, err = run(capsys, "inspect", "summary", "--server", endpoint, "--auth-secret", SECRET + "-wrong")
+        code, out, err = run(
+            capsys, "inspect", "summary", "--server", endpoint, "--auth-secret", SECRET + "-wrong"
+        )
         assert code == 1 and SECRET not in out + err
         assert one_line(err).startswith("tiercache: AuthenticationError")
     finally:
@@ -309,13 +355,22 @@ def test_the_console_script_prints_json_and_one_line_errors(live: Live, tmp_path
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     proc = subprocess.run(
         [*entry_point(), "inspect", "summary", "--server", live.endpoint, "--json"],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tiers"]["l1"]["objects"] > 0
 
     proc = subprocess.run(
-        [*entry_point(), "inspect", "summary"], capture_output=True, text=True, timeout=60, env=env, check=False,
+        [*entry_point(), "inspect", "summary"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
     )
     assert proc.returncode == 1
     line = one_line(proc.stderr)

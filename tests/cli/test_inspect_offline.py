@@ -65,23 +65,41 @@ def disk(tmp_path: Path) -> Path:
     return path
 
 
-def test_disk_summary_keys_and_fingerprints_modify_nothing(disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_disk_summary_keys_and_fingerprints_modify_nothing(
+    disk: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = snapshot(disk)
     summary = run_json(capsys, "inspect", "summary", "--disk-path", str(disk))
     assert summary["source"] == "offline"
-    assert summary["tiers"]["disk"] == {"bytes_used": 3 * 4096 + 1000, "bytes_budget": None, "objects": 4, "fingerprints": 2}
+    assert summary["tiers"]["disk"] == {
+        "bytes_used": 3 * 4096 + 1000,
+        "bytes_budget": None,
+        "objects": 4,
+        "fingerprints": 2,
+    }
 
     keys = run_json(capsys, "inspect", "keys", "--disk-path", str(disk), "--limit", "2")
     assert len(keys["keys"]) == 2 and keys["next_cursor"]
     rest = run_json(capsys, "inspect", "keys", "--disk-path", str(disk), "--cursor", keys["next_cursor"])
     assert len(rest["keys"]) == 2 and rest["next_cursor"] is None
     assert all(k["tiers"] == ["disk"] for k in keys["keys"] + rest["keys"])
-    only_b = run_json(capsys, "inspect", "keys", "--disk-path", str(disk), "--fingerprint", B.fingerprint().hex, "--group", "1")
+    only_b = run_json(
+        capsys,
+        "inspect",
+        "keys",
+        "--disk-path",
+        str(disk),
+        "--fingerprint",
+        B.fingerprint().hex,
+        "--group",
+        "1",
+    )
     assert [k["key"].split("/")[:2] for k in only_b["keys"]] == [[B.fingerprint().hex, "g1"]]
 
     rows = run_json(capsys, "inspect", "fingerprints", "--disk-path", str(disk))["fingerprints"]
     assert {r["fingerprint"]: r["manifest"]["kv_dtype"] for r in rows} == {
-        A.fingerprint().hex: "bfloat16", B.fingerprint().hex: "fp8"
+        A.fingerprint().hex: "bfloat16",
+        B.fingerprint().hex: "fp8",
     }
     assert main(["inspect", "summary", "--disk-path", str(disk)]) == 0
     assert "stored data only" in capsys.readouterr().out
@@ -94,16 +112,42 @@ def test_disk_explain_needs_a_chunk_size_and_finds_other_fingerprints(
     tokens = tmp_path / "t.json"
     tokens.write_text(json.dumps(prompt_tokens(4)))
     before = snapshot(disk)
-    data = run_json(capsys, "inspect", "explain", str(tokens), "--disk-path", str(disk), "--chunk-size", "256",
-                    "--fingerprint", B.fingerprint().hex, "--group", "0", "--group", "1")
+    data = run_json(
+        capsys,
+        "inspect",
+        "explain",
+        str(tokens),
+        "--disk-path",
+        str(disk),
+        "--chunk-size",
+        "256",
+        "--fingerprint",
+        B.fingerprint().hex,
+        "--group",
+        "0",
+        "--group",
+        "1",
+    )
     by = {(e["object_group"], e["chunk"]): e for e in data["entries"]}
     assert by[(1, 1)]["status"] == "disk"
-    assert by[(0, 0)]["status"] == "other_fingerprint" and by[(0, 0)]["other_fingerprint"] == A.fingerprint().hex
+    assert (
+        by[(0, 0)]["status"] == "other_fingerprint" and by[(0, 0)]["other_fingerprint"] == A.fingerprint().hex
+    )
     assert by[(0, 3)]["status"] == "never_stored"
     assert by[(1, 0)]["status"] == "never_stored"
 
-    data = run_json(capsys, "inspect", "explain", str(tokens), "--disk-path", str(disk), "--chunk-size", "256",
-                    "--fingerprint", A.fingerprint().hex)
+    data = run_json(
+        capsys,
+        "inspect",
+        "explain",
+        str(tokens),
+        "--disk-path",
+        str(disk),
+        "--chunk-size",
+        "256",
+        "--fingerprint",
+        A.fingerprint().hex,
+    )
     assert [e["status"] for e in data["entries"]] == ["disk", "disk", "disk", "never_stored"]
     assert data["prefix_chunks"] == 3
     assert snapshot(disk) == before
@@ -123,7 +167,9 @@ def test_watch_needs_a_live_server(disk: Path, capsys: pytest.CaptureFixture[str
     assert "--watch needs a live server" in one_line(capsys.readouterr().err)
 
 
-def test_disk_inspected_while_a_server_has_it_open(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_disk_inspected_while_a_server_has_it_open(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     path = tmp_path / "disk"
     proc = ServerProcess(ServerSpec(listen=f"ipc://{tmp_path}/s.sock", disk_path=str(path)))
     try:
@@ -131,7 +177,9 @@ def test_disk_inspected_while_a_server_has_it_open(capsys: pytest.CaptureFixture
         with proc.client() as client:
             [group] = client.register([(0, A)])
             store_prompt(client, group, chunk_hashes(prompt_tokens(5), 256), nbytes=8 * KiB)
-            deadline = time.monotonic() + 30  # write-through to disk is asynchronous: poll, never sleep blindly
+            deadline = (
+                time.monotonic() + 30
+            )  # write-through to disk is asynchronous: poll, never sleep blindly
             while client.stats()["tiers"]["disk"]["objects"] < 5 and time.monotonic() < deadline:
                 time.sleep(0.01)
             served = client.stats()["tiers"]["disk"]
@@ -168,7 +216,17 @@ def test_the_disk_reader_refuses_nothing_it_does_not_have(tmp_path: Path) -> Non
 
 
 def s3_args(s3: S3Endpoint) -> list[str]:
-    return ["--s3-bucket", BUCKET, "--s3-prefix", "tc", "--s3-endpoint-url", s3.url, "--s3-region", s3.region, "--s3-path-style"]
+    return [
+        "--s3-bucket",
+        BUCKET,
+        "--s3-prefix",
+        "tc",
+        "--s3-endpoint-url",
+        s3.url,
+        "--s3-region",
+        s3.region,
+        "--s3-path-style",
+    ]
 
 
 def listing(s3: S3Endpoint) -> list[tuple[str, str, Any]]:
@@ -214,7 +272,9 @@ def test_s3_summary_keys_fingerprints_and_explain_change_nothing(
 
 
 def test_the_s3_reader_only_lists_and_gets(s3_stored: S3Endpoint) -> None:
-    cfg = S3Config(bucket=BUCKET, prefix="tc", endpoint_url=s3_stored.url, region=s3_stored.region, path_style=True)
+    cfg = S3Config(
+        bucket=BUCKET, prefix="tc", endpoint_url=s3_stored.url, region=s3_stored.region, path_style=True
+    )
     with S3Reader(cfg) as reader:
         ops: list[str] = []
         reader.client.meta.events.register("before-call.s3", lambda model, **_: ops.append(model.name))
@@ -224,9 +284,23 @@ def test_the_s3_reader_only_lists_and_gets(s3_stored: S3Endpoint) -> None:
         assert set(ops) <= READ_OPERATIONS and "ListObjectsV2" in ops
 
 
-def test_a_missing_bucket_is_one_line_exit_1_without_credentials(s3: S3Endpoint, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_bucket_is_one_line_exit_1_without_credentials(
+    s3: S3Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = s3.url.replace("http://", "http://user:pa55w0rd@")
-    code = main(["inspect", "summary", "--s3-bucket", "nope", "--s3-endpoint-url", url, "--s3-region", s3.region, "--s3-path-style"])
+    code = main(
+        [
+            "inspect",
+            "summary",
+            "--s3-bucket",
+            "nope",
+            "--s3-endpoint-url",
+            url,
+            "--s3-region",
+            s3.region,
+            "--s3-path-style",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
     line = one_line(err)

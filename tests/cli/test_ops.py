@@ -36,14 +36,18 @@ class _Tty(io.StringIO):
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     """A server (L1 4 MiB + disk) holding OBJECTS objects of SIZE in both tiers."""
     proc = ServerProcess(
-        ServerSpec(listen=f"ipc://{tmp_path}/sock/server.sock", l1_bytes=4 << 20, disk_path=str(tmp_path / "disk"))
+        ServerSpec(
+            listen=f"ipc://{tmp_path}/sock/server.sock", l1_bytes=4 << 20, disk_path=str(tmp_path / "disk")
+        )
     )
     try:
         proc.wait_ready()
         with proc.client() as client:
             keys = [make_key(i) for i in range(OBJECTS)]
             assert client.store_chunks(keys, [os.urandom(SIZE) for _ in keys]) == OBJECTS
-            wait_for(lambda: client.stats()["tiers"]["disk"]["objects"] == OBJECTS, "the write-through to disk")
+            wait_for(
+                lambda: client.stats()["tiers"]["disk"]["objects"] == OBJECTS, "the write-through to disk"
+            )
         yield proc
     finally:
         proc.stop()
@@ -60,7 +64,9 @@ def objects(client: Client) -> dict[str, int]:
     return {name: t["objects"] for name, t in client.stats()["tiers"].items()}
 
 
-def test_clear_one_tier_in_batches_leaves_the_others(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clear_one_tier_in_batches_leaves_the_others(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["clear", "--server", server.endpoint, "--tier", "disk", "--batch", "5", "--yes", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -70,7 +76,9 @@ def test_clear_one_tier_in_batches_leaves_the_others(server: ServerProcess, caps
         assert objects(client) == {"l1": OBJECTS, "disk": 0}
 
 
-def test_clear_of_every_tier_prints_one_summary_line(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clear_of_every_tier_prints_one_summary_line(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["clear", "--server", server.endpoint, "--yes"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -90,7 +98,9 @@ def test_clear_without_yes_deletes_nothing_and_says_how_to_confirm(
         assert objects(client)["l1"] == OBJECTS
 
 
-def test_clear_of_an_unknown_tier_names_the_servers_tiers(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clear_of_an_unknown_tier_names_the_servers_tiers(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["clear", "--server", server.endpoint, "--tier", "s3", "--yes"]) == 2
     assert "--tier 's3': this server has l1, disk" in capsys.readouterr().err
 
@@ -116,10 +126,14 @@ def test_warm_promotes_from_disk_into_l1_up_to_the_budget_most_recently_used_fir
         while client.clear_batch(100, tier="l1"):
             pass
         # The disk tier applies read touches in the background, once per sync interval.
-        wait_for(lambda: client.list_keys(tier="disk", limit=1, order="use")[0][0].key == make_key(0).to_bytes(),
-                 "the read's recency touch")
+        wait_for(
+            lambda: client.list_keys(tier="disk", limit=1, order="use")[0][0].key == make_key(0).to_bytes(),
+            "the read's recency touch",
+        )
         by_use = [ObjectKey.from_bytes(k.key) for k in client.list_keys(tier="disk", order="use")[0]]
-    assert main(["warm", "--server", server.endpoint, "--budget", f"{4 * SIZE}", "--batch", "3", "--json"]) == 0
+    assert (
+        main(["warm", "--server", server.endpoint, "--budget", f"{4 * SIZE}", "--batch", "3", "--json"]) == 0
+    )
     out, err = capsys.readouterr()
     result = json.loads(out)
     assert err == ""
@@ -134,7 +148,9 @@ def test_warm_promotes_from_disk_into_l1_up_to_the_budget_most_recently_used_fir
     # Without --budget: L1's free space, which holds the rest; the four already there are skipped.
     assert main(["warm", "--server", server.endpoint]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"warmed {OBJECTS - 4} objects ({(OBJECTS - 4) * SIZE // KiB}.0 KiB) from disk into l1; 4 already there")
+    assert out.startswith(
+        f"warmed {OBJECTS - 4} objects ({(OBJECTS - 4) * SIZE // KiB}.0 KiB) from disk into l1; 4 already there"
+    )
     with server.client() as client:
         assert objects(client)["l1"] == OBJECTS
 

@@ -36,11 +36,16 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         (["--chunk-size", "-4"], "--chunk-size must be a positive number of tokens, got -4"),
         (["--tiers", "disk,s3"], "l1 (the shared-memory arena) is always required"),
         (["--eviction-policy", "mru"], "use one of lru, s3fifo"),
-        (["--listen", "tcp://0.0.0.0:7000"], "needs authentication: set --auth-secret (or TIERCACHE_AUTH_SECRET)"),
+        (
+            ["--listen", "tcp://0.0.0.0:7000"],
+            "needs authentication: set --auth-secret (or TIERCACHE_AUTH_SECRET)",
+        ),
         (["--tiers", "l1,disk,s3"], "no bucket is set; set --s3-bucket"),
     ],
 )
-def test_a_bad_flag_value_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+def test_a_bad_flag_value_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
     code, out, err = run_cli(capsys, "server", *argv)
     assert code == 2
     line = one_line(err)
@@ -49,7 +54,9 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[s
     assert out == ""
 
 
-def test_a_bad_environment_variable_is_named(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_environment_variable_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIERCACHE_DISK_SIZE_GB", "ten")
     code, _, err = run_cli(capsys, "server")
     assert code == 2
@@ -70,13 +77,17 @@ def test_flags_cannot_be_abbreviated(capsys: pytest.CaptureFixture[str]) -> None
     assert "unrecognized arguments: --l1-size" in one_line(err)
 
 
-def test_a_config_file_with_an_unknown_key_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_config_file_with_an_unknown_key_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     config = tmp_path / "tc.toml"
     config.write_text('[disk]\npath = "/tmp/x"\nsize_gb = 1\nwatermark = 0.9\n')
     code, _, err = run_cli(capsys, "server", "--config", str(config))
     assert code == 2
     line = one_line(err)
-    assert line.startswith(f"tiercache: error: config file {config}: unknown key [disk] watermark; did you mean")
+    assert line.startswith(
+        f"tiercache: error: config file {config}: unknown key [disk] watermark; did you mean"
+    )
 
 
 def test_a_missing_config_file_is_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -88,7 +99,9 @@ def test_a_missing_config_file_is_exit_2(capsys: pytest.CaptureFixture[str], tmp
 # -- start-up failures: one line, exit 1 ------------------------------------------------------------
 
 
-def test_an_unwritable_disk_directory_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_an_unwritable_disk_directory_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     code, _, err = run_cli(capsys, "server", *SMALL, "--disk-path", str(blocker / "disk"))
@@ -98,10 +111,24 @@ def test_an_unwritable_disk_directory_is_one_line_and_exit_1(capsys: pytest.Capt
     assert "choose another --disk-path" in line
 
 
-def test_an_unreachable_bucket_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str], s3: S3Endpoint) -> None:
+def test_an_unreachable_bucket_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str], s3: S3Endpoint
+) -> None:
     code, _, err = run_cli(
-        capsys, "server", *SMALL, "--tiers", "l1,disk,s3", "--s3-bucket", "missing-bucket",
-        "--s3-endpoint-url", s3.url, "--s3-region", s3.region, "--s3-path-style", "--s3-max-attempts", "1",
+        capsys,
+        "server",
+        *SMALL,
+        "--tiers",
+        "l1,disk,s3",
+        "--s3-bucket",
+        "missing-bucket",
+        "--s3-endpoint-url",
+        s3.url,
+        "--s3-region",
+        s3.region,
+        "--s3-path-style",
+        "--s3-max-attempts",
+        "1",
     )
     assert code == 1
     line = one_line(err)
@@ -133,7 +160,9 @@ def test_help_explains_every_flag_with_its_default_and_variable(capsys: pytest.C
 
 
 def test_bench_still_works(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(capsys, "bench", "--tiers", "l1", "--sizes", "256k", "--total-mb", "1", "--rounds", "1")
+    code, out, _ = run_cli(
+        capsys, "bench", "--tiers", "l1", "--sizes", "256k", "--total-mb", "1", "--rounds", "1"
+    )
     assert code == 0
     assert "L1" in out or "l1" in out
 
@@ -142,7 +171,10 @@ def test_the_console_script_reports_a_bad_value_in_one_line_with_exit_2(tmp_path
     script = Path(sys.executable).with_name("tiercache")
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "tiercache.cli"]
     proc = subprocess.run(
-        [*argv, "server", "--disk-size-gb", "0.5GB"], capture_output=True, text=True, timeout=60,
+        [*argv, "server", "--disk-size-gb", "0.5GB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert proc.returncode == 2

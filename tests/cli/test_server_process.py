@@ -69,9 +69,23 @@ def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-ty
         env["XDG_DATA_HOME"] = str(tmp_path / "data")
         env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercache.cli", "server", "--l1-size-gb", "0.01", "--disk-size-gb", "0.01",
-             "--listen", f"ipc://{tmp_path / 'server.sock'}", *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "tiercache.cli",
+                "server",
+                "--l1-size-gb",
+                "0.01",
+                "--disk-size-gb",
+                "0.01",
+                "--listen",
+                f"ipc://{tmp_path / 'server.sock'}",
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         server = ServerProcess(proc)
 
@@ -108,8 +122,9 @@ def test_default_server_starts_serves_metrics_and_drains_on_sigterm(start_server
     out = server.output()
     assert "SIGTERM: shutting down, draining (timeout 5s)" in out
     assert "Traceback" not in out
-    assert not any(p.name.startswith("tiercache-") for p in Path("/dev/shm").iterdir()
-                   if str(server.proc.pid) in p.name), "the L1 arena was not unlinked"
+    assert not any(
+        p.name.startswith("tiercache-") for p in Path("/dev/shm").iterdir() if str(server.proc.pid) in p.name
+    ), "the L1 arena was not unlinked"
 
 
 def test_a_second_signal_forces_exit(start_server) -> None:  # type: ignore[no-untyped-def]
@@ -148,8 +163,10 @@ def test_metrics_histograms_time_lookups_and_tier_transfers(start_server, tmp_pa
             text = resp.read().decode()
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) if family.type == "histogram"
-            for s in family.samples if s.name.endswith("_count")
+            for family in text_string_to_metric_families(text)
+            if family.type == "histogram"
+            for s in family.samples
+            if s.name.endswith("_count")
         }
 
     lookups = "tiercache_lookup_duration_seconds_count"

@@ -125,8 +125,14 @@ def _gemma4_like_configs(cache_block_size: int = 32) -> tuple[object, object]:
     from types import SimpleNamespace as NS
 
     def spec(cls: str, block: int, head: int, **fields: object) -> object:
-        attrs = {"block_size": block, "head_size": head, "num_kv_heads": 2, "dtype": "torch.float32",
-                 "page_size_bytes": 32768, **fields}
+        attrs = {
+            "block_size": block,
+            "head_size": head,
+            "num_kv_heads": 2,
+            "dtype": "torch.float32",
+            "page_size_bytes": 32768,
+            **fields,
+        }
         return type(cls, (), attrs)()
 
     vllm_config = NS(
@@ -134,10 +140,15 @@ def _gemma4_like_configs(cache_block_size: int = 32) -> tuple[object, object]:
         parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1),
         cache_config=NS(block_size=cache_block_size, cache_dtype="auto"),
     )
-    kv_cache_config = NS(kv_cache_groups=[
-        NS(kv_cache_spec=spec("SlidingWindowSpec", 64, 32, sliding_window=64), layer_names=["layers.0.attn"]),
-        NS(kv_cache_spec=spec("FullAttentionSpec", 32, 64), layer_names=["layers.1.attn"]),
-    ])
+    kv_cache_config = NS(
+        kv_cache_groups=[
+            NS(
+                kv_cache_spec=spec("SlidingWindowSpec", 64, 32, sliding_window=64),
+                layer_names=["layers.0.attn"],
+            ),
+            NS(kv_cache_spec=spec("FullAttentionSpec", 32, 64), layer_names=["layers.1.attn"]),
+        ]
+    )
     return vllm_config, kv_cache_config
 
 
@@ -155,5 +166,7 @@ def test_layout_refuses_a_chunk_that_is_not_a_multiple_of_every_groups_block_siz
     from tiercache.connector.layout import derive_layout
 
     # 32 is the user's --block-size and the full group's, but the sliding group's blocks are 64.
-    with pytest.raises(ConfigError, match=r"--chunk-size 32 is not a multiple of the vLLM engine's block size 64"):
+    with pytest.raises(
+        ConfigError, match=r"--chunk-size 32 is not a multiple of the vLLM engine's block size 64"
+    ):
         derive_layout(*_gemma4_like_configs(), chunk_size=32, weights_id="w1")

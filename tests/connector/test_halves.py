@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_settings_defaults_and_prefixed_keys() -> None:
     s = ConnectorSettings.from_extra_config({})
     assert (s.server, s.timeout_s, s.retry_s) == (None, 2.0, 5.0)
-    s = ConnectorSettings.from_extra_config({"tiercache.server": "ipc:///x.sock", "timeout_s": "0.5", "other": 1})
+    s = ConnectorSettings.from_extra_config(
+        {"tiercache.server": "ipc:///x.sock", "timeout_s": "0.5", "other": 1}
+    )
     assert (s.server, s.timeout_s) == ("ipc:///x.sock", 0.5)
 
 
@@ -102,8 +104,14 @@ def test_importing_the_connector_package_stays_light() -> None:
         "import sys, tiercache, tiercache.connector, tiercache.config.connector, tiercache.connector.identity; "
         "heavy = [m for m in ('vllm', 'torch') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -160,27 +168,37 @@ def test_recurrent_group_needs_only_the_state_at_the_boundary() -> None:
 # -- the scheduler half's recurrent-state planning (needs vLLM only for the metadata base class) -----
 
 
-def _recurrent_scheduler(chunk: int = 768, block: int = 384, client: object = None, recurrent: bool = True) -> object:
+def _recurrent_scheduler(
+    chunk: int = 768, block: int = 384, client: object = None, recurrent: bool = True
+) -> object:
     """A SchedulerHalf with kv group 0 full attention and (``recurrent``) kv group 1 recurrent
     state, whose link is up with ``client`` (its planning methods only need a layout and a link)."""
     pytest.importorskip("vllm")
     from tiercache.connector.layout import EngineLayout, GroupLayout
     from tiercache.connector.scheduler import SchedulerHalf
 
-    sched = SchedulerHalf(None, None, ConnectorSettings(), link=link_to(client if client is not None else object()))
+    sched = SchedulerHalf(
+        None, None, ConnectorSettings(), link=link_to(client if client is not None else object())
+    )
     groups = [GroupLayout(0, 0, 0, ("attn",), block, chunk // block, 196608, None)]  # type: ignore[arg-type]
     if recurrent:
         groups.append(GroupLayout(1, 1, 0, ("gdn",), block, 1, 134144, None, recurrent=True))  # type: ignore[arg-type]
-    sched.use_layout(EngineLayout(tuple(groups), world_size=1, scheduler_block_size=block, chunk_size=chunk), [])
+    sched.use_layout(
+        EngineLayout(tuple(groups), world_size=1, scheduler_block_size=block, chunk_size=chunk), []
+    )
     return sched
 
 
-def _output(new: list[object], offers: dict[str, list[tuple[int, int, int]]], scheduled: dict[str, int]) -> object:
+def _output(
+    new: list[object], offers: dict[str, list[tuple[int, int, int]]], scheduled: dict[str, int]
+) -> object:
     from types import SimpleNamespace
 
     return SimpleNamespace(
         scheduled_new_reqs=new,
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
         num_scheduled_tokens=scheduled,
         preempted_req_ids=set(),
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offers),
@@ -201,7 +219,9 @@ def test_saves_take_the_state_block_vllm_hands_over_for_each_chunk_end() -> None
     sched = _recurrent_scheduler()
     st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0)
     sched._reqs["r"] = st  # type: ignore[attr-defined]
-    new = SimpleNamespace(req_id="r", block_ids=([11, 12, 13, 14, 15], [0, 0, 0, 0, 21]), num_computed_tokens=0)
+    new = SimpleNamespace(
+        req_id="r", block_ids=([11, 12, 13, 14, 15], [0, 0, 0, 0, 21]), num_computed_tokens=0
+    )
     # vLLM kept the state at 768 (block 31) but not at 1536; 1152 is no chunk boundary; 2000 is past the prompt.
     offers = {"r": [(1, 31, 768), (1, 33, 1152), (1, 34, 2000), (0, 99, 768)]}
     meta = sched.build_connector_meta(_output([new], offers, {"r": 1700}))  # type: ignore[attr-defined]
@@ -254,7 +274,9 @@ def _hit_scheduler(asynchronous: bool) -> tuple[object, object, _TicketClient]:
     client = _TicketClient()
     # Two KV-cache groups make vLLM's loads asynchronous; one full-attention group keeps them in step.
     sched = _recurrent_scheduler(client=client, recurrent=asynchronous)
-    st = _Request("r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0, hit_chunks=2, ticket=5)
+    st = _Request(
+        "r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0, hit_chunks=2, ticket=5
+    )
     sched._reqs["r"] = st  # type: ignore[attr-defined]
     return sched, st, client
 
@@ -382,15 +404,21 @@ def _recurrent(**kw: object) -> list[str]:
     from tiercache.connector.layout import check_recurrent_config
 
     args: dict[str, object] = {
-        "mamba_cache_mode": "align", "enable_prefix_caching": True, "max_num_batched_tokens": 768,
-        "block_size": 384, "chunk_size": 384, "separate_object_groups": True,
+        "mamba_cache_mode": "align",
+        "enable_prefix_caching": True,
+        "max_num_batched_tokens": 768,
+        "block_size": 384,
+        "chunk_size": 384,
+        "separate_object_groups": True,
     }
     args.update(kw)
     return check_recurrent_config(**args)  # type: ignore[arg-type]
 
 
 def test_recurrent_config_that_works() -> None:
-    assert _recurrent() == ["recurrent state exists only every 768 tokens (prefill step), so hits are multiples of 768 tokens, not of the chunk size 384"]
+    assert _recurrent() == [
+        "recurrent state exists only every 768 tokens (prefill step), so hits are multiples of 768 tokens, not of the chunk size 384"
+    ]
     assert _recurrent(max_num_batched_tokens=384) == []
     assert _recurrent(max_num_batched_tokens=800, chunk_size=768) == []  # steps of 768 (whole blocks)
     assert _recurrent(max_num_batched_tokens=384, separate_object_groups=False, chunk_size=768) == []
@@ -399,7 +427,7 @@ def test_recurrent_config_that_works() -> None:
 @pytest.mark.parametrize(
     "kw, words",
     [
-        ({"mamba_cache_mode": "none"}, "mamba_cache_mode=\"align\""),
+        ({"mamba_cache_mode": "none"}, 'mamba_cache_mode="align"'),
         ({"mamba_cache_mode": None}, "--mamba-cache-mode align"),
         ({"enable_prefix_caching": False}, "--enable-prefix-caching"),
         ({"max_num_batched_tokens": 256}, "at least 384"),
@@ -478,7 +506,9 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     for i, (off, n) in enumerate(zip(offsets, slot_bytes)):
         arena.buf[off : off + n] = bytes([i + 1]) * n
     client = SimpleNamespace(
-        pin=lambda keys: [SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))][: len(keys)],
+        pin=lambda keys: [
+            SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))
+        ][: len(keys)],
         arena=lambda: arena,
         release=lambda tokens: len(tokens),
     )
@@ -489,8 +519,14 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
             GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
         ],
         {
-            0: [page_view("attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1)],
-            1: [page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)],
+            0: [
+                page_view(
+                    "attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1
+                )
+            ],
+            1: [
+                page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)
+            ],
         },
         {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)},
         CpuPageCopy(),
@@ -515,10 +551,19 @@ def _reported(w: object, deadline_s: float = 10.0) -> tuple[set[str], set[str], 
 def _two_chunk_hit(asynchronous: bool = True) -> object:
     from tiercache.connector.metadata import ChunkLoad, RequestLoad, TierCacheMetadata
 
-    return TierCacheMetadata(step=1, loads=[RequestLoad("r", [
-        ChunkLoad(b"0" * 16, [[0, 1], []], [[1, 2], []]),
-        ChunkLoad(b"1" * 16, [[0, 1], [0]], [[3, 4], [7]], state=True),
-    ], asynchronous=asynchronous)])
+    return TierCacheMetadata(
+        step=1,
+        loads=[
+            RequestLoad(
+                "r",
+                [
+                    ChunkLoad(b"0" * 16, [[0, 1], []], [[1, 2], []]),
+                    ChunkLoad(b"1" * 16, [[0, 1], [0]], [[3, 4], [7]], state=True),
+                ],
+                asynchronous=asynchronous,
+            )
+        ],
+    )
 
 
 def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
@@ -563,7 +608,9 @@ def test_every_worker_reports_each_asynchronous_load_even_with_nothing_to_copy()
     from tiercache.connector.metadata import RequestLoad, TierCacheMetadata
 
     w, _ = _recurrent_worker([])
-    w.handle_preemptions(TierCacheMetadata(step=1, loads=[RequestLoad("r", [], asynchronous=True, complete=False)]))  # type: ignore[attr-defined]
+    w.handle_preemptions(
+        TierCacheMetadata(step=1, loads=[RequestLoad("r", [], asynchronous=True, complete=False)])
+    )  # type: ignore[attr-defined]
     assert _reported(w) == (set(), {"r"}, {"r"})
     w, _ = _recurrent_worker([32, 32, 8])
     w.link = type("DownLink", (), {"client": lambda self: None})()  # type: ignore[attr-defined]
@@ -588,9 +635,18 @@ def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
 
     w, _ = _recurrent_worker([32, 4])
     w._groups = w._groups[:1]  # type: ignore[attr-defined]
-    meta = TierCacheMetadata(step=1, loads=[RequestLoad("r", [
-        ChunkLoad(b"0" * 16, [[0, 1]], [[1, 2]]), ChunkLoad(b"1" * 16, [[0, 1]], [[3, 4]]),
-    ])])
+    meta = TierCacheMetadata(
+        step=1,
+        loads=[
+            RequestLoad(
+                "r",
+                [
+                    ChunkLoad(b"0" * 16, [[0, 1]], [[1, 2]]),
+                    ChunkLoad(b"1" * 16, [[0, 1]], [[3, 4]]),
+                ],
+            )
+        ],
+    )
     w.handle_preemptions(meta)  # type: ignore[attr-defined]
     assert w.get_block_ids_with_load_errors() == {3, 4}  # type: ignore[attr-defined]
     assert w.transfer_results(set()) == (set(), set(), set())  # type: ignore[attr-defined]
@@ -616,7 +672,9 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
     for name in ("unregister_kv_caches", "restore_kv_caches"):
         base = getattr(KVConnectorBase_V1, name, None)
         if base is not None:
-            assert list(inspect.signature(base).parameters) == list(inspect.signature(getattr(TierCacheConnector, name)).parameters)
+            assert list(inspect.signature(base).parameters) == list(
+                inspect.signature(getattr(TierCacheConnector, name)).parameters
+            )
 
     w, _ = _recurrent_worker([32, 32, 8])
     w.handle_preemptions(_two_chunk_hit())  # type: ignore[attr-defined]  # an asynchronous load in flight

@@ -19,13 +19,19 @@ LAYERS, BLOCKS, PAGE = 4, 6, 32
 
 def _layers() -> tuple[list[torch.Tensor], list[PageView]]:
     tensors = [torch.zeros(BLOCKS, PAGE, dtype=torch.uint8) for _ in range(LAYERS)]
-    return tensors, [page_view(f"model.layers.{i}.attn", t, page_bytes=PAGE, kernel_blocks=1) for i, t in enumerate(tensors)]
+    return tensors, [
+        page_view(f"model.layers.{i}.attn", t, page_bytes=PAGE, kernel_blocks=1)
+        for i, t in enumerate(tensors)
+    ]
 
 
 def _plan(pages: list[PageView], chunks: int = 2) -> list[list[PageWrite]]:
     """Chunk c writes block c + 1 of every layer with bytes 10 * layer + c + 1."""
     return [
-        [PageWrite(c, pv, torch.tensor([c + 1]), torch.full((1, PAGE), 10 * i + c + 1, dtype=torch.uint8)) for c in range(chunks)]
+        [
+            PageWrite(c, pv, torch.tensor([c + 1]), torch.full((1, PAGE), 10 * i + c + 1, dtype=torch.uint8))
+            for c in range(chunks)
+        ]
         for i, pv in enumerate(pages)
     ]
 
@@ -126,4 +132,9 @@ def test_the_forward_pass_starts_before_the_last_layer_is_written() -> None:
 
 def test_forward_order_sorts_layers_by_their_index() -> None:
     names = ["model.layers.10.attn", "model.layers.2.attn", "model.layers.2.mamba", "lm_head"]
-    assert forward_order(names) == ["lm_head", "model.layers.2.attn", "model.layers.2.mamba", "model.layers.10.attn"]
+    assert forward_order(names) == [
+        "lm_head",
+        "model.layers.2.attn",
+        "model.layers.2.mamba",
+        "model.layers.10.attn",
+    ]

@@ -32,10 +32,17 @@ ES = 2
 MANAGER_PAGE = 2 * K * KERNEL_BLOCK * HEADS * HEAD * ES  # K and V of 16 tokens
 
 
-
-def load(engine: PageCopyEngine, pages: list[PageView], ids: torch.Tensor, srcs: list[torch.Tensor], overlap: bool = False) -> None:
+def load(
+    engine: PageCopyEngine,
+    pages: list[PageView],
+    ids: torch.Tensor,
+    srcs: list[torch.Tensor],
+    overlap: bool = False,
+) -> None:
     """Write ``srcs[layer]`` into blocks ``ids`` of ``pages[layer]`` through the engine's load job."""
-    job = engine.start_load([[PageWrite(0, pv, ids, src)] for pv, src in zip(pages, srcs, strict=True)], overlap)
+    job = engine.start_load(
+        [[PageWrite(0, pv, ids, src)] for pv, src in zip(pages, srcs, strict=True)], overlap
+    )
     assert job.finish() == set()
 
 
@@ -100,7 +107,9 @@ def test_a_page_is_the_manager_blocks_kernel_blocks_in_physical_order(layout: st
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(layout: str, overlap: bool) -> None:
+def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(
+    layout: str, overlap: bool
+) -> None:
     src_t, src = LAYOUTS[layout]()
     dst_t, dst = LAYOUTS[layout]()
     dst_t.zero_()
@@ -131,7 +140,10 @@ def test_unsplit_block_contiguous_pages_are_the_blocks_bytes_as_before() -> None
     ("kwargs", "words"),
     [
         ({"page_bytes": MANAGER_PAGE // 2, "kernel_blocks": K}, "the KV-cache spec says"),
-        ({"page_bytes": MANAGER_PAGE // K, "kernel_blocks": 1}, "the KV-cache spec says"),  # split not derived
+        (
+            {"page_bytes": MANAGER_PAGE // K, "kernel_blocks": 1},
+            "the KV-cache spec says",
+        ),  # split not derived
         ({"page_bytes": MANAGER_PAGE, "kernel_blocks": 5}, "not a multiple of 5 kernel blocks"),
     ],
 )
@@ -164,9 +176,18 @@ def test_manifests_with_other_kernel_blocks_have_other_fingerprints() -> None:
 
     def manifest(kernel: int) -> LayoutManifest:
         return LayoutManifest(
-            model_id="m", model_revision="r", kv_dtype="bfloat16", attention_backend="FLASH_ATTN",
-            kv_layout="LBHNC", kernel_block_size=kernel, manager_block_size=64, page_bytes=MANAGER_PAGE,
-            page_bytes_unpadded=MANAGER_PAGE, group_kind=GroupKind.FULL_ATTENTION, chunk_size=256, num_layers=2,
+            model_id="m",
+            model_revision="r",
+            kv_dtype="bfloat16",
+            attention_backend="FLASH_ATTN",
+            kv_layout="LBHNC",
+            kernel_block_size=kernel,
+            manager_block_size=64,
+            page_bytes=MANAGER_PAGE,
+            page_bytes_unpadded=MANAGER_PAGE,
+            group_kind=GroupKind.FULL_ATTENTION,
+            chunk_size=256,
+            num_layers=2,
         )
 
     assert manifest(16).fingerprint() != manifest(64).fingerprint()
@@ -177,14 +198,26 @@ def test_verify_kv_caches_builds_views_with_the_manifests_split() -> None:
     from tiercache.keys import GroupKind, LayoutManifest
 
     m = LayoutManifest(
-        model_id="m", model_revision="r", kv_dtype="bfloat16", attention_backend="FLASH_ATTN", kv_layout="LBHNC",
-        kernel_block_size=KERNEL_BLOCK, manager_block_size=K * KERNEL_BLOCK, page_bytes=MANAGER_PAGE,
-        page_bytes_unpadded=MANAGER_PAGE, group_kind=GroupKind.FULL_ATTENTION, chunk_size=64, num_layers=2,
+        model_id="m",
+        model_revision="r",
+        kv_dtype="bfloat16",
+        attention_backend="FLASH_ATTN",
+        kv_layout="LBHNC",
+        kernel_block_size=KERNEL_BLOCK,
+        manager_block_size=K * KERNEL_BLOCK,
+        page_bytes=MANAGER_PAGE,
+        page_bytes_unpadded=MANAGER_PAGE,
+        group_kind=GroupKind.FULL_ATTENTION,
+        chunk_size=64,
+        num_layers=2,
     )
     g = GroupLayout(0, 0, 0, ("a", "b"), K * KERNEL_BLOCK, 4, MANAGER_PAGE, m)
     caches = {n: lbhnc()[0] for n in ("a", "b")}
     pages = verify_kv_caches([g], caches, None)
-    assert [(p.layer, p.kernel_blocks, p.num_blocks) for p in pages[0]] == [("a", K, NUM_BLOCKS), ("b", K, NUM_BLOCKS)]
+    assert [(p.layer, p.kernel_blocks, p.num_blocks) for p in pages[0]] == [
+        ("a", K, NUM_BLOCKS),
+        ("b", K, NUM_BLOCKS),
+    ]
     with pytest.raises(ConfigError, match="layer b has no KV tensor"):
         verify_kv_caches([g], {"a": caches["a"]}, None)
 
@@ -277,7 +310,9 @@ def test_cuda_save_reads_what_the_compute_stream_wrote_before_the_save_point(cud
         ready = engine.save_point()
         host = engine.host(cuda_arena, 0, MANAGER_PAGE).view(1, MANAGER_PAGE)
         engine.save(ready, [pv], torch.tensor([2]), [host])
-        expected = torch.full((K, HEADS, KERNEL_BLOCK, 2 * HEAD), 3.0, dtype=DTYPE).view(torch.uint8).flatten()
+        expected = (
+            torch.full((K, HEADS, KERNEL_BLOCK, 2 * HEAD), 3.0, dtype=DTYPE).view(torch.uint8).flatten()
+        )
         assert torch.equal(host[0], expected)
     finally:
         engine.close()
@@ -305,7 +340,10 @@ def test_cuda_load_is_visible_to_the_compute_stream(cuda_arena) -> None:  # type
 def test_cuda_overlapped_load_is_visible_to_the_compute_stream_after_wait_layer(cuda_arena) -> None:  # type: ignore[no-untyped-def]
     """With overlap, each layer's pages are ordered before the compute stream's later work only by
     ``wait_layer`` (vLLM's ``wait_for_layer_load``), layer by layer."""
-    ts = [torch.zeros(NUM_BLOCKS * K, HEADS, KERNEL_BLOCK, 2 * HEAD, dtype=DTYPE, device="cuda") for _ in range(3)]
+    ts = [
+        torch.zeros(NUM_BLOCKS * K, HEADS, KERNEL_BLOCK, 2 * HEAD, dtype=DTYPE, device="cuda")
+        for _ in range(3)
+    ]
     pvs = [page_view(f"l{i}", t, page_bytes=MANAGER_PAGE, kernel_blocks=K) for i, t in enumerate(ts)]
     engine = CudaPageCopy(ts[0].device)
     engine.attach(cuda_arena)
@@ -313,7 +351,9 @@ def test_cuda_overlapped_load_is_visible_to_the_compute_stream_after_wait_layer(
         host = engine.host(cuda_arena, 0, 3 * MANAGER_PAGE).view(3, 1, MANAGER_PAGE)
         for i in range(3):
             host[i].copy_(torch.full((MANAGER_PAGE // ES,), float(i + 1), dtype=DTYPE).view(torch.uint8))
-        job = engine.start_load([[PageWrite(0, pv, torch.tensor([2]), host[i])] for i, pv in enumerate(pvs)], overlap=True)
+        job = engine.start_load(
+            [[PageWrite(0, pv, torch.tensor([2]), host[i])] for i, pv in enumerate(pvs)], overlap=True
+        )
         totals = []
         for i, t in enumerate(ts):
             job.wait_layer(i)
@@ -326,7 +366,9 @@ def test_cuda_overlapped_load_is_visible_to_the_compute_stream_after_wait_layer(
 
 @pytest.mark.parametrize("load_ids", [[1, 2, 3, 4], [4, 3, 2, 1], [1, 2, 4, 5], [5, 1, 2, 3]])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_scatter_writes_the_same_bytes_as_index_copy_whatever_the_runs_of_block_ids(layout: str, load_ids: list[int]) -> None:
+def test_scatter_writes_the_same_bytes_as_index_copy_whatever_the_runs_of_block_ids(
+    layout: str, load_ids: list[int]
+) -> None:
     # scatter copies runs of consecutive ids as slices (fast on CPU); the result must be exactly
     # what a plain index_copy_ of the same pages gives.
     _, src = LAYOUTS[layout]()

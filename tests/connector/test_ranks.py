@@ -18,15 +18,30 @@ from tiercache.errors import ConfigError
 
 def _configs(tp: int, pp: int, pcp: int = 1) -> tuple[NS, NS]:
     """Stand-ins for vLLM's config objects: one full-attention KV-cache group of two layers."""
-    spec = type("FullAttentionSpec", (), {"block_size": 32, "head_size": 32, "num_kv_heads": 2 // min(tp, 2),
-                                          "dtype": "torch.float32", "page_size_bytes": 8192})()
+    spec = type(
+        "FullAttentionSpec",
+        (),
+        {
+            "block_size": 32,
+            "head_size": 32,
+            "num_kv_heads": 2 // min(tp, 2),
+            "dtype": "torch.float32",
+            "page_size_bytes": 8192,
+        },
+    )()
     vllm_config = NS(
         model_config=NS(model="tiny-llama", revision=None, dtype="float32"),
-        parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=1,
-                           prefill_context_parallel_size=pcp),
+        parallel_config=NS(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=pcp,
+        ),
         cache_config=NS(block_size=32, cache_dtype="auto"),
     )
-    kv_cache_config = NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["layers.0.attn", "layers.1.attn"])])
+    kv_cache_config = NS(
+        kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["layers.0.attn", "layers.1.attn"])]
+    )
     return vllm_config, kv_cache_config
 
 
@@ -38,7 +53,10 @@ def test_each_rank_gets_its_own_object_group_and_fingerprint() -> None:
     layout = derive_layout(*_configs(tp=2, pp=2), chunk_size=64, weights_id="w1")
     assert layout.world_size == 4
     assert [(g.object_group, g.manifest.tp_rank, g.manifest.pp_rank) for g in layout.groups] == [
-        (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)
+        (0, 0, 0),
+        (1, 1, 0),
+        (2, 0, 1),
+        (3, 1, 1),
     ]
     assert len({g.fingerprint.raw for g in layout.groups}) == 4
     single = derive_layout(*_configs(tp=1, pp=1), chunk_size=64, weights_id="w1")

@@ -55,9 +55,20 @@ def test_aggregate_adds_counts_sums_series_and_tiers() -> None:
 
 
 def test_reduce_gives_hit_rate_tier_shares_and_throughput() -> None:
-    s = interval(lookups=4, query_tokens=1024, hit_tokens=768, loaded_chunks=12, loaded_bytes=2e9,
-                 load_seconds=1.0, load_failures=1, stored_chunks=4, stored_bytes=1e9, store_seconds=0.5,
-                 store_skipped=2, server_unavailable=1)
+    s = interval(
+        lookups=4,
+        query_tokens=1024,
+        hit_tokens=768,
+        loaded_chunks=12,
+        loaded_bytes=2e9,
+        load_seconds=1.0,
+        load_failures=1,
+        stored_chunks=4,
+        stored_bytes=1e9,
+        store_seconds=0.5,
+        store_skipped=2,
+        server_unavailable=1,
+    )
     s.add_tiers({"l1": 3, "disk": 1})
     r = s.reduce()
     assert r["Lookups"] == 4 and r["Hit rate (%)"] == 75.0 and r["Hit tokens"] == 768
@@ -74,7 +85,10 @@ def test_reduce_of_an_interval_without_lookups_or_transfers_divides_by_nothing()
 def test_the_payload_survives_pickle_and_msgpack_and_rebuilds_equal() -> None:
     s = interval(lookups=1, hit_chunks=2, load_seconds=0.1, store_durations=0.2)
     s.add_tiers({"disk": 2})
-    for wire in (pickle.loads(pickle.dumps(s)).to_dict(), msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict()))):
+    for wire in (
+        pickle.loads(pickle.dumps(s)).to_dict(),
+        msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict())),
+    ):
         assert build_stats(wire).data == s.data
 
 
@@ -93,7 +107,9 @@ def test_build_fills_in_keys_missing_from_an_older_payload() -> None:
 def test_recorder_hands_out_each_interval_once() -> None:
     rec = StatsRecorder()
     assert rec.take() is None
-    threads = [threading.Thread(target=lambda: [rec.add("stored_chunks") for _ in range(1000)]) for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [rec.add("stored_chunks") for _ in range(1000)]) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -119,7 +135,9 @@ def test_prom_metrics_register_conventional_names_per_engine_and_record() -> Non
     assert value("vllm:tiercache_lookups_total") == 3
     assert value("vllm:tiercache_hit_tokens_total") == 128
     assert value("vllm:tiercache_loaded_bytes_total") == 4096
-    assert value("vllm:tiercache_load_seconds_count") == 1 and value("vllm:tiercache_store_seconds_count") == 1
+    assert (
+        value("vllm:tiercache_load_seconds_count") == 1 and value("vllm:tiercache_store_seconds_count") == 1
+    )
     assert value("vllm:tiercache_hit_objects_total", tier="s3") == 1
     assert registry.get_sample_value("vllm:tiercache_lookups_total", {"model_name": "m", "engine": "0"}) == 0
     assert all(name.startswith("vllm:tiercache_") for name, _ in COUNTER_METRICS.values())

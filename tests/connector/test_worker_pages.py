@@ -81,9 +81,18 @@ def _kv() -> torch.Tensor:
 @pytest.fixture
 def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]:
     manifest = LayoutManifest(
-        model_id="m", model_revision="r", kv_dtype="bfloat16", attention_backend="FLASH_ATTN", kv_layout="LBHNC",
-        kernel_block_size=KERNEL_BLOCK, manager_block_size=K * KERNEL_BLOCK, page_bytes=PAGE, page_bytes_unpadded=PAGE,
-        group_kind=GroupKind.FULL_ATTENTION, chunk_size=BPC * K * KERNEL_BLOCK, num_layers=2,
+        model_id="m",
+        model_revision="r",
+        kv_dtype="bfloat16",
+        attention_backend="FLASH_ATTN",
+        kv_layout="LBHNC",
+        kernel_block_size=KERNEL_BLOCK,
+        manager_block_size=K * KERNEL_BLOCK,
+        page_bytes=PAGE,
+        page_bytes_unpadded=PAGE,
+        group_kind=GroupKind.FULL_ATTENTION,
+        chunk_size=BPC * K * KERNEL_BLOCK,
+        num_layers=2,
     )
     group = GroupLayout(0, 0, 0, ("l0", "l1"), K * KERNEL_BLOCK, BPC, PAGE, manifest)
     caches = {"l0": _kv(), "l1": _kv()}

@@ -50,7 +50,9 @@ def exprs(dash: dict[str, Any]) -> Iterator[str]:
 @pytest.fixture
 def exported(tmp_path: Path) -> dict[str, set[str]]:
     """Sample name → label names, from a real engine's stats rendered as a scrape would."""
-    config = ServerConfig.load({"l1.size_gb": "0.001", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {})
+    config = ServerConfig.load(
+        {"l1.size_gb": "0.001", "disk.path": str(tmp_path / "disk"), "disk.size_gb": "0.01"}, {}
+    )
     engine: TieredEngine = build_engine(config)
     server = Server(engine, ServerOptions(listen=f"ipc://{tmp_path}/server.sock"))  # never started
     try:
@@ -105,9 +107,15 @@ def test_every_label_the_dashboard_uses_exists_on_its_metric(exported: dict[str,
 def test_the_dashboard_covers_what_an_operator_watches() -> None:
     text = json.dumps(dashboard())
     for needed in (
-        "tiercache_tier_bytes", "tiercache_tier_budget_bytes", "tiercache_tier_hits_total",
-        "tiercache_tier_evictions_total", "tiercache_tier_verify_failures_total",
-        "tiercache_engine_queue_depth", "tiercache_engine_l2_queue_drops_total", 'tier=\\"s3\\"',
-        "tiercache_lookup_duration_seconds_bucket", "tiercache_tier_transfer_duration_seconds_bucket",
+        "tiercache_tier_bytes",
+        "tiercache_tier_budget_bytes",
+        "tiercache_tier_hits_total",
+        "tiercache_tier_evictions_total",
+        "tiercache_tier_verify_failures_total",
+        "tiercache_engine_queue_depth",
+        "tiercache_engine_l2_queue_drops_total",
+        'tier=\\"s3\\"',
+        "tiercache_lookup_duration_seconds_bucket",
+        "tiercache_tier_transfer_duration_seconds_bucket",
     ):
         assert needed in text, needed

@@ -49,20 +49,33 @@ class Block:
 
 def parse_blocks(text: str) -> list[Block]:
     """Every fenced block of the page, with its marker (a block without one is an error)."""
-    text = re.sub(r"<!--(?!\s*quickstart:).*?-->", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.DOTALL)
+    text = re.sub(
+        r"<!--(?!\s*quickstart:).*?-->", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.DOTALL
+    )
     blocks = []
     for m in _BLOCK.finditer(text):
         line = text.count("\n", 0, m.start("lang")) + 1
         marker = m.group("marker")
         if marker is None:
-            raise AssertionError(f"{QUICKSTART.name}:{line}: code block without a <!-- quickstart: ... --> marker")
+            raise AssertionError(
+                f"{QUICKSTART.name}:{line}: code block without a <!-- quickstart: ... --> marker"
+            )
         kind = marker.split()[0]
         assert kind in ("server", "run", "skip"), f"{QUICKSTART.name}:{line}: unknown marker {marker!r}"
         reason = marker[len(kind) :].strip()
         if kind == "skip":
-            assert reason.startswith("(") and reason.endswith(")"), f"{QUICKSTART.name}:{line}: a skip says why"
+            assert reason.startswith("(") and reason.endswith(")"), (
+                f"{QUICKSTART.name}:{line}: a skip says why"
+            )
         blocks.append(
-            Block(kind, m.group("lang"), m.group("body"), tuple(re.findall(r'expect="([^"]*)"', marker)), reason, line)
+            Block(
+                kind,
+                m.group("lang"),
+                m.group("body"),
+                tuple(re.findall(r'expect="([^"]*)"', marker)),
+                reason,
+                line,
+            )
         )
     return blocks
 
@@ -92,7 +105,9 @@ def test_the_quickstart_keeps_the_readme_set_up_command_and_both_vllm_configs() 
 
 class Server:
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, name="quickstart-server-stderr", daemon=True).start()
@@ -145,7 +160,9 @@ def server_argv(block: Block, tmp_path: Path) -> list[str]:
     for command in commands:
         words = shlex.split(command)
         if words[:2] == ["pip", "install"]:
-            assert shutil.which("tiercache", path=str(Path(sys.executable).parent)), "tiercache is not installed"
+            assert shutil.which("tiercache", path=str(Path(sys.executable).parent)), (
+                "tiercache is not installed"
+            )
         elif words[:2] == ["tiercache", "server"]:
             argv = [sys.executable, "-m", "tiercache.cli", *words[1:]]
         else:
@@ -166,7 +183,9 @@ def run_block(block: Block, env: dict[str, str], cwd: Path) -> str:
         argv = ["bash", "-euo", "pipefail", "-c", block.body]
     done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     out = done.stdout + done.stderr
-    assert done.returncode == 0, f"quickstart.md:{block.line} exited {done.returncode}:\n{block.body}\n---\n{out}"
+    assert done.returncode == 0, (
+        f"quickstart.md:{block.line} exited {done.returncode}:\n{block.body}\n---\n{out}"
+    )
     for text in block.expect:
         assert text in out, f"quickstart.md:{block.line}: {text!r} not in the output:\n{out}"
     return out

@@ -110,13 +110,28 @@ def tiny_qwen3_next_config() -> Any:
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=1, linear_num_value_heads=2,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
-        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
         architectures=["Qwen3NextForCausalLM"],
     )
 
@@ -143,12 +158,24 @@ def write_tiny_qwen3_5(directory: Path, seed: int) -> None:
     from transformers import Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=1, linear_num_value_heads=2,
-        layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
-        torch_dtype="float32", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
         architectures=["Qwen3_5ForCausalLM"],
     )
     _save_seeded_recurrent_checkpoint(directory, config, seed)
@@ -176,14 +203,31 @@ def write_tiny_granite4(directory: Path, seed: int) -> None:
     from transformers import GraniteMoeHybridConfig
 
     config = GraniteMoeHybridConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
-        mamba_expand=2, mamba_chunk_size=256,
-        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
-        position_embedding_type="rope", layer_types=["linear_attention", "full_attention"],
-        max_position_embeddings=4096, torch_dtype="float32", bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False, architectures=["GraniteMoeHybridForCausalLM"],
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=128,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=256,
+        position_embedding_type="rope",
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        architectures=["GraniteMoeHybridForCausalLM"],
     )
 
     def rename(name: str) -> str:
@@ -202,7 +246,10 @@ def write_tiny_granite4(directory: Path, seed: int) -> None:
 
 
 def _save_seeded_recurrent_checkpoint(
-    directory: Path, config: Any, seed: int, rename: Callable[[str], str] | None = None,
+    directory: Path,
+    config: Any,
+    seed: int,
+    rename: Callable[[str], str] | None = None,
     vectors: dict[str, Any] | None = None,
 ) -> None:
     """Shapes from transformers' own model class; matrices ~N(0, 1/fan_in) (q/k and lm_head larger)
@@ -238,7 +285,13 @@ def _save_seeded_recurrent_checkpoint(
             for e, t in enumerate(mat(tuple(ref.shape))):
                 w[name.replace("down_proj", f"{e}.down_proj.weight")] = t
         else:
-            scale = 8.0 if name == "lm_head.weight" else 4.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+            scale = (
+                8.0
+                if name == "lm_head.weight"
+                else 4.0
+                if name.endswith(("q_proj.weight", "k_proj.weight"))
+                else 1.0
+            )
             w[name] = mat(tuple(ref.shape), scale)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
@@ -252,7 +305,10 @@ TORCHVISION_STUB = {
     "torchvision/io.py": "ImageReadMode = decode_image = None\n",
     "torchvision/transforms/__init__.py": (
         "import enum\n\n\nclass InterpolationMode(enum.Enum):\n"
-        + "".join(f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX", "HAMMING", "LANCZOS"))
+        + "".join(
+            f"    {m} = {m.lower()!r}\n"
+            for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX", "HAMMING", "LANCZOS")
+        )
     ),
     "torchvision/transforms/functional.py": "pil_to_tensor = None\n",
     "torchvision/transforms/v2/__init__.py": "",
@@ -321,9 +377,7 @@ def run(
     # One prompt at a time: vLLM's CPU kernels are not batch-invariant (a request's logprobs move by
     # ~1e-5 with what else is in its batch), and lookups make admission timing differ between a
     # cold and a warm engine. Alone in its batch, a request's numbers depend only on its KV.
-    outs = [
-        llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts
-    ]
+    outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts]
     result: dict[str, Any] = {"tokens": [], "logprobs": [], "num_cached": []}
     for out in outs:
         comp = out.outputs[0]
@@ -352,7 +406,9 @@ def tiercache_metrics(llm: Any) -> dict[str, float]:
     return out
 
 
-def launch(launcher: argparse.ArgumentParser, install: Callable[[argparse.Namespace], None], argv: list[str] | None) -> None:
+def launch(
+    launcher: argparse.ArgumentParser, install: Callable[[argparse.Namespace], None], argv: list[str] | None
+) -> None:
     """A test launcher's ``main``: parse its own options (``launcher``, ``add_help=False``), let
     ``install`` patch this process with them, then run :func:`main` on the rest of ``argv``."""
     args, rest = launcher.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -368,13 +424,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--engine-args", default="{}", help="JSON object of LLM() keyword overrides")
-    ap.add_argument("--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics")
+    ap.add_argument(
+        "--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics"
+    )
     ap.add_argument("--connector-config", default="{}", help="JSON object added to kv_connector_extra_config")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = json.loads(Path(args.prompts).read_text())
-    result = run(args.model, args.server, prompts, args.max_tokens, json.loads(args.engine_args), log_stats=args.log_stats,
-                 connector_config=json.loads(args.connector_config))
+    result = run(
+        args.model,
+        args.server,
+        prompts,
+        args.max_tokens,
+        json.loads(args.engine_args),
+        log_stats=args.log_stats,
+        connector_config=json.loads(args.connector_config),
+    )
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -272,8 +272,10 @@ def main() -> None:
         try:
             config = get_config(str(out / name), trust_remote_code=False)
             text = config.get_text_config()
-            print(f"{name}: {type(config).__name__} / {type(text).__name__}, architectures {config.architectures}, "
-                  f"{text.num_hidden_layers} layers, hidden {text.hidden_size}")
+            print(
+                f"{name}: {type(config).__name__} / {type(text).__name__}, architectures {config.architectures}, "
+                f"{text.num_hidden_layers} layers, hidden {text.hidden_size}"
+            )
         except Exception as e:  # report every model, not just the first failure
             print(f"{name}: FAILED {type(e).__name__}: {e}")
 

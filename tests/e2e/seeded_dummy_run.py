@@ -66,7 +66,16 @@ def seeded_value(name: str, shape: tuple[int, ...], seed: int) -> Any:
         if "embed" in name:
             return torch.randn(shape, generator=g)
         fan_in = shape[-1]
-        scale = 8.0 if "lm_head" in name else 4.0 if any(s in name for s in ("q_proj", "k_proj", "qkv", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")) else 1.0
+        scale = (
+            8.0
+            if "lm_head" in name
+            else 4.0
+            if any(
+                s in name
+                for s in ("q_proj", "k_proj", "qkv", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
+            )
+            else 1.0
+        )
         return torch.randn(shape, generator=g) * (scale / math.sqrt(max(1, fan_in)))
     if "norm" in name:
         return torch.ones(shape)
@@ -89,7 +98,11 @@ def install(seed: int) -> None:
                     continue
                 param.copy_(seeded_value(name, tuple(param.shape), seed).to(dtype=param.dtype))
                 seeded += 1
-        print(f"seeded_dummy_run: {seeded} parameters of {type(model).__name__} drawn from seed {seed}", file=sys.stderr, flush=True)
+        print(
+            f"seeded_dummy_run: {seeded} parameters of {type(model).__name__} drawn from seed {seed}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     dummy_loader.DummyModelLoader.load_weights = load_weights  # type: ignore[method-assign]
 

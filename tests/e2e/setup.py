@@ -47,9 +47,18 @@ class Run:
 
 
 def run_engine(
-    model: Path, server: str, prompts_file: Path, out: Path, *, module: str = ENGINE_RUN,
-    launcher_args: Sequence[str] = (), multiprocess: bool = False, engine_args: dict[str, Any] | None = None,
-    extra_path: Path | None = None, log_stats: bool = False, connector_config: dict[str, Any] | None = None,
+    model: Path,
+    server: str,
+    prompts_file: Path,
+    out: Path,
+    *,
+    module: str = ENGINE_RUN,
+    launcher_args: Sequence[str] = (),
+    multiprocess: bool = False,
+    engine_args: dict[str, Any] | None = None,
+    extra_path: Path | None = None,
+    log_stats: bool = False,
+    connector_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> Run:
     """Run one engine process (``python -m module``); ``launcher_args`` go before engine_run's own
@@ -63,19 +72,47 @@ def run_engine(
         # In-process unless asked: a launcher's patches must be in the engine's process.
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([*([str(extra_path)] if extra_path else []), str(ROOT), environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [*([str(extra_path)] if extra_path else []), str(ROOT), environ.get("PYTHONPATH", "")]
+        ),
         **(env or {}),
     )
-    cmd = [sys.executable, "-m", module, *launcher_args, "--model", str(model), "--server", server,
-           "--prompts", str(prompts_file), "--out", str(out), "--engine-args", json.dumps(engine_args or {}),
-           *(["--log-stats"] if log_stats else []), "--connector-config", json.dumps(connector_config or {})]
-    proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=240, check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        *launcher_args,
+        "--model",
+        str(model),
+        "--server",
+        server,
+        "--prompts",
+        str(prompts_file),
+        "--out",
+        str(out),
+        "--engine-args",
+        json.dumps(engine_args or {}),
+        *(["--log-stats"] if log_stats else []),
+        "--connector-config",
+        json.dumps(connector_config or {}),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=240, check=False
+    )
     if proc.returncode != 0:
         log = out.with_suffix(".log")  # the whole output: the message keeps only its end
         log.write_text(proc.stdout + proc.stderr)
-        raise AssertionError(f"engine run failed ({proc.returncode}; whole log: {log}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"engine run failed ({proc.returncode}; whole log: {log}):\n{proc.stderr[-6000:]}"
+        )
     data: dict[str, Any] = json.loads(out.read_text())
-    return Run(data["tokens"], data["logprobs"], data["num_cached"], data.get("metrics", {}), proc.stdout + proc.stderr)
+    return Run(
+        data["tokens"],
+        data["logprobs"],
+        data["num_cached"],
+        data.get("metrics", {}),
+        proc.stdout + proc.stderr,
+    )
 
 
 def engine_stats(server: ServerProcess) -> dict[str, int]:
@@ -123,7 +160,9 @@ class Setup:
     extra_path: Path | None = None  # prepended to every run's PYTHONPATH
     log_stats: bool = False  # every run reports vLLM's stats
     env: dict[str, str] = field(default_factory=dict)  # added to every run's environment
-    module: str = ENGINE_RUN  # every run's engine module (a launcher wrapping engine_run, e.g. seeded_dummy_run)
+    module: str = (
+        ENGINE_RUN  # every run's engine module (a launcher wrapping engine_run, e.g. seeded_dummy_run)
+    )
 
     @classmethod
     def of(cls, base: Setup, **extra: Any) -> Self:
@@ -131,17 +170,32 @@ class Setup:
         return cls(**{f.name: getattr(base, f.name) for f in fields(Setup)}, **extra)
 
     def run(
-        self, out: str, *, model: Path | None = None, server: str | None = None, module: str | None = None,
-        launcher_args: Sequence[str] = (), multiprocess: bool = False, connector_config: dict[str, Any] | None = None,
+        self,
+        out: str,
+        *,
+        model: Path | None = None,
+        server: str | None = None,
+        module: str | None = None,
+        launcher_args: Sequence[str] = (),
+        multiprocess: bool = False,
+        connector_config: dict[str, Any] | None = None,
     ) -> Run:
         """A fresh engine on this setup's prompts (by default also its model and server, and always
         its engine args, PYTHONPATH addition, environment and stats), writing ``{out}.json`` in its temp dir;
         ``module`` defaults to the setup's; ``connector_config`` is added to the connector's settings."""
         return run_engine(
-            model or self.model, server or self.server.endpoint, self.prompts, self.tmp / f"{out}.json",
-            module=module or self.module, launcher_args=launcher_args, multiprocess=multiprocess,
-            engine_args=self.engine_args, extra_path=self.extra_path, log_stats=self.log_stats,
-            connector_config=connector_config, env=self.env,
+            model or self.model,
+            server or self.server.endpoint,
+            self.prompts,
+            self.tmp / f"{out}.json",
+            module=module or self.module,
+            launcher_args=launcher_args,
+            multiprocess=multiprocess,
+            engine_args=self.engine_args,
+            extra_path=self.extra_path,
+            log_stats=self.log_stats,
+            connector_config=connector_config,
+            env=self.env,
         )
 
     def run_counting_hits(self, out: str, **kw: Any) -> tuple[Run, int]:
@@ -153,10 +207,21 @@ class Setup:
 
 @contextmanager
 def cold_setup(
-    tmp: Path, write_model: ModelWriter, lengths: list[int], *, chunk: int, name: str = "",
-    seed: int = 1234, prompt_seed: int = 7, engine_args: dict[str, Any] | None = None,
-    extra_path: Path | None = None, log_stats: bool = False, spec: ServerSpec | None = None,
-    wait_for_stored: int = 0, env: dict[str, str] | None = None, module: str = ENGINE_RUN,
+    tmp: Path,
+    write_model: ModelWriter,
+    lengths: list[int],
+    *,
+    chunk: int,
+    name: str = "",
+    seed: int = 1234,
+    prompt_seed: int = 7,
+    engine_args: dict[str, Any] | None = None,
+    extra_path: Path | None = None,
+    log_stats: bool = False,
+    spec: ServerSpec | None = None,
+    wait_for_stored: int = 0,
+    env: dict[str, str] | None = None,
+    module: str = ENGINE_RUN,
 ) -> Iterator[Setup]:
     """Write the model (``write_model`` with ``seed``) and prompts of ``lengths`` tokens
     (``make_prompts`` with ``prompt_seed``) under ``tmp``, start a server (``spec``; by default L1
@@ -170,13 +235,38 @@ def cold_setup(
     ids = make_prompts(lengths, seed=prompt_seed)
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(ids))
-    server = ServerProcess(spec or ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": chunk}))
+    server = ServerProcess(
+        spec
+        or ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": chunk})
+    )
     try:
         server.wait_ready()
-        cold = run_engine(model, server.endpoint, prompts, tmp / "cold.json", engine_args=engine_args,
-                          extra_path=extra_path, log_stats=log_stats, env=env, module=module)
+        cold = run_engine(
+            model,
+            server.endpoint,
+            prompts,
+            tmp / "cold.json",
+            engine_args=engine_args,
+            extra_path=extra_path,
+            log_stats=log_stats,
+            env=env,
+            module=module,
+        )
         if wait_for_stored:
             wait_for_stores(server, wait_for_stored)
-        yield Setup(tmp, model, prompts, ids, server, cold, name, dict(engine_args or {}), extra_path, log_stats, dict(env or {}), module)
+        yield Setup(
+            tmp,
+            model,
+            prompts,
+            ids,
+            server,
+            cold,
+            name,
+            dict(engine_args or {}),
+            extra_path,
+            log_stats,
+            dict(env or {}),
+            module,
+        )
     finally:
         server.stop()

@@ -51,8 +51,10 @@ def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: boo
     wait_for_stores(setup.server, STORED_CHUNKS)
     warm, hits = setup.run_counting_hits(f"warm-{multiprocess}", multiprocess=multiprocess)
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e dense {'mp' if multiprocess else 'inproc'}] cached tokens {warm.num_cached} "
-          f"(server chunk hits {hits}), max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e dense {'mp' if multiprocess else 'inproc'}] cached tokens {warm.num_cached} "
+        f"(server chunk hits {hits}), max |logprob diff| {diff:.3g}"
+    )
     assert warm.num_cached == EXPECTED_CACHED
     assert hits == sum(EXPECTED_CACHED) // CHUNK
     assert warm.tokens == setup.cold.tokens
@@ -60,18 +62,26 @@ def test_fresh_engine_loads_and_matches_cold_run(setup: Setup, multiprocess: boo
 
 
 @pytest.mark.parametrize("skip_layer_waits", [False, True], ids=["layer-waits", "negative-control"])
-def test_overlapped_loads_are_ordered_before_each_layer_reads_them(setup: Setup, skip_layer_waits: bool) -> None:
+def test_overlapped_loads_are_ordered_before_each_layer_reads_them(
+    setup: Setup, skip_layer_waits: bool
+) -> None:
     """With ``overlap_loads`` the pages are written while the forward pass runs; every write here
     sleeps 50 ms first (``slow_load_run``), so only vLLM's ``wait_for_layer_load`` at each attention
     layer keeps a layer from reading blocks not yet written. With the waits the output is the cold
     run's; without them (the negative control) the layers read unwritten blocks and it moves."""
     wait_for_stores(setup.server, STORED_CHUNKS)
     launcher = ["--skip-layer-waits"] if skip_layer_waits else []
-    run = setup.run(f"overlap-{skip_layer_waits}", module="tests.e2e.slow_load_run", launcher_args=launcher,
-                    connector_config={"overlap_loads": True})
+    run = setup.run(
+        f"overlap-{skip_layer_waits}",
+        module="tests.e2e.slow_load_run",
+        launcher_args=launcher,
+        connector_config={"overlap_loads": True},
+    )
     diff = run.max_logprob_diff(setup.cold)
-    print(f"\n[e2e dense overlapped loads, skip waits={skip_layer_waits}] cached tokens {run.num_cached}, "
-          f"max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e dense overlapped loads, skip waits={skip_layer_waits}] cached tokens {run.num_cached}, "
+        f"max |logprob diff| {diff:.3g}"
+    )
     assert run.num_cached == EXPECTED_CACHED
     if skip_layer_waits:
         assert diff > 1e-2
@@ -136,7 +146,9 @@ def test_engine_runs_without_a_server(setup: Setup) -> None:
 
 
 def test_chunk_size_not_a_multiple_of_the_block_size_fails_at_start(setup: Setup, tmp_path: Path) -> None:
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp_path}/s48.sock", l1_bytes=16 * MiB, options={"chunk_size": 48}))
+    server = ServerProcess(
+        ServerSpec(listen=f"ipc://{tmp_path}/s48.sock", l1_bytes=16 * MiB, options={"chunk_size": 48})
+    )
     try:
         server.wait_ready()
         with pytest.raises(AssertionError) as failed:
@@ -145,4 +157,3 @@ def test_chunk_size_not_a_multiple_of_the_block_size_fails_at_start(setup: Setup
         server.stop()
     message = str(failed.value)
     assert "--chunk-size 48 is not a multiple of the vLLM engine's block size 32" in message
-

@@ -63,11 +63,15 @@ class ModelSetup(Setup):
 def _stored(server: ServerProcess) -> tuple[dict[ObjectKey, GroupKind], dict[GroupKind, int]]:
     """Every stored object with its group kind, and each kind's block size from its manifest."""
     manifests = stored_manifests(server)
-    return ({key: m.group_kind for key, m in manifests.items()},
-            {m.group_kind: m.kernel_block_size for m in manifests.values()})
+    return (
+        {key: m.group_kind for key, m in manifests.items()},
+        {m.group_kind: m.kernel_block_size for m in manifests.values()},
+    )
 
 
-def _last_hit_chunk_key(stored: dict[ObjectKey, GroupKind], prompt: list[int], hit_tokens: int, kind: GroupKind) -> ObjectKey:
+def _last_hit_chunk_key(
+    stored: dict[ObjectKey, GroupKind], prompt: list[int], hit_tokens: int, kind: GroupKind
+) -> ObjectKey:
     """The object of group ``kind`` for the last chunk a fresh engine's hit loads for ``prompt``
     (with window 64 = 1 chunk, the only sliding object that hit needs)."""
     last = PrefixHasher(CHUNK, ExtraKeys()).update(prompt)[hit_tokens // CHUNK - 1]
@@ -79,8 +83,15 @@ def _last_hit_chunk_key(stored: dict[ObjectKey, GroupKind], prompt: list[int], h
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelSetup]:
     name: str = request.param
     cfg, block_sizes = MODELS[name]
-    with cold_setup(tmp_path_factory.mktemp(f"e2e-{name}"), partial(write_tiny_checkpoint, cfg=cfg), LENGTHS,
-                    chunk=CHUNK, name=name, prompt_seed=11, wait_for_stored=2 * STORED_CHUNKS) as base:
+    with cold_setup(
+        tmp_path_factory.mktemp(f"e2e-{name}"),
+        partial(write_tiny_checkpoint, cfg=cfg),
+        LENGTHS,
+        chunk=CHUNK,
+        name=name,
+        prompt_seed=11,
+        wait_for_stored=2 * STORED_CHUNKS,
+    ) as base:
         stored, group_blocks = _stored(base.server)
         rng = np.random.default_rng(0)
         corrupted: dict[int, ObjectKey] = {}
@@ -90,15 +101,26 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                 data = c.get(key)
                 assert data is not None
                 object_bytes[kind] = len(data)
-            for prompt, kind in ((NOISY_SLIDING, GroupKind.SLIDING_WINDOW), (NOISY_FULL, GroupKind.FULL_ATTENTION)):
+            for prompt, kind in (
+                (NOISY_SLIDING, GroupKind.SLIDING_WINDOW),
+                (NOISY_FULL, GroupKind.FULL_ATTENTION),
+            ):
                 key = _last_hit_chunk_key(stored, base.prompt_ids[prompt], EXPECTED_CACHED[prompt], kind)
                 size = object_bytes[kind]
                 c.delete(key)
                 assert c.put(key, rng.standard_normal(size // 4).astype(np.float32).tobytes())
                 corrupted[prompt] = key
         warm, hits = base.run_counting_hits("warm")
-        yield ModelSetup.of(base, block_sizes=block_sizes, warm=warm, stored=stored, object_bytes=object_bytes,
-                            group_block_sizes=group_blocks, chunk_hits=hits, corrupted=corrupted)
+        yield ModelSetup.of(
+            base,
+            block_sizes=block_sizes,
+            warm=warm,
+            stored=stored,
+            object_bytes=object_bytes,
+            group_block_sizes=group_blocks,
+            chunk_hits=hits,
+            corrupted=corrupted,
+        )
 
 
 def test_cold_run_stores_every_chunk_of_both_groups_with_their_block_sizes(setup: ModelSetup) -> None:
@@ -117,8 +139,10 @@ def test_cold_run_stores_every_chunk_of_both_groups_with_their_block_sizes(setup
 def test_fresh_engine_loads_and_matches_the_cold_run(setup: ModelSetup) -> None:
     warm, cold = setup.warm, setup.cold
     diff = max(abs(a - b) for a, b in zip(warm.logprobs[CLEAN], cold.logprobs[CLEAN]))
-    print(f"\n[e2e {setup.name}] cached tokens {warm.num_cached} (server chunk hits {setup.chunk_hits}), "
-          f"clean prompt max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e {setup.name}] cached tokens {warm.num_cached} (server chunk hits {setup.chunk_hits}), "
+        f"clean prompt max |logprob diff| {diff:.3g}"
+    )
     assert warm.num_cached == EXPECTED_CACHED  # every prompt hit, the noisy ones too
     assert setup.chunk_hits == sum(EXPECTED_CACHED) // CHUNK
     assert warm.tokens[CLEAN] == cold.tokens[CLEAN]
@@ -130,7 +154,9 @@ def test_noise_in_one_loaded_object_changes_the_output(setup: ModelSetup, prompt
     """Negative control: the fresh engine loaded the noisy object (the hit is whole) and its
     logprobs for that prompt move far beyond the tolerance the clean prompt meets."""
     diff = max(abs(a - b) for a, b in zip(setup.warm.logprobs[prompt], setup.cold.logprobs[prompt]))
-    print(f"\n[e2e {setup.name} noise in {setup.stored[setup.corrupted[prompt]].value}] "
-          f"cached tokens {setup.warm.num_cached[prompt]}, max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e {setup.name} noise in {setup.stored[setup.corrupted[prompt]].value}] "
+        f"cached tokens {setup.warm.num_cached[prompt]}, max |logprob diff| {diff:.3g}"
+    )
     assert setup.warm.num_cached[prompt] == EXPECTED_CACHED[prompt]
     assert diff > 1e-2

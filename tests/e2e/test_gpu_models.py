@@ -77,8 +77,11 @@ CPU_STANDIN = not HAS_CUDA and os.environ.get("TIERCACHE_GPU_E2E_CPU_STANDIN", "
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.gpu,
-    pytest.mark.skipif(not (HAS_CUDA or CPU_STANDIN), reason="needs a CUDA GPU: these models' vLLM kernels (KDA, MLA, DSA, "
-                       "sparse indexers) do not run on vLLM's CPU build; torch.cuda.is_available() is False"),
+    pytest.mark.skipif(
+        not (HAS_CUDA or CPU_STANDIN),
+        reason="needs a CUDA GPU: these models' vLLM kernels (KDA, MLA, DSA, "
+        "sparse indexers) do not run on vLLM's CPU build; torch.cuda.is_available() is False",
+    ),
 ]
 
 SEEDED_DUMMY_RUN = "tests.e2e.seeded_dummy_run"
@@ -112,7 +115,9 @@ class GpuModel:
         args: dict[str, Any] = {
             "load_format": "dummy",  # seeded_dummy_run overwrites the values from the seed
             "dtype": self.dtype,
-            "distributed_executor_backend": "uni" if self.cpu else None,  # on GPU: vLLM's choice (uni for one GPU)
+            "distributed_executor_backend": "uni"
+            if self.cpu
+            else None,  # on GPU: vLLM's choice (uni for one GPU)
             "enforce_eager": True,
             **({} if self.cpu else {"gpu_memory_utilization": 0.3}),
             "kv_cache_memory_bytes": (64 if self.cpu else 1024) * MiB,
@@ -124,17 +129,24 @@ class GpuModel:
         if self.recurrent:
             # The state exists only at prefill-step ends; step = chunk keeps one at every chunk end,
             # and the retention interval makes vLLM hand those blocks to the connector.
-            args.update(mamba_cache_mode="align", max_num_batched_tokens=chunk,
-                        prefix_cache_retention_interval=chunk)
+            args.update(
+                mamba_cache_mode="align", max_num_batched_tokens=chunk, prefix_cache_retention_interval=chunk
+            )
         return args
 
 
 GPU_MODELS = {
-    "kimi_linear": GpuModel("KimiLinearForCausalLM", chunk=KIMI_LINEAR_N_GUESS, block_size=64, recurrent=True),
+    "kimi_linear": GpuModel(
+        "KimiLinearForCausalLM", chunk=KIMI_LINEAR_N_GUESS, block_size=64, recurrent=True
+    ),
     # On vLLM 0.32's CPU build this config builds, loads and allocates its KV cache: 6 groups, block
     # sizes (64, 64, 64, 256, 4, 8), group 0 a UniformTypeKVCacheSpecs, which the connector refuses.
-    "deepseek_v4": GpuModel("DeepseekV4ForCausalLM", chunk=256, block_size=256,
-                            known_refusal="KV-cache group 0 is UniformTypeKVCacheSpecs"),
+    "deepseek_v4": GpuModel(
+        "DeepseekV4ForCausalLM",
+        chunk=256,
+        block_size=256,
+        known_refusal="KV-cache group 0 is UniformTypeKVCacheSpecs",
+    ),
     "glm_moe_dsa": GpuModel("GlmMoeDsaForCausalLM", chunk=64, block_size=64),
     "minimax_m3": GpuModel("MiniMaxM3SparseForCausalLM", chunk=128, block_size=128),
 }
@@ -154,7 +166,9 @@ class GpuSetup(Setup):
     spec: GpuModel
     chunk: int
     lengths: list[int]
-    cold_groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]]  # fingerprint -> kind, stored (prompt, chunk)
+    cold_groups: dict[
+        bytes, tuple[GroupKind, set[tuple[int, int]]]
+    ]  # fingerprint -> kind, stored (prompt, chunk)
     corrupt_flipped: int  # copies of the probe flipped in data.mdb
     restart: Run
     restart_stats: dict[str, int]
@@ -181,8 +195,13 @@ def _diff(a: Run, b: Run) -> float:
 
 
 def _spec(tmp: Path, name: str, chunk: int) -> ServerSpec:
-    return ServerSpec(listen=f"ipc://{tmp}/{name}.sock", l1_bytes=256 * MiB, disk_path=str(tmp / "l2"),
-                      disk_budget=512 * MiB, options={"chunk_size": chunk})
+    return ServerSpec(
+        listen=f"ipc://{tmp}/{name}.sock",
+        l1_bytes=256 * MiB,
+        disk_path=str(tmp / "l2"),
+        disk_budget=512 * MiB,
+        options={"chunk_size": chunk},
+    )
 
 
 def _discovered_n(message: str) -> int | None:
@@ -203,8 +222,16 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         lengths = spec.lengths(chunk)
         full = [(p, c) for p, n in enumerate(lengths) for c in range(n // chunk)]
         try:
-            with cold_setup(tmp, writer(name), lengths, chunk=chunk, name=name, engine_args=spec.engine_args(chunk),
-                            spec=_spec(tmp, "first", chunk), module=SEEDED_DUMMY_RUN) as base:
+            with cold_setup(
+                tmp,
+                writer(name),
+                lengths,
+                chunk=chunk,
+                name=name,
+                engine_args=spec.engine_args(chunk),
+                spec=_spec(tmp, "first", chunk),
+                module=SEEDED_DUMMY_RUN,
+            ) as base:
                 _settle(base.server, len(full))
                 index = chunk_index(base.prompt_ids, chunk)
                 groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]] = {}
@@ -213,27 +240,44 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                     for key, manifest in stored_manifests(base.server).items():
                         kind, chunks = groups.setdefault(key.fingerprint.raw, (manifest.group_kind, set()))
                         chunks.add(index[key.prefix_hash])
-                        if (target is None and kind is not GroupKind.RECURRENT
-                                and index[key.prefix_hash] == (CORRUPT_PROMPT, CORRUPT_CHUNK)):
+                        if (
+                            target is None
+                            and kind is not GroupKind.RECURRENT
+                            and index[key.prefix_hash] == (CORRUPT_PROMPT, CORRUPT_CHUNK)
+                        ):
                             target = c.get(key)
             break  # server A stopped: its L1 is gone, L2 (tmp/l2) stays
         except AssertionError as failed:
             log = tmp / "cold.log"  # run_engine keeps a failed engine's whole output there
             message = str(failed) + (log.read_text() if log.exists() else "")
             if spec.known_refusal and spec.known_refusal in message:
-                pytest.xfail(f"the connector refuses {spec.arch}'s KV-cache groups: {spec.known_refusal} (see docs/hybrid-models.md)")
+                pytest.xfail(
+                    f"the connector refuses {spec.arch}'s KV-cache groups: {spec.known_refusal} (see docs/hybrid-models.md)"
+                )
             n = _discovered_n(message)
             if attempt or n is None or n == chunk:
                 raise
-            print(f"\n[e2e gpu {name}] chunk {chunk} refused; vLLM's block size N = {n}, running again with chunk {n}")
+            print(
+                f"\n[e2e gpu {name}] chunk {chunk} refused; vLLM's block size N = {n}, running again with chunk {n}"
+            )
             chunk = n
-    assert target is not None, f"no attention object stored for (prompt {CORRUPT_PROMPT}, chunk {CORRUPT_CHUNK})"
+    assert target is not None, (
+        f"no attention object stored for (prompt {CORRUPT_PROMPT}, chunk {CORRUPT_CHUNK})"
+    )
     flipped = _flip_in_lmdb(tmp / "l2", target)
     server = ServerProcess(_spec(tmp, "restarted", chunk))
     try:
         server.wait_ready()
-        setup = GpuSetup.of(base, spec=spec, chunk=chunk, lengths=lengths, cold_groups=groups, corrupt_flipped=flipped,
-                            restart=Run([], [], []), restart_stats={})
+        setup = GpuSetup.of(
+            base,
+            spec=spec,
+            chunk=chunk,
+            lengths=lengths,
+            cold_groups=groups,
+            corrupt_flipped=flipped,
+            restart=Run([], [], []),
+            restart_stats={},
+        )
         setup.server = server
         setup.restart = setup.run("restart")
         setup.restart_stats = engine_stats(server)
@@ -284,8 +328,10 @@ def test_cold_run_stores_every_chunk_in_every_object_group(setup: GpuSetup) -> N
 def test_restarted_server_serves_l2_hits_and_skips_the_corrupted_chunk(setup: GpuSetup) -> None:
     run, stats = setup.restart, setup.restart_stats
     diff = _diff(run, setup.cold)
-    print(f"\n[e2e gpu {setup.name} restart] cached tokens {run.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
-          f"promotions {stats['promotions']}, probe copies flipped {setup.corrupt_flipped}, max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e gpu {setup.name} restart] cached tokens {run.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
+        f"promotions {stats['promotions']}, probe copies flipped {setup.corrupt_flipped}, max |logprob diff| {diff:.3g}"
+    )
     assert setup.corrupt_flipped >= 1, "the chunk's bytes are not stored verbatim in data.mdb"
     expected = _expected_after_corruption(setup)
     assert run.num_cached == expected
@@ -313,8 +359,10 @@ def test_wrong_bytes_change_the_output(setup: GpuSetup) -> None:
                 rotated += 1
     bad = setup.run("wrong-bytes")
     diff = _diff(bad, setup.cold)
-    print(f"\n[e2e gpu {setup.name} wrong bytes] {rotated} objects rotated, cached tokens {bad.num_cached}, "
-          f"max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e gpu {setup.name} wrong bytes] {rotated} objects rotated, cached tokens {bad.num_cached}, "
+        f"max |logprob diff| {diff:.3g}"
+    )
     assert all(n > 0 for n in bad.num_cached)  # it did load the wrong bytes
     assert diff > 10 * TOL
 
@@ -325,7 +373,9 @@ def test_other_weights_get_no_hits(setup: GpuSetup) -> None:
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
     run = setup.run("other-weights", model=model)
     diff = _diff(run, setup.cold)
-    print(f"\n[e2e gpu {setup.name} other weights] cached tokens {run.num_cached}, max |logprob diff| vs cold {diff:.3g}")
+    print(
+        f"\n[e2e gpu {setup.name} other weights] cached tokens {run.num_cached}, max |logprob diff| vs cold {diff:.3g}"
+    )
     assert run.num_cached == [0] * len(setup.lengths)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
     assert diff > 10 * TOL  # really other weights

@@ -66,8 +66,10 @@ def test_hit_needs_only_the_trailing_window_chunk_of_the_sliding_group(setup: Se
     assert len(removed) == STORED_CHUNKS - len(LENGTHS)  # 5: chunks 0-1 of prompt 0, 0-2 of prompt 1
     warm, hits = setup.run_counting_hits("warm")
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e gemma3 sliding+full] cached tokens {warm.num_cached} (server chunk hits {hits}), "
-          f"max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e gemma3 sliding+full] cached tokens {warm.num_cached} (server chunk hits {hits}), "
+        f"max |logprob diff| {diff:.3g}"
+    )
     assert warm.num_cached == EXPECTED_CACHED
     assert warm.tokens == setup.cold.tokens
     assert diff <= 1e-5

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.e2e
 CHUNK = 64
 LENGTHS = [200, 150, 130]  # hits of 3, 2 and 2 chunks; the pin of each loses chunk 1
 HIT_CHUNKS = sum((n - 1) // CHUNK for n in LENGTHS)  # 7
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
+RECOVERED = re.compile(
+    r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)"
+)
 
 
 def kv_transfer_lines(log: str) -> list[str]:
@@ -50,8 +52,15 @@ def logged_total(lines: list[str], field: str) -> int:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """Every run reports vLLM's stats; the failing runs start only once every stored chunk is in."""
-    with cold_setup(tmp_path_factory.mktemp("load-failure"), write_tiny_llama, LENGTHS, chunk=CHUNK, prompt_seed=11,
-                    log_stats=True, wait_for_stored=sum(n // CHUNK for n in LENGTHS)) as s:
+    with cold_setup(
+        tmp_path_factory.mktemp("load-failure"),
+        write_tiny_llama,
+        LENGTHS,
+        chunk=CHUNK,
+        prompt_seed=11,
+        log_stats=True,
+        wait_for_stored=sum(n // CHUNK for n in LENGTHS),
+    ) as s:
         yield s
 
 

@@ -36,8 +36,15 @@ STORED_OBJECTS = 2 * sum(n // CHUNK for n in LENGTHS)  # a sliding and a full ob
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """Every run reports vLLM's stats; the failing runs start only once every stored object is in."""
-    with cold_setup(tmp_path_factory.mktemp("load-failure-gemma3"), write_tiny_gemma3, LENGTHS, chunk=CHUNK,
-                    prompt_seed=11, log_stats=True, wait_for_stored=STORED_OBJECTS) as s:
+    with cold_setup(
+        tmp_path_factory.mktemp("load-failure-gemma3"),
+        write_tiny_gemma3,
+        LENGTHS,
+        chunk=CHUNK,
+        prompt_seed=11,
+        log_stats=True,
+        wait_for_stored=STORED_OBJECTS,
+    ) as s:
         yield s
 
 
@@ -70,6 +77,8 @@ def test_without_reporting_the_failures_the_output_is_wrong(setup: Setup) -> Non
     nobody wrote."""
     hidden = setup.run("hidden", module=LOAD_FAILURE_RUN, launcher_args=["--hide-load-errors"])
     diff = hidden.max_logprob_diff(setup.cold)
-    print(f"\n[e2e gemma3 load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e gemma3 load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}"
+    )
     assert hidden.num_cached == [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]
     assert diff > 1e-2

@@ -112,8 +112,12 @@ class Recurrent:
 
 
 MODELS = {
-    "qwen3_next": Recurrent(write_tiny_qwen3_next, "gdn+full", chunk=384, step=768, dtype="bfloat16"),  # the CPU GDN kernels need bf16
-    "qwen3_5": Recurrent(write_tiny_qwen3_5, "gdn+full", chunk=384, step=768, dtype="bfloat16", torchvision_stub=True),
+    "qwen3_next": Recurrent(
+        write_tiny_qwen3_next, "gdn+full", chunk=384, step=768, dtype="bfloat16"
+    ),  # the CPU GDN kernels need bf16
+    "qwen3_5": Recurrent(
+        write_tiny_qwen3_5, "gdn+full", chunk=384, step=768, dtype="bfloat16", torchvision_stub=True
+    ),
     "granite4": Recurrent(write_tiny_granite4, "mamba2+full", chunk=384, step=384, dtype="float32"),
 }
 # vLLM's multiprocess mode (scheduler and worker in separate processes, as ``vllm serve`` runs) costs
@@ -127,20 +131,33 @@ class RecurrentSetup(Setup):
 
 
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
-def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecurrentSetup]:
+def setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RecurrentSetup]:
     name: str = request.param
     spec = MODELS[name]
     tmp = tmp_path_factory.mktemp(f"e2e-{name}")
     extra_path = write_torchvision_stub(tmp / "stub") if spec.torchvision_stub else None
-    with cold_setup(tmp, spec.write, LENGTHS, chunk=spec.chunk, name=name, engine_args=spec.engine_args(),
-                    extra_path=extra_path) as base:
+    with cold_setup(
+        tmp,
+        spec.write,
+        LENGTHS,
+        chunk=spec.chunk,
+        name=name,
+        engine_args=spec.engine_args(),
+        extra_path=extra_path,
+    ) as base:
         yield RecurrentSetup.of(base, spec=spec)
 
 
 def _state_objects(setup: RecurrentSetup) -> dict[tuple[int, int], ObjectKey]:
     """(prompt, chunk) → key of the state object stored after that chunk."""
     index = chunk_index(setup.prompt_ids, setup.spec.chunk)
-    return {index[k.prefix_hash]: k for k, kind in stored_objects(setup.server).items() if kind is GroupKind.RECURRENT}
+    return {
+        index[k.prefix_hash]: k
+        for k, kind in stored_objects(setup.server).items()
+        if kind is GroupKind.RECURRENT
+    }
 
 
 def test_cold_run_stores_attention_chunks_and_states_at_step_boundaries(setup: RecurrentSetup) -> None:
@@ -149,11 +166,15 @@ def test_cold_run_stores_attention_chunks_and_states_at_step_boundaries(setup: R
     total = spec.full_objects + spec.state_objects  # 12 + 6 (step 768), 12 + 12 (step 384)
     stores = wait_for_stores(setup.server, total)
     index = chunk_index(setup.prompt_ids, spec.chunk)
-    assert stores == total, str(sorted((kind.value, index[k.prefix_hash]) for k, kind in stored_objects(setup.server).items()))
+    assert stores == total, str(
+        sorted((kind.value, index[k.prefix_hash]) for k, kind in stored_objects(setup.server).items())
+    )
     kinds = list(stored_objects(setup.server).values())
     assert kinds.count(GroupKind.FULL_ATTENTION) == spec.full_objects
     # The state after chunk c exists only where a prefill step ended (step 768: at 768 and 1536 tokens).
-    assert sorted(_state_objects(setup)) == [(p, c) for p, n in enumerate(LENGTHS) for c in spec.state_chunks(n)]
+    assert sorted(_state_objects(setup)) == [
+        (p, c) for p, n in enumerate(LENGTHS) for c in spec.state_chunks(n)
+    ]
 
 
 def test_fresh_engine_restores_states_and_the_controls_fail(setup: RecurrentSetup) -> None:
@@ -186,10 +207,14 @@ def test_fresh_engine_restores_states_and_the_controls_fail(setup: RecurrentSetu
     run, hits = setup.run_counting_hits("warm", multiprocess=MULTIPROCESS)
     diff = [max(abs(a - b) for a, b in zip(w, c)) for w, c in zip(run.logprobs, setup.cold.logprobs)]
     mode = "multiprocess" if MULTIPROCESS else "in-process"
-    print(f"\n[e2e {setup.name} {spec.layers}, step {spec.step}, {mode}] cached tokens {run.num_cached} "
-          f"(server chunk hits {hits}); max |logprob diff|: intact {diff[INTACT]:.3g} and {diff[INTACT_LONG]:.3g}, "
-          f"foreign state {diff[FOREIGN_STATE]:.3g}, last state deleted {diff[LAST_STATE_DELETED]:.3g}")
-    assert run.num_cached == spec.expected_cached()  # step 768: [768, 768, 768, 1536]; 384: [768, 768, 1152, 1536]
+    print(
+        f"\n[e2e {setup.name} {spec.layers}, step {spec.step}, {mode}] cached tokens {run.num_cached} "
+        f"(server chunk hits {hits}); max |logprob diff|: intact {diff[INTACT]:.3g} and {diff[INTACT_LONG]:.3g}, "
+        f"foreign state {diff[FOREIGN_STATE]:.3g}, last state deleted {diff[LAST_STATE_DELETED]:.3g}"
+    )
+    assert (
+        run.num_cached == spec.expected_cached()
+    )  # step 768: [768, 768, 768, 1536]; 384: [768, 768, 1152, 1536]
     for p in (INTACT, INTACT_LONG, LAST_STATE_DELETED):
         assert run.tokens[p] == setup.cold.tokens[p] and diff[p] <= 1e-5, p
     assert diff[FOREIGN_STATE] > 1e-2

@@ -47,22 +47,37 @@ class RestartSetup(Setup):
 
 
 def _spec(setup_tmp: Path, name: str, disk: Path, s3_url: str | None, bucket: str) -> ServerSpec:
-    return ServerSpec(listen=f"ipc://{setup_tmp}/{name}.sock", l1_bytes=64 * MiB, disk_path=str(disk),
-                      disk_budget=64 * MiB, s3_url=s3_url, s3_bucket=bucket, options={"chunk_size": CHUNK})
+    return ServerSpec(
+        listen=f"ipc://{setup_tmp}/{name}.sock",
+        l1_bytes=64 * MiB,
+        disk_path=str(disk),
+        disk_budget=64 * MiB,
+        s3_url=s3_url,
+        s3_bucket=bucket,
+        options={"chunk_size": CHUNK},
+    )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) -> Iterator[RestartSetup]:
     tmp = tmp_path_factory.mktemp("e2e-restart")
     bucket = f"e2e-restart-{uuid.uuid4().hex[:8]}"
-    with cold_setup(tmp, write_tiny_llama, LENGTHS, chunk=CHUNK, spec=_spec(tmp, "first", tmp / "l2", s3_server.url, bucket)) as base:
+    with cold_setup(
+        tmp,
+        write_tiny_llama,
+        LENGTHS,
+        chunk=CHUNK,
+        spec=_spec(tmp, "first", tmp / "l2", s3_server.url, bucket),
+    ) as base:
         assert wait_for_stores(base.server, STORED_CHUNKS) == STORED_CHUNKS
         assert wait_for(base.server, "l2_writes", STORED_CHUNKS) == STORED_CHUNKS
         assert wait_for(base.server, "l3_writes", STORED_CHUNKS) == STORED_CHUNKS
         target = PrefixHasher(CHUNK, ExtraKeys()).update(base.prompt_ids[CORRUPT_PROMPT])[CORRUPT_CHUNK]
         with base.server.client() as c:
             keys, _ = c.list_keys(tier="l1")
-            [key] = [ObjectKey.from_bytes(k.key) for k in keys if ObjectKey.from_bytes(k.key).prefix_hash == target]
+            [key] = [
+                ObjectKey.from_bytes(k.key) for k in keys if ObjectKey.from_bytes(k.key).prefix_hash == target
+            ]
             data = c.get(key)
             assert data is not None
     # The first server is stopped: every later engine talks to a new one whose L1 is empty.
@@ -79,12 +94,16 @@ def _warm(setup: RestartSetup, name: str, disk: Path, s3: bool) -> tuple[Run, di
         server.stop()
 
 
-def _assert_hits_promoted_and_output_matches(setup: RestartSetup, tier: str, warm: Run, stats: dict[str, int]) -> None:
+def _assert_hits_promoted_and_output_matches(
+    setup: RestartSetup, tier: str, warm: Run, stats: dict[str, int]
+) -> None:
     """The fresh engine hit every chunk it may, each promoted from ``tier`` into the new server's
     empty L1, and reproduced the cold run."""
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e restart {tier}] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
-          f"promotions {stats['promotions']}, max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e restart {tier}] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
+        f"promotions {stats['promotions']}, max |logprob diff| {diff:.3g}"
+    )
     assert warm.num_cached == EXPECTED_CACHED
     assert stats["promotions"] >= sum(EXPECTED_CACHED) // CHUNK
     assert warm.tokens == setup.cold.tokens
@@ -122,8 +141,10 @@ def test_corrupted_chunk_in_l2_misses_from_there_on(setup: RestartSetup) -> None
     mdb.write_bytes(bytes(raw))
     warm, stats = _warm(setup, "corrupt-l2", setup.tmp / "l2", s3=False)
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e corrupt L2 chunk] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
-          f"max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e corrupt L2 chunk] cached tokens {warm.num_cached}, chunk hits {stats['lookup_chunks_hit']}, "
+        f"max |logprob diff| {diff:.3g}"
+    )
     expected = list(EXPECTED_CACHED)
     expected[CORRUPT_PROMPT] = CORRUPT_CHUNK * CHUNK
     assert warm.num_cached == expected

@@ -50,7 +50,7 @@ TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one CPU per rank (auto binding 
 # Imported by every engine process (the engine and its spawned TP workers) through the PYTHONPATH
 # addition: records where each process imported the connector's worker half from, so the test can
 # check the TP workers run this checkout's connector and not the venv's installed tiercache.
-PROBE = '''
+PROBE = """
 import os, sys, threading, time, multiprocessing
 
 def _watch():
@@ -64,7 +64,7 @@ def _watch():
         time.sleep(0.1)
 
 threading.Thread(target=_watch, name="tiercache-e2e-probe", daemon=True).start()
-'''
+"""
 
 
 def tp2_manifests(setup: Setup) -> dict[int, tuple[LayoutManifest, set[bytes]]]:
@@ -84,8 +84,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     probe = tmp / "probe"
     (probe / "seen").mkdir(parents=True)
     (probe / "sitecustomize.py").write_text(PROBE.format(out=str(probe / "seen")))
-    with cold_setup(tmp, write_tiny_llama, LENGTHS, chunk=CHUNK, engine_args=TP_ARGS, env=TP_ENV,
-                    extra_path=probe, wait_for_stored=TP * CHUNKS) as s:
+    with cold_setup(
+        tmp,
+        write_tiny_llama,
+        LENGTHS,
+        chunk=CHUNK,
+        engine_args=TP_ARGS,
+        env=TP_ENV,
+        extra_path=probe,
+        wait_for_stored=TP * CHUNKS,
+    ) as s:
         yield s
 
 
@@ -101,8 +109,10 @@ def test_cold_run_stores_each_ranks_pages_in_its_own_object_group(setup: Setup) 
         assert hashes == every_chunk  # each rank stored every full prompt chunk
         assert ("num_kv_heads", "1") in manifest.extra  # half of the model's 2 KV heads
     fingerprints = {m.fingerprint().raw for m, _ in groups.values()}
-    print(f"\n[e2e tp2] {TP * CHUNKS} objects in object groups {sorted(groups)}, fingerprints "
-          f"{sorted(m.fingerprint().hex[:12] for m, _ in groups.values())}")
+    print(
+        f"\n[e2e tp2] {TP * CHUNKS} objects in object groups {sorted(groups)}, fingerprints "
+        f"{sorted(m.fingerprint().hex[:12] for m, _ in groups.values())}"
+    )
     assert len(fingerprints) == TP
 
 
@@ -118,14 +128,18 @@ def test_fresh_tp2_engine_loads_both_ranks_and_matches_cold_run(setup: Setup) ->
     reproduces the cold run, and rank 1 stores its missing object again."""
     wait_for_stores(setup.server, TP * CHUNKS)
     manifest, _ = tp2_manifests(setup)[1]
-    victim = next(h for h, (prompt, chunk) in chunk_index(setup.prompt_ids, CHUNK).items() if (prompt, chunk) == (0, 2))
+    victim = next(
+        h for h, (prompt, chunk) in chunk_index(setup.prompt_ids, CHUNK).items() if (prompt, chunk) == (0, 2)
+    )
     with setup.server.client() as c:
         assert c.delete(ObjectKey(manifest.fingerprint(), 1, victim)) == 1
     expected = [EXPECTED_CACHED[0] - CHUNK, *EXPECTED_CACHED[1:]]  # [128, 128, 256, 128]
     warm, hits = setup.run_counting_hits("warm")
     diff = warm.max_logprob_diff(setup.cold)
-    print(f"\n[e2e tp2] rank 1 lacks one object: cached tokens {warm.num_cached} (server chunk hits {hits}), "
-          f"max |logprob diff| {diff:.3g}")
+    print(
+        f"\n[e2e tp2] rank 1 lacks one object: cached tokens {warm.num_cached} (server chunk hits {hits}), "
+        f"max |logprob diff| {diff:.3g}"
+    )
     assert warm.num_cached == expected
     assert hits == sum(expected) // CHUNK
     assert warm.tokens == setup.cold.tokens
@@ -147,7 +161,11 @@ def test_tp1_engine_gets_no_hits_from_tp2_objects(setup: Setup) -> None:
     print(f"\n[e2e tp1 after tp2] cached tokens {tp1.num_cached}, max |logprob diff| vs TP 2 {diff:.3g}")
     assert tp1.num_cached == [0] * len(LENGTHS)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
-    assert wait_for_stores(setup.server, stores_before + CHUNKS) == stores_before + CHUNKS  # under its own fingerprint
+    assert (
+        wait_for_stores(setup.server, stores_before + CHUNKS) == stores_before + CHUNKS
+    )  # under its own fingerprint
     tp2_fingerprints = {m.fingerprint().raw for m, _ in tp2_manifests(setup).values()}
-    tp1_fingerprints = {m.fingerprint().raw for m in stored_manifests(setup.server).values() if m.tp_size == 1}
+    tp1_fingerprints = {
+        m.fingerprint().raw for m in stored_manifests(setup.server).values() if m.tp_size == 1
+    }
     assert len(tp1_fingerprints) == 1 and not tp1_fingerprints & tp2_fingerprints

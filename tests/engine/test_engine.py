@@ -121,9 +121,7 @@ def test_prefetch_pins_exactly_what_the_boundary_needs(make_engine: EngineFactor
 
 
 # -- lower tiers ---------------------------------------------------------------------------------
-def test_a_restart_finds_chunks_on_disk_and_promotes_them(
-    tmp_path: Path, make_engine: EngineFactory
-) -> None:
+def test_a_restart_finds_chunks_on_disk_and_promotes_them(tmp_path: Path, make_engine: EngineFactory) -> None:
     hashes = prompt(8)
     first = make_engine(l1_tier(), disk_tier(tmp_path))
     store(first, [FULL], hashes)
@@ -143,9 +141,7 @@ def test_a_restart_finds_chunks_on_disk_and_promotes_them(
     assert second.lookup(hashes, [FULL]).per_tier == {"l1": 8}
 
 
-def test_a_second_node_reads_through_s3(
-    tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory
-) -> None:
+def test_a_second_node_reads_through_s3(tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory) -> None:
     hashes = prompt(6)
     node_a = make_engine(l1_tier(), disk_tier(tmp_path / "a"), s3_tier(s3))
     store(node_a, [FULL], hashes)
@@ -229,9 +225,7 @@ def test_a_corrupt_disk_object_is_a_counted_miss_never_wrong_bytes(
 
 
 # -- bounded queues and owed copies -------------------------------------------------------------
-def test_l1_never_evicts_a_chunk_still_owed_to_disk(
-    tmp_path: Path, make_engine: EngineFactory
-) -> None:
+def test_l1_never_evicts_a_chunk_still_owed_to_disk(tmp_path: Path, make_engine: EngineFactory) -> None:
     gate = threading.Event()
     slow_disk = FaultInjectingTier(disk_tier(tmp_path), FaultPlan(write_gate=gate))
     engine = make_engine(l1_tier(4 * CHUNK_BYTES), slow_disk, write_queue_depth=64)
@@ -272,9 +266,7 @@ def test_a_failing_disk_is_counted_and_reads_still_come_from_l1(
     assert engine.lookup(hashes, [FULL]).chunks == 3
 
 
-def test_manifests_are_kept_on_disk_for_inspection(
-    tmp_path: Path, make_engine: EngineFactory
-) -> None:
+def test_manifests_are_kept_on_disk_for_inspection(tmp_path: Path, make_engine: EngineFactory) -> None:
     from tests.keys.test_object_key import manifest
 
     m = manifest()

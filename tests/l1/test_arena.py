@@ -137,9 +137,7 @@ def test_a_view_handed_out_before_close_stays_readable() -> None:
 
 
 # -- across processes --------------------------------------------------------------------------------
-def test_another_process_reads_exactly_the_committed_bytes(
-    make_l1, spawn_pool: ProcessPoolExecutor
-) -> None:
+def test_another_process_reads_exactly_the_committed_bytes(make_l1, spawn_pool: ProcessPoolExecutor) -> None:
     tier = make_l1(size_bytes=256 * 1024)
     key = make_key(1)
     payload = payload_for(key, 70_001)
@@ -167,9 +165,7 @@ def test_another_process_fills_a_reservation_that_the_owner_commits(
     assert tier.get(key) == payload
 
 
-def test_a_child_exiting_does_not_remove_the_arena(
-    make_l1, spawn_pool: ProcessPoolExecutor
-) -> None:
+def test_a_child_exiting_does_not_remove_the_arena(make_l1, spawn_pool: ProcessPoolExecutor) -> None:
     tier = make_l1()
     spawn_pool.submit(_child_read, tier.arena_name, 0, 1).result(60)
     spawn_pool.shutdown(wait=True)

@@ -29,7 +29,9 @@ def test_batches_reserve_commit_pin_and_release_many_objects(make_l1) -> None:
     tier.commit_many(handles)
     pinned = tier.pin_many([*keys, make_key(99)])
     assert pinned[-1] is None
-    assert [bytes(h.buffer) for h in pinned[:-1] if h] == [payload_for(k, 100 + i) for i, k in enumerate(keys)]
+    assert [bytes(h.buffer) for h in pinned[:-1] if h] == [
+        payload_for(k, 100 + i) for i, k in enumerate(keys)
+    ]
     tier.release_many([h for h in pinned if h])
 
 

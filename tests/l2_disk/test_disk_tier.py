@@ -83,9 +83,7 @@ def test_the_directory_and_files_are_owner_only(tmp_path: Path, clock: FakeClock
         assert stat.S_IMODE((path / name).stat().st_mode) & 0o077 == 0
 
 
-def test_a_named_background_thread_syncs_and_close_stops_it(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_a_named_background_thread_syncs_and_close_stops_it(tmp_path: Path, clock: FakeClock) -> None:
     tier = open_tier(tmp_path / "l2", clock)
     names = [t.name for t in threading.enumerate()]
     assert any(n.startswith("tiercache-disk-sync") for n in names)
@@ -96,9 +94,7 @@ def test_a_named_background_thread_syncs_and_close_stops_it(
     assert tier.syncs > 0
     tier.close()
     tier.close()  # idempotent
-    assert not any(
-        t.name.startswith("tiercache-disk-sync") and t.is_alive() for t in threading.enumerate()
-    )
+    assert not any(t.name.startswith("tiercache-disk-sync") and t.is_alive() for t in threading.enumerate())
     with pytest.raises(DiskTierError, match="closed"):
         tier.get(make_key(1))
 
@@ -218,9 +214,7 @@ def _copy_object_under_another_key(path: Path, src: ObjectKey, dst: ObjectKey) -
     env.close()
 
 
-def test_a_foreign_object_copied_under_another_key_is_a_miss(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_a_foreign_object_copied_under_another_key_is_a_miss(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "l2"
     a, b = make_key(1), make_key(2)
     with open_tier(path, clock) as tier:
@@ -235,9 +229,7 @@ def test_a_foreign_object_copied_under_another_key_is_a_miss(
 
 
 @pytest.mark.parametrize("drop", [b"data", b"meta"])
-def test_half_an_object_is_a_miss_and_is_cleaned_up(
-    tmp_path: Path, clock: FakeClock, drop: bytes
-) -> None:
+def test_half_an_object_is_a_miss_and_is_cleaned_up(tmp_path: Path, clock: FakeClock, drop: bytes) -> None:
     path = tmp_path / "l2"
     key = make_key(1)
     with open_tier(path, clock) as tier:
@@ -274,9 +266,7 @@ def test_lru_order_survives_a_restart(tmp_path: Path, clock: FakeClock, touch_fi
 
 
 @pytest.mark.parametrize("restart", [False, True])
-def test_an_overwritten_object_becomes_the_youngest(
-    tmp_path: Path, clock: FakeClock, restart: bool
-) -> None:
+def test_an_overwritten_object_becomes_the_youngest(tmp_path: Path, clock: FakeClock, restart: bool) -> None:
     path = tmp_path / "l2"
     keys = [make_key(i) for i in range(10)]
     tier = open_tier(path, clock)  # budget 10 chunks: 9 fit under the high watermark
@@ -313,9 +303,7 @@ def test_an_overwrite_with_other_bytes_serves_and_counts_only_the_new_version(
         assert tier.get(key) == random_payload(2, 3000)
 
 
-def test_read_into_never_copies_an_object_stored_under_another_key(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_read_into_never_copies_an_object_stored_under_another_key(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "l2"
     a, b = make_key(1), make_key(2)
     with open_tier(path, clock) as tier:
@@ -392,9 +380,7 @@ def test_an_eviction_listener_set_later_is_called_too(tmp_path: Path, clock: Fak
         assert len(seen) == tier.stats.snapshot()["evictions"]["capacity"]
 
 
-def test_when_everything_is_pinned_a_put_is_refused_not_fatal(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_when_everything_is_pinned_a_put_is_refused_not_fatal(tmp_path: Path, clock: FakeClock) -> None:
     with open_tier(tmp_path / "l2", clock) as tier:
         handles = []
         for i in range(9):
@@ -463,9 +449,7 @@ def test_map_full_from_a_stuck_reader_is_handled_and_the_tier_recovers(
         assert tier.get(make_key(529)) == payload_for(make_key(529), MiB)
 
 
-def test_an_expired_lease_is_counted_and_release_stays_harmless(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_an_expired_lease_is_counted_and_release_stays_harmless(tmp_path: Path, clock: FakeClock) -> None:
     with open_tier(tmp_path / "l2", clock, lease_ttl_s=5.0) as tier:
         tier.put(make_key(1), b"x" * 100)
         handle = tier.pin(make_key(1))
@@ -486,9 +470,7 @@ def _stored_flags(path: Path, key: ObjectKey) -> FrameFlags:
     return FrameHeader.decode(meta[:HEADER_BYTES], key).flags
 
 
-def test_compressed_objects_round_trip_and_carry_the_zstd_flag(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_compressed_objects_round_trip_and_carry_the_zstd_flag(tmp_path: Path, clock: FakeClock) -> None:
     path = tmp_path / "l2"
     squeezable, noise = make_key(1), make_key(2)
     with open_tier(path, clock, budget=4 * MiB, compress=True) as tier:
@@ -503,9 +485,7 @@ def test_compressed_objects_round_trip_and_carry_the_zstd_flag(
 
 
 # -- manifests ---------------------------------------------------------------------------------
-def test_manifests_are_stored_listed_and_survive_a_restart(
-    tmp_path: Path, clock: FakeClock
-) -> None:
+def test_manifests_are_stored_listed_and_survive_a_restart(tmp_path: Path, clock: FakeClock) -> None:
     fp1, fp2 = Fingerprint(b"1" * 16), Fingerprint(b"2" * 16)
     with open_tier(tmp_path / "l2", clock) as tier:
         tier.put_manifest(fp2, b'{"model_id":"b"}')
@@ -613,7 +593,9 @@ def test_a_forked_child_reopens_the_environment_and_the_parent_keeps_its_pin(
         assert tier.get(make_key(2)) == b"from the child"
 
 
-def test_iter_keys_by_use_is_newest_first_and_survives_a_restart(tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_iter_keys_by_use_is_newest_first_and_survives_a_restart(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``tiercache warm`` promotes in this order: what was used last comes first. Reads count once
     their touches are applied (at the latest one sync interval later; ``flush`` does it now). Small
     batches make the walk cross read-txn boundaries."""

@@ -20,13 +20,14 @@ def damage_s3(tier: S3Tier, key: ObjectKey) -> None:
     client = tier.raw_client()
     try:
         body = client.get_object(Bucket=tier.config.bucket, Key=tier.object_name(key))["Body"].read()
-        client.put_object(Bucket=tier.config.bucket, Key=tier.object_name(key), Body=body[:-1] + bytes([body[-1] ^ 0xFF]))
+        client.put_object(
+            Bucket=tier.config.bucket, Key=tier.object_name(key), Body=body[:-1] + bytes([body[-1] ^ 0xFF])
+        )
     finally:
         client.close()
 
 
 class TestS3Contract(PersistentTierSuite):
-
     @pytest.fixture(autouse=True)
     def _endpoint(self, s3: S3Endpoint) -> None:
         # The suite's fixtures know nothing of S3; every test here gets a freshly emptied endpoint.

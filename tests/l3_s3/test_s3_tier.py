@@ -128,9 +128,7 @@ def test_a_corrupt_object_is_a_counted_miss_and_is_deleted(
     assert tier.usage().objects == 0
 
 
-def test_compressed_objects_round_trip_and_are_stored_smaller(
-    s3: S3Endpoint, clock: FakeClock
-) -> None:
+def test_compressed_objects_round_trip_and_are_stored_smaller(s3: S3Endpoint, clock: FakeClock) -> None:
     with make_s3_tier(s3, clock, compress=True) as t:
         key = make_key(1)
         data = payload_for(key, 64 * CHUNK)  # repetitive: compresses well
@@ -165,9 +163,7 @@ def test_own_puts_and_deletes_answer_contains_without_requests(tier: S3Tier) -> 
     assert counter.total == 0
 
 
-def test_a_missing_answer_is_cached_for_missing_ttl(
-    tier: S3Tier, s3: S3Endpoint, clock: FakeClock
-) -> None:
+def test_a_missing_answer_is_cached_for_missing_ttl(tier: S3Tier, s3: S3Endpoint, clock: FakeClock) -> None:
     key = make_key(1)
     counter = RequestCounter(tier.client)
     assert not tier.contains(key)
@@ -180,9 +176,7 @@ def test_a_missing_answer_is_cached_for_missing_ttl(
     assert tier.get(key) == b"v"
 
 
-def test_lookup_of_a_long_prompt_costs_logarithmic_requests(
-    s3: S3Endpoint, clock: FakeClock
-) -> None:
+def test_lookup_of_a_long_prompt_costs_logarithmic_requests(s3: S3Endpoint, clock: FakeClock) -> None:
     keys = [make_key(i) for i in range(512)]
     with make_s3_tier(s3, clock) as writer:
         for key in keys[:173]:
@@ -217,9 +211,7 @@ def test_a_hole_below_the_boundary_is_caught_when_loading(tier: S3Tier) -> None:
 
 
 # -- capacity bound -------------------------------------------------------------------------------
-def test_the_capacity_bound_deletes_the_oldest_objects(
-    s3: S3Endpoint, clock: FakeClock
-) -> None:
+def test_the_capacity_bound_deletes_the_oldest_objects(s3: S3Endpoint, clock: FakeClock) -> None:
     size = CHUNK + HEADER_BYTES
     with make_s3_tier(s3, clock, prefix="small", capacity_bytes=4 * size) as t:
         keys = [make_key(i) for i in range(10)]
@@ -354,9 +346,7 @@ def test_a_failed_trial_reopens_the_breaker(s3: S3Endpoint, clock: FakeClock) ->
         proxy.stop()
 
 
-def test_a_failed_upload_raises_s3_tier_error_and_is_counted(
-    s3: S3Endpoint, clock: FakeClock
-) -> None:
+def test_a_failed_upload_raises_s3_tier_error_and_is_counted(s3: S3Endpoint, clock: FakeClock) -> None:
     host, port = s3.url.removeprefix("http://").split(":")
     proxy = StoppableProxy(host, int(port))
     try:

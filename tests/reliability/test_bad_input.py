@@ -27,7 +27,9 @@ FUZZED = {"frames": 0, "replies": 0}
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, RawSocket, dict[str, int], threading.Event]]:
+def shared(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, RawSocket, dict[str, int], threading.Event]]:
     from tests.server.serverproc import ServerSpec
 
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -77,7 +79,14 @@ def test_fuzzed_frames_get_answers_while_a_good_client_is_served(shared, frame: 
 def test_the_good_client_saw_no_error_and_no_wrong_byte(shared) -> None:  # type: ignore[no-untyped-def]
     _server, _, counts, stop = shared
     stop.set()
-    figures("fuzz-concurrent", fuzzed_frames=FUZZED["frames"], error_replies=FUZZED["replies"], good_client_ops=counts["ops"], good_client_errors=counts["errors"], wrong_reads=counts["wrong"])
+    figures(
+        "fuzz-concurrent",
+        fuzzed_frames=FUZZED["frames"],
+        error_replies=FUZZED["replies"],
+        good_client_ops=counts["ops"],
+        good_client_errors=counts["errors"],
+        wrong_reads=counts["wrong"],
+    )
     assert FUZZED["frames"] > 0
     assert counts["ops"] > 0
     assert counts["errors"] == 0 and counts["wrong"] == 0

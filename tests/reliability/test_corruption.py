@@ -80,7 +80,13 @@ def test_bit_flips_and_truncations_in_lmdb_values_are_counted_misses_and_removed
 
     # Damage 100 of them at rest, four ways; 20 more get a bit flipped in the file itself (bit rot).
     victims = rng.sample(keys, 120)
-    modes = ["payload bit flip", "header bit flip", "payload truncated", "header truncated", "bit rot in data.mdb"]
+    modes = [
+        "payload bit flip",
+        "header bit flip",
+        "payload truncated",
+        "header truncated",
+        "bit rot in data.mdb",
+    ]
     by_mode: dict[str, int] = {}
     env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)
     data, meta = env.open_db(b"data"), env.open_db(b"meta")
@@ -144,7 +150,9 @@ def test_bit_flips_and_truncations_in_lmdb_values_are_counted_misses_and_removed
     assert left == []
 
 
-def test_bit_flips_and_truncations_in_s3_objects_are_counted_misses_and_removed(s3: S3Endpoint, clock) -> None:  # type: ignore[no-untyped-def]
+def test_bit_flips_and_truncations_in_s3_objects_are_counted_misses_and_removed(
+    s3: S3Endpoint, clock
+) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(9)
     keys = [make_key(i, fp=b"S" * 16) for i in range(120)]
     stored = dict(zip(keys, sizes(len(keys), rng)))
@@ -178,7 +186,11 @@ def test_bit_flips_and_truncations_in_s3_objects_are_counted_misses_and_removed(
     with TieredEngine(l1("s3"), [tier]) as engine:
         hits, misses, wrong = check_reads(engine, stored, set(victims), via_pin=True)
         snap = tier.stats.snapshot()
-        listed = {o["Key"] for page in raw.get_paginator("list_objects_v2").paginate(Bucket=BUCKET) for o in page.get("Contents", [])}
+        listed = {
+            o["Key"]
+            for page in raw.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+            for o in page.get("Contents", [])
+        }
         left = [k for k in victims if tier.object_name(k) in listed]
     figures(
         "corruption-s3",

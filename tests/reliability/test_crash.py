@@ -137,7 +137,9 @@ def _worker_killed_mid_store(endpoint: str, ready: multiprocessing.synchronize.E
     time.sleep(600)
 
 
-def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(start_server: StartServer) -> None:
+def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(
+    start_server: StartServer,
+) -> None:
     server = start_server(l1_bytes=8 * MiB, options={"heartbeat_timeout_s": 0.5})
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()

@@ -29,7 +29,9 @@ CHUNK_BYTES = 16 * KiB
 def test_sustained_writes_through_a_small_disk_budget_and_injected_disk_full(tmp_path: Path) -> None:
     budget = 2 * MiB
     plan = FaultPlan()
-    disk = FaultInjectingTier(DiskTier(DiskConfig(path=tmp_path / "l2", budget_bytes=budget, sync_interval_s=0.2)), plan)
+    disk = FaultInjectingTier(
+        DiskTier(DiskConfig(path=tmp_path / "l2", budget_bytes=budget, sync_interval_s=0.2)), plan
+    )
     l1 = L1Tier(L1Config(size_bytes=8 * MiB, name=f"tc-rel-full-{random.getrandbits(40):x}"))
     written: list[ObjectKey] = []
 
@@ -89,7 +91,9 @@ def test_sustained_writes_through_a_small_disk_budget_and_injected_disk_full(tmp
     assert d3["bytes_used"] <= budget
 
 
-def test_a_real_server_with_a_flaky_disk_serves_only_right_bytes(start_server: StartServer, tmp_path: Path) -> None:
+def test_a_real_server_with_a_flaky_disk_serves_only_right_bytes(
+    start_server: StartServer, tmp_path: Path
+) -> None:
     server = start_server(
         l1_bytes=2 * MiB,  # small: most reads must come back from the flaky disk
         disk_path=str(tmp_path / "disk"),

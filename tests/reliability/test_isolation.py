@@ -97,13 +97,41 @@ def test_s3_credentials_never_appear_in_logs_errors_or_inspect(s3: S3Endpoint, t
         XDG_DATA_HOME=str(tmp_path / "data"),
     )
     listen = f"ipc://{tmp_path}/server.sock"
-    s3_flags = ["--s3-bucket", "tc-secrets", "--s3-endpoint-url", proxy.url, "--s3-region", "us-east-1", "--s3-path-style"]
+    s3_flags = [
+        "--s3-bucket",
+        "tc-secrets",
+        "--s3-endpoint-url",
+        proxy.url,
+        "--s3-region",
+        "us-east-1",
+        "--s3-path-style",
+    ]
     cli = [sys.executable, "-m", "tiercache.cli"]
     server = subprocess.Popen(
-        [*cli, "server", "--tiers", "l1,s3", "--l1-size-gb", "0.01", "--listen", listen, "--log-level", "debug",
-         *s3_flags, "--s3-create-bucket", "--s3-max-attempts", "1", "--s3-breaker-failures", "2",
-         "--s3-read-timeout-s", "1"],
-        stdout=log, stderr=subprocess.STDOUT, text=True, env=env,  # a file: a pipe nobody reads fills up
+        [
+            *cli,
+            "server",
+            "--tiers",
+            "l1,s3",
+            "--l1-size-gb",
+            "0.01",
+            "--listen",
+            listen,
+            "--log-level",
+            "debug",
+            *s3_flags,
+            "--s3-create-bucket",
+            "--s3-max-attempts",
+            "1",
+            "--s3-breaker-failures",
+            "2",
+            "--s3-read-timeout-s",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,  # a file: a pipe nobody reads fills up
     )
     outputs: list[str] = []
     try:
@@ -120,7 +148,9 @@ def test_s3_credentials_never_appear_in_logs_errors_or_inspect(s3: S3Endpoint, t
             fp = Fingerprint(group.fingerprint)
             keys = [ObjectKey(fp, 0, i.to_bytes(16, "big")) for i in range(8)]
             client.store_chunks(keys[:4], [payload(k, 4096) for k in keys[:4]])
-            wait_until(lambda: client.stats()["engine"]["l2_writes"] == 4, 20, "writes to S3 (the first lower tier)")
+            wait_until(
+                lambda: client.stats()["engine"]["l2_writes"] == 4, 20, "writes to S3 (the first lower tier)"
+            )
             proxy.mode = "error"  # S3 failures get logged: with no credentials in them
             client.store_chunks(keys[4:], [payload(k, 4096) for k in keys[4:]])
             wait_until(lambda: client.stats()["engine"]["write_failures"] >= 1, 20, "a failed write")
@@ -133,8 +163,17 @@ def test_s3_credentials_never_appear_in_logs_errors_or_inspect(s3: S3Endpoint, t
                 ["inspect", "summary", *s3_flags],
                 ["inspect", "fingerprints", *s3_flags],
                 ["inspect", "summary", "--s3-bucket", "no-such-bucket", "--s3-endpoint-url", proxy.url],
-                ["server", "--tiers", "l1,s3", "--s3-bucket", "tc-secrets", "--s3-endpoint-url", "http://127.0.0.1:1",
-                 "--listen", f"ipc://{tmp_path}/other.sock"],
+                [
+                    "server",
+                    "--tiers",
+                    "l1,s3",
+                    "--s3-bucket",
+                    "tc-secrets",
+                    "--s3-endpoint-url",
+                    "http://127.0.0.1:1",
+                    "--listen",
+                    f"ipc://{tmp_path}/other.sock",
+                ],
             ):
                 run = subprocess.run([*cli, *args], capture_output=True, text=True, env=env, timeout=60)
                 outputs.append(run.stdout + run.stderr)

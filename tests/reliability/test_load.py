@@ -78,7 +78,9 @@ def test_many_client_processes_mixed_ops_every_read_checked(start_server: StartS
     server = start_server(l1_bytes=32 * MiB, disk_path=str(tmp_path / "disk"), disk_budget=256 * MiB)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(server.endpoint, s, m_ops, out), daemon=True) for s in range(n_procs)]
+    procs = [
+        ctx.Process(target=worker, args=(server.endpoint, s, m_ops, out), daemon=True) for s in range(n_procs)
+    ]
     start = time.monotonic()
     for proc in procs:
         proc.start()

@@ -79,10 +79,17 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
 ) -> None:
     fp = manifest().fingerprint()
     cold_group = GroupRef(fp.raw, 0)
-    phases = [("s3 stopped", "down"), ("s3 slow 3 s", "slow"), ("503 SlowDown", "slowdown"), ("500 errors", "error")]
+    phases = [
+        ("s3 stopped", "down"),
+        ("s3 slow 3 s", "slow"),
+        ("503 SlowDown", "slowdown"),
+        ("500 errors", "error"),
+    ]
     # Prompts that exist only on S3 (another node wrote them): one to miss during each fault and
     # be read after it.
-    writer = S3Tier(S3Config(bucket=BUCKET, endpoint_url=s3.url, region="us-east-1", path_style=True, create_bucket=True))
+    writer = S3Tier(
+        S3Config(bucket=BUCKET, endpoint_url=s3.url, region="us-east-1", path_style=True, create_bucket=True)
+    )
     for p in range(len(phases)):
         for key in keys_of(cold_group, 1000 + p):
             writer.put(key, payload(key, CHUNK_BYTES))
@@ -98,8 +105,12 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
         s3_url=tcp_proxy.url,
         s3_bucket=BUCKET,
         s3_options=dict(
-            connect_timeout_s=0.5, read_timeout_s=1.0, max_attempts=1,
-            breaker_failures=3, breaker_cooldown_s=cooldown, missing_ttl_s=0.2,
+            connect_timeout_s=0.5,
+            read_timeout_s=1.0,
+            max_attempts=1,
+            breaker_failures=3,
+            breaker_cooldown_s=cooldown,
+            missing_ttl_s=0.2,
         ),
     )
     rows = []
@@ -112,7 +123,9 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
             for _ in range(4):  # healthy warm-up
                 d.store(seed)
                 seed += 1
-            wait_until(lambda: client.stats()["engine"]["l3_writes"] >= 4 * CHUNKS, 30, "warm-up write-through to S3")
+            wait_until(
+                lambda: client.stats()["engine"]["l3_writes"] >= 4 * CHUNKS, 30, "warm-up write-through to S3"
+            )
 
             for p, (label, mode) in enumerate(phases):
                 before = client.stats()
@@ -172,6 +185,7 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
                 assert cold_hits == 0
                 assert row["s3_errors"] > 0  # the fault was seen and counted
                 assert during["tiers"]["s3"]["errors"] >= s3b["errors"]
+
             # No write-through is lost silently: every chunk that reached the disk either reached S3
             # or is counted as a failed (or skipped) write or a queue drop.
             def accounted() -> bool:
@@ -180,7 +194,13 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
 
             wait_until(accounted, 30, "every write-through accounted for")
             e = client.stats()["engine"]
-            figures("s3-outage[total]", l2_writes=e["l2_writes"], l3_writes=e["l3_writes"], write_failures=e["write_failures"], l3_queue_drops=e["l3_queue_drops"])
+            figures(
+                "s3-outage[total]",
+                l2_writes=e["l2_writes"],
+                l3_writes=e["l3_writes"],
+                write_failures=e["write_failures"],
+                l3_queue_drops=e["l3_queue_drops"],
+            )
             assert e["write_failures"] > 0
     finally:
         tcp_proxy.stop()
@@ -205,7 +225,9 @@ def test_writes_skipped_by_an_open_breaker_are_counted_without_a_warning_each(ca
             raise CircuitOpenError("S3 failed 3 times in a row; PUT skipped")
 
     inner = L1Tier(L1Config(size_bytes=4 * MiB, name=f"tc-rel-s3-{random.getrandbits(40):x}"))
-    engine = TieredEngine(L1Tier(L1Config(size_bytes=4 * MiB, name=f"tc-rel-{random.getrandbits(40):x}")), [OpenBreaker(inner)])
+    engine = TieredEngine(
+        L1Tier(L1Config(size_bytes=4 * MiB, name=f"tc-rel-{random.getrandbits(40):x}")), [OpenBreaker(inner)]
+    )
     with caplog.at_level(logging.DEBUG, logger="tiercache.engine"), engine:
         for i in range(50):
             assert engine.put(make_key(i), b"x" * 1024)

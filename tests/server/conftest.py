@@ -42,10 +42,14 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
     started: list[ServerProcess] = []
     count = iter(range(1000))
 
-    def start(wait: bool = True, listen: str | None = None, client_kw: dict[str, object] | None = None, **kw: object) -> ServerProcess:
+    def start(
+        wait: bool = True, listen: str | None = None, client_kw: dict[str, object] | None = None, **kw: object
+    ) -> ServerProcess:
         options = dict(kw.pop("options", {}) or {})  # type: ignore[call-overload]
         options.setdefault("chunk_size", CHUNK)
-        spec = ServerSpec(listen=listen or f"ipc://{tmp_path}/sock-{next(count)}/server.sock", options=options, **kw)  # type: ignore[arg-type]
+        spec = ServerSpec(
+            listen=listen or f"ipc://{tmp_path}/sock-{next(count)}/server.sock", options=options, **kw
+        )  # type: ignore[arg-type]
         proc = ServerProcess(spec)
         started.append(proc)
         if wait:

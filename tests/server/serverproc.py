@@ -64,7 +64,9 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
         from tiercache.l2_disk import DiskTier
 
         lower.append(
-            DiskTier(DiskConfig(path=Path(spec.disk_path), budget_bytes=spec.disk_budget, **spec.disk_options))
+            DiskTier(
+                DiskConfig(path=Path(spec.disk_path), budget_bytes=spec.disk_budget, **spec.disk_options)
+            )
         )
     if spec.s3_url is not None:
         from tiercache.l3_s3 import S3Tier
@@ -87,7 +89,10 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
         unknown = set(spec.faults) - {t.name for t in lower}
         if unknown:
             raise ValueError(f"faults for tiers this server does not have: {sorted(unknown)}")
-        lower = [FaultInjectingTier(t, FaultPlan(**spec.faults[t.name])) if t.name in spec.faults else t for t in lower]
+        lower = [
+            FaultInjectingTier(t, FaultPlan(**spec.faults[t.name])) if t.name in spec.faults else t
+            for t in lower
+        ]
     engine = TieredEngine(l1, lower, EngineConfig(**spec.engine_options))
     server = Server(engine, ServerOptions(listen=spec.listen, **spec.options))
     server.start()
@@ -104,7 +109,9 @@ class ServerProcess:
         ctx = multiprocessing.get_context("spawn")
         self.spec = spec
         self._stop = ctx.Event()
-        self.process = ctx.Process(target=serve, args=(spec, self._stop), name="tiercache-test-server", daemon=True)
+        self.process = ctx.Process(
+            target=serve, args=(spec, self._stop), name="tiercache-test-server", daemon=True
+        )
         self.process.start()
 
     @property

@@ -19,7 +19,9 @@ def prompt_hashes(n_chunks: int, seed: int = 0) -> list[bytes]:
     return chunk_hashes(tokens, 256)
 
 
-def store_prompt(client: Client, group: GroupRef, hashes: list[bytes], nbytes: int = 64 * KiB) -> dict[ObjectKey, bytes]:
+def store_prompt(
+    client: Client, group: GroupRef, hashes: list[bytes], nbytes: int = 64 * KiB
+) -> dict[ObjectKey, bytes]:
     from tiercache.keys import Fingerprint
 
     fp = Fingerprint(group.fingerprint)
@@ -71,7 +73,14 @@ def test_async_lookup_lets_the_scheduler_poll_without_waiting(start_server: Star
         assert result.chunks == 4
 
 
-def restart_and_load(start_server: StartServer, stored: dict[ObjectKey, bytes], hashes: list[bytes], group: GroupRef, tier: str, **kw: object) -> None:
+def restart_and_load(
+    start_server: StartServer,
+    stored: dict[ObjectKey, bytes],
+    hashes: list[bytes],
+    group: GroupRef,
+    tier: str,
+    **kw: object,
+) -> None:
     server = start_server(**kw)
     with server.client() as client:
         found = client.lookup(hashes, [group])
@@ -118,7 +127,9 @@ def test_put_and_get_through_the_socket(start_server: StartServer) -> None:
         assert client.get(key) is None
 
 
-def test_a_lookup_then_a_load_of_its_chunks_counts_each_chunk_as_one_l1_hit(start_server: StartServer) -> None:
+def test_a_lookup_then_a_load_of_its_chunks_counts_each_chunk_as_one_l1_hit(
+    start_server: StartServer,
+) -> None:
     # The connector's path: a lookup (which pins the hit for its ticket), then the worker pins the
     # same objects again to copy them. Hits are what lookups and reads found, not how many times a
     # found object was pinned, or hit rates and bytes read would be inflated.

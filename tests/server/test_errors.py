@@ -52,12 +52,20 @@ def test_requests_before_hello_are_refused(raw: RawSocket) -> None:
     assert error_of(raw.request(p.Stats())) is p.ErrorCode.HELLO_REQUIRED
 
 
-def test_malformed_oversized_and_unknown_messages_get_error_replies(server: ServerProcess, raw: RawSocket) -> None:
+def test_malformed_oversized_and_unknown_messages_get_error_replies(
+    server: ServerProcess, raw: RawSocket
+) -> None:
     raw.hello()
     assert error_of(raw.request(b"\xc1 not msgpack")) is p.ErrorCode.MALFORMED
     assert error_of(raw.request(msgspec.msgpack.encode([1, 2, 3]))) is p.ErrorCode.MALFORMED
-    assert error_of(raw.request(msgspec.msgpack.encode({"op": "reserve", "items": "x"}))) is p.ErrorCode.MALFORMED
-    assert error_of(raw.request(msgspec.msgpack.encode({"op": "teleport", "req_id": 9}))) is p.ErrorCode.UNKNOWN_OP
+    assert (
+        error_of(raw.request(msgspec.msgpack.encode({"op": "reserve", "items": "x"})))
+        is p.ErrorCode.MALFORMED
+    )
+    assert (
+        error_of(raw.request(msgspec.msgpack.encode({"op": "teleport", "req_id": 9})))
+        is p.ErrorCode.UNKNOWN_OP
+    )
     big = p.Put(key=key(1).to_bytes(), data=b"\0" * (MiB + 10))
     assert error_of(raw.request(big)) is p.ErrorCode.TOO_LARGE
     raw.send_frames([b"a", b"b"])
@@ -92,7 +100,9 @@ def test_out_of_order_messages_are_refused_and_the_loop_goes_on(server: ServerPr
             alice.lookup([b"h" * 16], [p.GroupRef(b"Z" * 16, 0)])  # never registered
 
 
-def test_version_mismatch_surfaces_as_a_protocol_error(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_version_mismatch_surfaces_as_a_protocol_error(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(p, "PROTOCOL_VERSION", p.PROTOCOL_VERSION + 1)
     with pytest.raises(ProtocolError, match="protocol"):
         server.client()
@@ -131,29 +141,65 @@ request_structs = st.one_of(
     st.builds(p.Release, tokens=st.lists(st.integers(0, 2**40), max_size=4)),
     st.builds(p.PollTicket, ticket=st.integers(0, 2**40)),
     st.builds(p.ReleaseTicket, ticket=st.integers(0, 2**40)),
-    st.builds(p.Reserve, items=st.lists(st.tuples(st.binary(max_size=40), st.integers(-5, 2**40)), max_size=3)),
+    st.builds(
+        p.Reserve, items=st.lists(st.tuples(st.binary(max_size=40), st.integers(-5, 2**40)), max_size=3)
+    ),
     st.builds(p.Pin, keys=st.lists(st.binary(max_size=40), max_size=3)),
     st.builds(p.Get, key=st.binary(max_size=40)),
     st.builds(p.Put, key=st.binary(max_size=40), data=st.binary(max_size=64)),
-    st.builds(p.Lookup, hashes=st.lists(st.binary(max_size=20), max_size=3), groups=st.lists(st.builds(p.GroupRef, st.binary(max_size=20), st.integers(-3, 70000)), max_size=2)),
-    st.builds(p.Explain, hashes=st.lists(st.binary(max_size=20), max_size=3), groups=st.lists(st.builds(p.GroupRef, st.binary(max_size=20), st.integers(0, 3)), max_size=2)),
-    st.builds(p.ListKeys, tier=st.sampled_from(["", "l1", "nope"]), cursor=st.binary(max_size=40), limit=st.integers(-10, 10**6)),
+    st.builds(
+        p.Lookup,
+        hashes=st.lists(st.binary(max_size=20), max_size=3),
+        groups=st.lists(st.builds(p.GroupRef, st.binary(max_size=20), st.integers(-3, 70000)), max_size=2),
+    ),
+    st.builds(
+        p.Explain,
+        hashes=st.lists(st.binary(max_size=20), max_size=3),
+        groups=st.lists(st.builds(p.GroupRef, st.binary(max_size=20), st.integers(0, 3)), max_size=2),
+    ),
+    st.builds(
+        p.ListKeys,
+        tier=st.sampled_from(["", "l1", "nope"]),
+        cursor=st.binary(max_size=40),
+        limit=st.integers(-10, 10**6),
+    ),
     st.builds(p.GetManifest, fingerprint=st.binary(max_size=20)),
     st.builds(p.Clear, fingerprint=st.binary(max_size=20)),
-    st.builds(p.RegisterEngine, groups=st.lists(st.builds(p.RegisterGroup, st.integers(-1, 3), st.dictionaries(st.text(max_size=8), st.integers(-(2**63), 2**63 - 1), max_size=3)), max_size=2)),
-    st.builds(p.Hello, protocol_version=st.integers(0, 3), client_name=st.text(max_size=20), auth=st.binary(max_size=8)),
+    st.builds(
+        p.RegisterEngine,
+        groups=st.lists(
+            st.builds(
+                p.RegisterGroup,
+                st.integers(-1, 3),
+                st.dictionaries(st.text(max_size=8), st.integers(-(2**63), 2**63 - 1), max_size=3),
+            ),
+            max_size=2,
+        ),
+    ),
+    st.builds(
+        p.Hello,
+        protocol_version=st.integers(0, 3),
+        client_name=st.text(max_size=20),
+        auth=st.binary(max_size=8),
+    ),
 )
 
 frames = st.one_of(
     st.binary(max_size=256),
     request_structs.map(lambda m: p.Codec().encode(m)),
-    st.dictionaries(st.sampled_from(["op", "req_id", "tokens", "key", "items"]), st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.binary(max_size=8), st.none()), max_size=4).map(msgspec.msgpack.encode),
+    st.dictionaries(
+        st.sampled_from(["op", "req_id", "tokens", "key", "items"]),
+        st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.binary(max_size=8), st.none()),
+        max_size=4,
+    ).map(msgspec.msgpack.encode),
 )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frame=frames)
-def test_fuzzed_requests_get_a_reply_or_are_dropped_and_the_server_stays_up(raw: RawSocket, frame: bytes) -> None:
+def test_fuzzed_requests_get_a_reply_or_are_dropped_and_the_server_stays_up(
+    raw: RawSocket, frame: bytes
+) -> None:
     raw.hello()
     reply = raw.request(frame, timeout_s=10.0)
     assert reply is None or isinstance(reply, p.Reply.__args__)  # type: ignore[attr-defined]

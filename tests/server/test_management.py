@@ -132,7 +132,9 @@ def wait_for_disk(client: Client, objects: int) -> None:
         time.sleep(0.02)
 
 
-def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(start_server: StartServer, tmp_path: Path) -> None:
+def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(
+    start_server: StartServer, tmp_path: Path
+) -> None:
     server = start_server(disk_path=str(tmp_path / "disk"))
     with server.client() as client:
         a, b = client.register([(0, manifest())]) + client.register([(0, manifest(model_revision="r2"))])
@@ -146,7 +148,9 @@ def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(start_server:
         assert client.clear_batch(10, tier="l1", fingerprint=fp_a) == 0  # done: the signal to stop
         held = {ObjectKey.from_bytes(k.key).fingerprint.raw for k in client.list_keys(tier="l1")[0]}
         assert held == {b.fingerprint}  # the other fingerprint stays in L1
-        assert client.lookup(prompt_hashes(5), [a], prefetch=False).per_tier == {"disk": 5}  # disk keeps its copies
+        assert client.lookup(prompt_hashes(5), [a], prefetch=False).per_tier == {
+            "disk": 5
+        }  # disk keeps its copies
 
         with pytest.raises(ServerError, match="no tier named 's3'; this server has l1, disk") as bad:
             client.clear_batch(10, tier="s3")
@@ -155,7 +159,9 @@ def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(start_server:
             client.clear_batch(0)
 
 
-def test_warm_promotes_lower_tier_objects_into_l1_within_its_byte_budget(start_server: StartServer, tmp_path: Path) -> None:
+def test_warm_promotes_lower_tier_objects_into_l1_within_its_byte_budget(
+    start_server: StartServer, tmp_path: Path
+) -> None:
     server = start_server(disk_path=str(tmp_path / "disk"))
     with server.client() as client:
         [group] = client.register([(0, manifest())])

@@ -30,7 +30,9 @@ def test_ipc_socket_is_owner_only(start_server: StartServer) -> None:
 
 def test_tcp_with_a_shared_secret_refuses_clients_without_it(start_server: StartServer) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = start_server(listen=endpoint, options={"auth_secret": "s3cret"}, client_kw={"auth_secret": "s3cret"})
+    server = start_server(
+        listen=endpoint, options={"auth_secret": "s3cret"}, client_kw={"auth_secret": "s3cret"}
+    )
     with pytest.raises(AuthenticationError):
         Client(endpoint, timeout=5, heartbeat=False)
     with pytest.raises(AuthenticationError):
@@ -57,9 +59,17 @@ def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer,
         options={"curve_secret_key_file": Path(server_secret)},
         client_kw={"curve_server_key": server_key, "curve_client_key_file": Path(client_secret)},
     )
-    with Client(endpoint, timeout=5, curve_server_key=server_key, curve_client_key_file=Path(client_secret)) as client:
+    with Client(
+        endpoint, timeout=5, curve_server_key=server_key, curve_client_key_file=Path(client_secret)
+    ) as client:
         client.ping()
     with pytest.raises(ServerUnavailableError):
-        Client(endpoint, timeout=1, heartbeat=False, curve_server_key=server_key, curve_client_key_file=Path(stranger_secret))
+        Client(
+            endpoint,
+            timeout=1,
+            heartbeat=False,
+            curve_server_key=server_key,
+            curve_client_key_file=Path(stranger_secret),
+        )
     with pytest.raises(ServerUnavailableError):
         Client(endpoint, timeout=1, heartbeat=False)  # plain TCP: the CURVE handshake never completes

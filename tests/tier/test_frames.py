@@ -69,9 +69,10 @@ def test_an_unknown_format_version_is_rejected() -> None:
 
 def test_encode_header_writes_the_same_bytes_as_frame_header_encode() -> None:
     header, _stored = pack_payload(KEY, b"x" * 1000, compress=True)
-    assert encode_header(
-        KEY.to_bytes(), header.flags, header.payload_len, header.stored_len, header.checksum
-    ) == header.encode()
+    assert (
+        encode_header(KEY.to_bytes(), header.flags, header.payload_len, header.stored_len, header.checksum)
+        == header.encode()
+    )
 
 
 def test_the_fast_header_check_accepts_an_intact_plain_header_of_the_key_asked_for() -> None:

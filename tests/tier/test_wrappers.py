@@ -36,7 +36,9 @@ def test_a_wrapper_forwards_every_method_of_the_contract() -> None:
     assert missing == []
 
 
-def test_an_owed_write_into_a_wrapped_tier_that_cannot_owe_is_refused(tmp_path: Path, clock: FakeClock) -> None:
+def test_an_owed_write_into_a_wrapped_tier_that_cannot_owe_is_refused(
+    tmp_path: Path, clock: FakeClock
+) -> None:
     wrapped = WrapperTier(make_disk(tmp_path, clock, 1 << 20))
     try:
         with pytest.raises(TypeError, match="not a front tier"):
@@ -72,7 +74,6 @@ class TestFaultInjectingDiskWithoutFaults(TestWrappedDisk):
 
 
 class TestFaultInjectingS3WithoutFaults(PersistentTierSuite):
-
     @pytest.fixture(autouse=True)
     def _endpoint(self, s3: S3Endpoint) -> None:
         self.endpoint = s3

@@ -41,7 +41,9 @@ def connect(args: argparse.Namespace, client_name: str) -> Client:
     endpoint = args.server or os.environ.get(LISTEN_ENV) or default_endpoint()
     timeout = args.timeout
     if not endpoint.startswith(("ipc://", "tcp://")):
-        raise ConfigError(f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket or tcp://HOST:PORT")
+        raise ConfigError(
+            f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket or tcp://HOST:PORT"
+        )
     if timeout <= 0:
         raise ConfigError(f"--timeout {timeout:g} must be positive; use e.g. --timeout 5")
     hint = "check that `tiercache server` runs and that --server matches its --listen"
@@ -51,7 +53,9 @@ def connect(args: argparse.Namespace, client_name: str) -> Client:
     try:
         return Client(endpoint, timeout=timeout, auth_secret=secret, client_name=client_name, heartbeat=False)
     except ServerUnavailableError as exc:
-        extra = " (and --auth-secret / TIERCACHE_AUTH_SECRET for tcp://)" if endpoint.startswith("tcp://") else ""
+        extra = (
+            " (and --auth-secret / TIERCACHE_AUTH_SECRET for tcp://)" if endpoint.startswith("tcp://") else ""
+        )
         raise ServerUnavailableError(
             f"no tiercache server answered at {endpoint} within {timeout:g} s; {hint}{extra}"
         ) from exc

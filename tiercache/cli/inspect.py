@@ -37,7 +37,9 @@ def _source_options() -> argparse.ArgumentParser:
     off.add_argument("--disk-path", metavar="DIR", default=None, help="a disk tier's LMDB directory")
     off.add_argument("--s3-bucket", metavar="BUCKET", default=None, help="an S3 tier's bucket")
     off.add_argument("--s3-prefix", metavar="PREFIX", default=None, help="its key prefix (default tiercache)")
-    off.add_argument("--s3-endpoint-url", metavar="URL", default=None, help="S3-compatible endpoint (default AWS)")
+    off.add_argument(
+        "--s3-endpoint-url", metavar="URL", default=None, help="S3-compatible endpoint (default AWS)"
+    )
     off.add_argument("--s3-region", metavar="REGION", default=None, help="S3 region")
     off.add_argument("--s3-path-style", action="store_true", default=None, help="path-style addressing")
     common.add_argument("--json", action="store_true", help="print JSON (stable shape, docs/operations.md)")
@@ -56,39 +58,61 @@ def add_inspect_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) ->
             "--json for scripts. Reference: docs/operations.md."
         ),
     )
-    ins_sub = ins.add_subparsers(dest="inspect_command", required=True, metavar="SUBCOMMAND", parser_class=parser_class)
+    ins_sub = ins.add_subparsers(
+        dest="inspect_command", required=True, metavar="SUBCOMMAND", parser_class=parser_class
+    )
 
     s = ins_sub.add_parser(
-        "summary", parents=[common], allow_abbrev=False,
+        "summary",
+        parents=[common],
+        allow_abbrev=False,
         help="per tier: bytes used/budget, objects, hit rate, evictions, verify failures, drops, errors",
         description="Per tier usage and counters (counters only from a live server).",
     )
     s.add_argument(
-        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C; live server only",
     )
     s.set_defaults(func=_summary)
 
     k = ins_sub.add_parser(
-        "keys", parents=[common], allow_abbrev=False, help="list stored keys, paged",
+        "keys",
+        parents=[common],
+        allow_abbrev=False,
+        help="list stored keys, paged",
         description="List object keys (<fingerprint>/g<group>/<prefix hash>) in key order, one page at a time.",
     )
     k.add_argument("--tier", default=None, help="only keys on this tier (l1, disk, s3)")
-    k.add_argument("--fingerprint", default=None, metavar="HEX", help="only keys of this fingerprint (32 hex)")
+    k.add_argument(
+        "--fingerprint", default=None, metavar="HEX", help="only keys of this fingerprint (32 hex)"
+    )
     k.add_argument("--group", type=int, default=None, metavar="N", help="only keys of this object group")
-    k.add_argument("--limit", type=int, default=50, metavar="N", help="keys per page (default 50, at most 10000)")
-    k.add_argument("--cursor", default="", metavar="CURSOR", help="continue after this cursor (printed with each page)")
+    k.add_argument(
+        "--limit", type=int, default=50, metavar="N", help="keys per page (default 50, at most 10000)"
+    )
+    k.add_argument(
+        "--cursor", default="", metavar="CURSOR", help="continue after this cursor (printed with each page)"
+    )
     k.set_defaults(func=_keys)
 
     f = ins_sub.add_parser(
-        "fingerprints", parents=[common], allow_abbrev=False,
+        "fingerprints",
+        parents=[common],
+        allow_abbrev=False,
         help="the layout manifest of every fingerprint seen, side by side",
         description="Each engine layout (fingerprint) seen, with its manifest and object counts.",
     )
     f.set_defaults(func=_fingerprints)
 
     e = ins_sub.add_parser(
-        "explain", parents=[common], allow_abbrev=False,
+        "explain",
+        parents=[common],
+        allow_abbrev=False,
         help="for a prompt's token ids: where each chunk lives, or why not",
         description=(
             "Hash a prompt's token ids (whitespace/comma separated integers or a JSON list, from FILE or "
@@ -97,14 +121,30 @@ def add_inspect_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) ->
         ),
     )
     e.add_argument("file", nargs="?", default="-", metavar="FILE", help="token ids file (default: stdin)")
-    e.add_argument("--chunk-size", type=int, default=None, metavar="TOKENS",
-                   help="tokens per chunk (default: the live server's; required offline)")
+    e.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="tokens per chunk (default: the live server's; required offline)",
+    )
     e.add_argument("--cache-salt", default="", help="the request's cache salt")
     e.add_argument("--lora", default="", metavar="NAME", help="the request's LoRA adapter name")
-    e.add_argument("--fingerprint", action="append", default=[], metavar="HEX",
-                   help="explain against this fingerprint (repeatable; default: every one known)")
-    e.add_argument("--group", action="append", type=int, default=[], metavar="N",
-                   help="object group(s) (repeatable; default: the groups seen for each fingerprint)")
+    e.add_argument(
+        "--fingerprint",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="explain against this fingerprint (repeatable; default: every one known)",
+    )
+    e.add_argument(
+        "--group",
+        action="append",
+        type=int,
+        default=[],
+        metavar="N",
+        help="object group(s) (repeatable; default: the groups seen for each fingerprint)",
+    )
     e.set_defaults(func=_explain)
 
 
@@ -275,7 +315,9 @@ def parse_fingerprint(text: str, flag: str = "--fingerprint") -> Fingerprint:
     try:
         return Fingerprint.from_hex(text.strip().lower())
     except ValueError as exc:
-        raise ConfigError(f"{flag} {text!r} is not a fingerprint; use its 32 hex digits (see `tiercache inspect fingerprints`)") from exc
+        raise ConfigError(
+            f"{flag} {text!r} is not a fingerprint; use its 32 hex digits (see `tiercache inspect fingerprints`)"
+        ) from exc
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -286,8 +328,12 @@ def _keys(args: argparse.Namespace) -> int:
     try:
         cursor = bytes.fromhex(args.cursor)
     except ValueError as exc:
-        raise ConfigError(f"--cursor {args.cursor!r} is not a cursor; pass the value a previous page printed") from exc
-    flt = KeyFilter(args.tier, None if args.fingerprint is None else parse_fingerprint(args.fingerprint), args.group)
+        raise ConfigError(
+            f"--cursor {args.cursor!r} is not a cursor; pass the value a previous page printed"
+        ) from exc
+    flt = KeyFilter(
+        args.tier, None if args.fingerprint is None else parse_fingerprint(args.fingerprint), args.group
+    )
 
     def body(source: LiveSource | OfflineSource) -> int:
         page, nxt = source.keys(flt, args.limit, cursor)
@@ -315,14 +361,27 @@ def _keys(args: argparse.Namespace) -> int:
 
 # -- fingerprints ----------------------------------------------------------------------------------
 _FIELDS = (
-    ("model", "model_id"), ("revision", "model_revision"), ("kv dtype", "kv_dtype"),
-    ("quantization", "kv_quantization"), ("backend", "attention_backend"), ("kv layout", "kv_layout"),
-    ("kernel block", "kernel_block_size"), ("manager block", "manager_block_size"),
-    ("page bytes", "page_bytes"), ("page bytes unpadded", "page_bytes_unpadded"),
-    ("group kind", "group_kind"), ("sliding window", "sliding_window"), ("chunk size", "chunk_size"),
-    ("layers", "num_layers"), ("state shapes", "state_shapes"), ("state dtypes", "state_dtypes"),
-    ("TP size/rank", ("tp_size", "tp_rank")), ("PP size/rank", ("pp_size", "pp_rank")),
-    ("DCP size/rank", ("dcp_size", "dcp_rank")), ("extra", "extra"), ("format", "format_version"),
+    ("model", "model_id"),
+    ("revision", "model_revision"),
+    ("kv dtype", "kv_dtype"),
+    ("quantization", "kv_quantization"),
+    ("backend", "attention_backend"),
+    ("kv layout", "kv_layout"),
+    ("kernel block", "kernel_block_size"),
+    ("manager block", "manager_block_size"),
+    ("page bytes", "page_bytes"),
+    ("page bytes unpadded", "page_bytes_unpadded"),
+    ("group kind", "group_kind"),
+    ("sliding window", "sliding_window"),
+    ("chunk size", "chunk_size"),
+    ("layers", "num_layers"),
+    ("state shapes", "state_shapes"),
+    ("state dtypes", "state_dtypes"),
+    ("TP size/rank", ("tp_size", "tp_rank")),
+    ("PP size/rank", ("pp_size", "pp_rank")),
+    ("DCP size/rank", ("dcp_size", "dcp_rank")),
+    ("extra", "extra"),
+    ("format", "format_version"),
 )
 
 
@@ -355,7 +414,10 @@ def _fingerprints(args: argparse.Namespace) -> int:
         table.add_column("field")
         for r in rows:
             table.add_column(r["fingerprint"], overflow="fold")
-        objects = [f"{r['objects']} ({', '.join(f'g{g}: {n}' for g, n in r['groups'].items()) or 'none'})" for r in rows]
+        objects = [
+            f"{r['objects']} ({', '.join(f'g{g}: {n}' for g, n in r['groups'].items()) or 'none'})"
+            for r in rows
+        ]
         table.add_row("objects", *objects)
         for label, name in _FIELDS:
             values = [_field(r["manifest"], name) for r in rows]
@@ -365,7 +427,9 @@ def _fingerprints(args: argparse.Namespace) -> int:
         if any(r["manifest"] is None for r in rows):
             console.print("?: no manifest stored for that fingerprint")
         if len(rows) > 1:
-            console.print("bold fields differ between layouts: engines with different values never share chunks")
+            console.print(
+                "bold fields differ between layouts: engines with different values never share chunks"
+            )
         return 0
 
     return _run(args, body)
@@ -382,7 +446,9 @@ def parse_tokens(text: str, where: str) -> list[int]:
             items = json.loads(text)
         except ValueError as exc:
             raise ConfigError(f"{where} is not a JSON list of token ids: {exc}") from exc
-        if not isinstance(items, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not isinstance(items, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in items
+        ):
             raise ConfigError(f"{where}: a JSON list of integer token ids is expected")
         tokens = items
     else:
@@ -408,7 +474,9 @@ def _read_tokens(path: str) -> list[int]:
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read token ids from {path}: {exc.__class__.__name__}; check the FILE argument") from exc
+        raise ConfigError(
+            f"cannot read token ids from {path}: {exc.__class__.__name__}; check the FILE argument"
+        ) from exc
     return parse_tokens(text, path)
 
 
@@ -452,7 +520,9 @@ def _explain(args: argparse.Namespace) -> int:
                 groups.append((fp, g))
         if not groups:
             raise ConfigError(f"{source.where} knows no fingerprint yet; pass --fingerprint HEX")
-        report = explain_report(chunk, len(tokens), hashes, groups, source.explain(hashes, groups) if hashes else [])
+        report = explain_report(
+            chunk, len(tokens), hashes, groups, source.explain(hashes, groups) if hashes else []
+        )
         if args.json:
             print_json(report)
             return 0
@@ -468,7 +538,9 @@ def _render_explain(report: dict[str, Any], where: str) -> None:
     console = stdout_console()
     chunk = report["chunk_size"]
     if not report["chunks"]:
-        console.print(f"{report['tokens']} token(s) make no full chunk of {chunk}: nothing is ever stored for them")
+        console.print(
+            f"{report['tokens']} token(s) make no full chunk of {chunk}: nothing is ever stored for them"
+        )
         return
     table = Table(title=f"explain: {where}", title_justify="left")
     table.add_column("chunk", justify="right")

@@ -326,7 +326,13 @@ def render(rows: Sequence[BenchRow]) -> str:
         table.add_column(col, justify="right" if "GB/s" in col or col == "ratio" else "left")
     for r in rows:
         table.add_row(
-            r.tier, r.op, format_size(r.chunk_bytes), f"{r.tier_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}x", r.baseline
+            r.tier,
+            r.op,
+            format_size(r.chunk_bytes),
+            f"{r.tier_gbps:.2f}",
+            f"{r.raw_gbps:.2f}",
+            f"{r.ratio:.2f}x",
+            r.baseline,
         )
     out = StringIO()
     Console(file=out, width=100, force_terminal=False).print(table)

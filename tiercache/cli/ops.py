@@ -124,7 +124,9 @@ def _warm(args: argparse.Namespace) -> int:
             raise ConfigError(f"this server has only {names[0]}: there is no lower tier to warm L1 from")
         tier = args.tier or lower[0]
         if tier not in lower:
-            raise ConfigError(f"--tier {tier!r}: warm copies from a lower tier into {names[0]}; use one of {', '.join(lower)}")
+            raise ConfigError(
+                f"--tier {tier!r}: warm copies from a lower tier into {names[0]}; use one of {', '.join(lower)}"
+            )
         l1 = stats["tiers"][names[0]]
         free = max(0, int(l1.get("bytes_budget", 0)) - int(l1.get("bytes_used", 0)))
         if args.budget is not None:
@@ -136,7 +138,9 @@ def _warm(args: argparse.Namespace) -> int:
         result = WarmResult(tier=tier, budget_bytes=budget)
         started = time.monotonic()
         if budget == 0:
-            result.notes.append(f"{names[0]} has no free space; pass --budget to warm anyway (evicts its oldest objects)")
+            result.notes.append(
+                f"{names[0]} has no free space; pass --budget to warm anyway (evicts its oldest objects)"
+            )
         else:
             _warm_loop(client, tier, fp, batch, budget, result, stats, args.json)
         result.seconds = round(time.monotonic() - started, 3)
@@ -154,8 +158,14 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _warm_loop(
-    client: Client, tier: str, fp: Fingerprint | None, batch: int, budget: int, result: WarmResult,
-    stats: dict[str, Any], as_json: bool,
+    client: Client,
+    tier: str,
+    fp: Fingerprint | None,
+    batch: int,
+    budget: int,
+    result: WarmResult,
+    stats: dict[str, Any],
+    as_json: bool,
 ) -> None:
     """Page through ``tier``'s keys, most recently used first (so a budget smaller than the tier
     gets the hottest objects), and promote them in batches until the budget is spent or the tier is
@@ -165,7 +175,9 @@ def _warm_loop(
         task = progress.step(f"warm l1 from {tier}", min(budget, held) if fp is None else budget)
         cursor = b""
         while result.bytes < budget:
-            page, cursor = client.list_keys(tier=tier, fingerprint=fp, cursor=cursor, limit=_LIST_PAGE, order="use")
+            page, cursor = client.list_keys(
+                tier=tier, fingerprint=fp, cursor=cursor, limit=_LIST_PAGE, order="use"
+            )
             keys = [ObjectKey.from_bytes(k.key) for k in page]
             for i in range(0, len(keys), batch):
                 reply = client.warm(keys[i : i + batch], max_bytes=budget - result.bytes)
@@ -173,7 +185,9 @@ def _warm_loop(
                 result.bytes += reply.bytes
                 result.present += reply.present
                 result.failed += reply.failed
-                progress.advance(task, reply.bytes, f"{result.promoted} objects, {format_bytes(result.bytes)}")
+                progress.advance(
+                    task, reply.bytes, f"{result.promoted} objects, {format_bytes(result.bytes)}"
+                )
                 if result.bytes >= budget:
                     break
             if not cursor:
@@ -185,10 +199,16 @@ def _warm_loop(
 def _server_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add_server_options(
-        common, timeout=60.0, timeout_help="reply timeout per batch (default 60: a batch on S3 is many requests)"
+        common,
+        timeout=60.0,
+        timeout_help="reply timeout per batch (default 60: a batch on S3 is many requests)",
     )
-    common.add_argument("--fingerprint", default=None, metavar="HEX", help="only objects of this fingerprint (32 hex)")
-    common.add_argument("--batch", type=int, default=256, metavar="N", help="objects per request (default 256, at most 10000)")
+    common.add_argument(
+        "--fingerprint", default=None, metavar="HEX", help="only objects of this fingerprint (32 hex)"
+    )
+    common.add_argument(
+        "--batch", type=int, default=256, metavar="N", help="objects per request (default 256, at most 10000)"
+    )
     common.add_argument("--json", action="store_true", help="print one JSON document, no progress bar")
     return common
 
@@ -197,7 +217,9 @@ def add_ops_parsers(sub: Any) -> None:
     """Add ``clear`` and ``warm`` to the top-level subparsers ``sub``."""
     common = _server_options()
     c = sub.add_parser(
-        "clear", parents=[common], allow_abbrev=False,
+        "clear",
+        parents=[common],
+        allow_abbrev=False,
         help="delete every object (or one fingerprint's) from a live server's tiers, with progress",
         description=(
             "Delete objects from a running server, in batches, with a progress bar on a terminal: from "
@@ -210,7 +232,9 @@ def add_ops_parsers(sub: Any) -> None:
     c.set_defaults(func=_clear)
 
     w = sub.add_parser(
-        "warm", parents=[common], allow_abbrev=False,
+        "warm",
+        parents=[common],
+        allow_abbrev=False,
         help="promote objects from a lower tier into L1 up to a byte budget, with progress",
         description=(
             "Copy objects of a lower tier (--tier, default the first: disk) into a running server's L1, most "
@@ -219,8 +243,12 @@ def add_ops_parsers(sub: Any) -> None:
         ),
     )
     w.add_argument("--tier", default=None, help="the tier to copy from (default: the first lower tier)")
-    w.add_argument("--budget", default=None, metavar="SIZE",
-                   help="bytes to promote, e.g. 512m or 4g (default: L1's free space; more evicts older L1 objects)")
+    w.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="bytes to promote, e.g. 512m or 4g (default: L1's free space; more evicts older L1 objects)",
+    )
     w.set_defaults(func=_warm)
 
 

@@ -83,7 +83,10 @@ def _entry(chunk: int, h: bytes, fp: Fingerprint, group: int, status: str, **mor
 
 
 def explain_report(
-    chunk_size: int, n_tokens: int, hashes: Sequence[bytes], groups: Sequence[tuple[Fingerprint, int]],
+    chunk_size: int,
+    n_tokens: int,
+    hashes: Sequence[bytes],
+    groups: Sequence[tuple[Fingerprint, int]],
     entries: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """Wrap explain entries with the request and the restorable prefix (all groups held)."""
@@ -164,16 +167,20 @@ class LiveSource:
         return seen
 
     def fingerprints(self) -> list[dict[str, Any]]:
-        return [manifest_row(fp, self.client.manifest(fp), g) for fp, g in sorted(self.known_groups().items())]
+        return [
+            manifest_row(fp, self.client.manifest(fp), g) for fp, g in sorted(self.known_groups().items())
+        ]
 
-    def explain(self, hashes: Sequence[bytes], groups: Sequence[tuple[Fingerprint, int]]) -> list[dict[str, Any]]:
+    def explain(
+        self, hashes: Sequence[bytes], groups: Sequence[tuple[Fingerprint, int]]
+    ) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for fp, group in groups:  # one request per group: an unknown fingerprint names itself
             try:
                 entries = self.client.explain(hashes, [GroupRef(fp.raw, group)])
             except ServerError as exc:
                 if exc.code == "unknown_fingerprint":
-                        raise ConfigError(
+                    raise ConfigError(
                         f"--fingerprint {fp.hex}: the server knows no manifest for it; list known ones "
                         "with `tiercache inspect fingerprints`"
                     ) from exc
@@ -182,8 +189,15 @@ class LiveSource:
                 other = Fingerprint(e.other_fingerprint).hex if e.other_fingerprint else None
                 out.append(
                     _entry(
-                        e.chunk, hashes[e.chunk], fp, e.object_group, e.status, tier=e.tier, reason=e.reason,
-                        age_s=e.age_s if e.status == "evicted" else None, other_fingerprint=other,
+                        e.chunk,
+                        hashes[e.chunk],
+                        fp,
+                        e.object_group,
+                        e.status,
+                        tier=e.tier,
+                        reason=e.reason,
+                        age_s=e.age_s if e.status == "evicted" else None,
+                        other_fingerprint=other,
                     )
                 )
         return out
@@ -262,7 +276,9 @@ class OfflineSource:
         manifests = self._manifests()
         return [manifest_row(fp, manifests.get(fp), g) for fp, g in sorted(self.known_groups().items())]
 
-    def explain(self, hashes: Sequence[bytes], groups: Sequence[tuple[Fingerprint, int]]) -> list[dict[str, Any]]:
+    def explain(
+        self, hashes: Sequence[bytes], groups: Sequence[tuple[Fingerprint, int]]
+    ) -> list[dict[str, Any]]:
         known = sorted(self.known_groups())
         out: list[dict[str, Any]] = []
         for fp, group in groups:
@@ -273,7 +289,11 @@ class OfflineSource:
                     out.append(_entry(i, h, fp, group, holder))
                     continue
                 other = next(
-                    (o for o in known if o != fp and any(r.contains(ObjectKey(o, group, h)) for r in self.readers)),
+                    (
+                        o
+                        for o in known
+                        if o != fp and any(r.contains(ObjectKey(o, group, h)) for r in self.readers)
+                    ),
                     None,
                 )
                 if other is not None:

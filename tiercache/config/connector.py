@@ -58,14 +58,14 @@ class ConnectorSettings:
             if name in _KEYS:
                 raw[name] = value
             elif key.startswith("tiercache."):
-                raise ConfigError(
-                    f"unknown kv_connector_extra_config key {key!r}; known: {', '.join(_KEYS)}"
-                )
+                raise ConfigError(f"unknown kv_connector_extra_config key {key!r}; known: {', '.join(_KEYS)}")
         try:
             return cls(
                 server=str(raw["server"]) if raw.get("server") else None,
                 timeout_s=float(raw.get("timeout_s", 2.0)),
-                auth_secret=str(raw["auth_secret"]) if raw.get("auth_secret") else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
+                auth_secret=str(raw["auth_secret"])
+                if raw.get("auth_secret")
+                else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
                 retry_s=float(raw.get("retry_s", 5.0)),
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
                 overlap_loads=_flag(raw.get("overlap_loads", False)),

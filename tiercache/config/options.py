@@ -46,7 +46,6 @@ class Unit(enum.Enum):
         return self.value[1]
 
 
-
 @dataclass(frozen=True, slots=True)
 class Meta:
     """What the dataclass field cannot say about itself."""
@@ -58,7 +57,6 @@ class Meta:
     default_text: str | None = None  # for defaults computed at run time
     metavar: str | None = None
     secret: bool = False
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +105,6 @@ class Option:
         return value
 
 
-
 def format_default(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -132,8 +129,9 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-
-def _options_of(section: str, cls: type, prefix: str, meta_table: Mapping[tuple[str, str], Meta]) -> Iterator[Option]:
+def _options_of(
+    section: str, cls: type, prefix: str, meta_table: Mapping[tuple[str, str], Meta]
+) -> Iterator[Option]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = meta_table.get((section, f.name))
@@ -172,7 +170,6 @@ def _options_of(section: str, cls: type, prefix: str, meta_table: Mapping[tuple[
         )
 
 
-
 def build_options(
     sections: Collection[tuple[str, type, str]], meta: Mapping[tuple[str, str], Meta]
 ) -> tuple[Option, ...]:
@@ -203,7 +200,6 @@ class Origin:
     def label(self) -> str:
         """The name alone: ``--x``, ``TIERCACHE_X``, or ``x (in FILE)``."""
         return self.name if self.kind != "file" else f"{self.name} (in {self.path})"
-
 
 
 def parse_value(opt: Option, raw: Any, origin: Origin) -> Any:
@@ -252,11 +248,8 @@ def parse_value(opt: Option, raw: Any, origin: Origin) -> Any:
     else:  # pragma: no cover - the table only holds the kinds above
         raise RuntimeError(f"no parser for {opt.key} of type {kind!r}")
     if opt.unit is not None and not value > 0:
-        raise ConfigError(
-            f"{where} is not a positive size; give a number of {opt.unit.label} > 0, e.g. 0.5"
-        )
+        raise ConfigError(f"{where} is not a positive size; give a number of {opt.unit.label} > 0, e.g. 0.5")
     return value
-
 
 
 def nearest(name: str, candidates: list[str]) -> str:
@@ -271,7 +264,6 @@ def nearest(name: str, candidates: list[str]) -> str:
 def _show_key(key: str) -> str:
     table, _, name = key.rpartition(".")
     return f"[{table}] {name}" if table else name
-
 
 
 def read_config_file(path: Path, options: Mapping[str, Option]) -> dict[str, tuple[Any, Origin]]:
@@ -303,4 +295,3 @@ def read_config_file(path: Path, options: Mapping[str, Option]) -> dict[str, tup
                 "(see docs/configuration.md)"
             )
     return found
-

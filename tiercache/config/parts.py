@@ -197,7 +197,9 @@ class EngineConfig:
         _at_least_one(
             "write_queue_depth", "--write-queue-depth", self.write_queue_depth, "; use e.g. 256 (the default)"
         )
-        _at_least_one("promote_workers", "--promote-workers", self.promote_workers, "; use e.g. 4 (the default)")
+        _at_least_one(
+            "promote_workers", "--promote-workers", self.promote_workers, "; use e.g. 4 (the default)"
+        )
         _at_least_one("write_workers", "--write-workers", self.write_workers, "; use e.g. 2 (the default)")
 
 
@@ -243,7 +245,9 @@ class ServerOptions:
             object.__setattr__(self, "listen", default_endpoint())
         if not (self.listen.startswith("ipc://") or self.listen.startswith("tcp://")):
             raise SettingError(
-                "listen", "--listen", f"{self.listen!r} is not supported; use ipc:///path/to/socket or tcp://HOST:PORT"
+                "listen",
+                "--listen",
+                f"{self.listen!r} is not supported; use ipc:///path/to/socket or tcp://HOST:PORT",
             )
         if self.listen.startswith("tcp://") and not (self.auth_secret or self.curve_secret_key_file):
             raise SettingError(

@@ -207,7 +207,9 @@ class ServerConfig:
             c = self.s3
             where = f"s3://{c.bucket}/{c.prefix}" if c.prefix else f"s3://{c.bucket}"
             extra = ", ".join(
-                x for x in (c.endpoint_url and f"endpoint {c.endpoint_url}", c.region and f"region {c.region}") if x
+                x
+                for x in (c.endpoint_url and f"endpoint {c.endpoint_url}", c.region and f"region {c.region}")
+                if x
             )
             lines.append(
                 f"s3:      {where}{f' ({extra})' if extra else ''}, capacity {_gib(c.capacity_bytes)}, "

@@ -131,9 +131,7 @@ META: dict[tuple[str, str], Meta] = {
         "Seconds durability may lag (a background thread syncs LMDB).", metavar="SECONDS"
     ),
     ("disk", "compress"): Meta("Compress disk objects with zstd."),
-    ("disk", "reservation_ttl_s"): Meta(
-        "Seconds an uncommitted disk reservation lives.", metavar="SECONDS"
-    ),
+    ("disk", "reservation_ttl_s"): Meta("Seconds an uncommitted disk reservation lives.", metavar="SECONDS"),
     ("disk", "lease_ttl_s"): Meta("Seconds an unreleased disk read lease lives.", metavar="SECONDS"),
     # s3
     ("s3", "bucket"): Meta("S3 bucket (required with the s3 tier).", default_text="none", metavar="BUCKET"),
@@ -185,7 +183,6 @@ SECTION_TITLES = {
     "s3": "L3: S3 or S3-compatible object store",
     "engine": "engine (moving chunks between tiers)",
 }
-
 
 
 def options() -> tuple[Option, ...]:

@@ -27,7 +27,9 @@ def parse_bool(raw: Any) -> bool | None:
     return True if text in _TRUE else False if text in _FALSE else None
 
 
-def parse_tier_list(text: str | Sequence[str], where: str = "--tiers", *, stack: bool = True) -> tuple[str, ...]:
+def parse_tier_list(
+    text: str | Sequence[str], where: str = "--tiers", *, stack: bool = True
+) -> tuple[str, ...]:
     """``"l1,disk"`` → ``("l1", "disk")``: known names, each once, not empty.
 
     ``stack=True`` (a server's tiers) also requires l1 first and the tiers fastest first, since the
@@ -39,7 +41,11 @@ def parse_tier_list(text: str | Sequence[str], where: str = "--tiers", *, stack:
     shown = ",".join(tiers) if tiers else repr(text)
     unknown = [t for t in tiers if t not in TIER_ORDER]
     if not tiers or unknown:
-        use = "use l1,disk, l1,s3 or l1,disk,s3" if stack else f"use a comma-separated subset of {','.join(TIER_ORDER)}, e.g. l1,disk"
+        use = (
+            "use l1,disk, l1,s3 or l1,disk,s3"
+            if stack
+            else f"use a comma-separated subset of {','.join(TIER_ORDER)}, e.g. l1,disk"
+        )
         raise ConfigError(
             f"{where} {shown} is not valid ({'unknown: ' + ','.join(unknown) if unknown else 'empty'}); {use}"
         )
@@ -57,7 +63,5 @@ def parse_tier_list(text: str | Sequence[str], where: str = "--tiers", *, stack:
         )
     ordered = tuple(t for t in TIER_ORDER if t in tiers)
     if tiers != ordered:
-        raise ConfigError(
-            f"{where} {shown} is out of order; tiers go fastest first: use {','.join(ordered)}"
-        )
+        raise ConfigError(f"{where} {shown} is out of order; tiers go fastest first: use {','.join(ordered)}")
     return tiers

@@ -44,16 +44,21 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config if transfer else None)
+        self.settings = ConnectorSettings.from_extra_config(
+            transfer.kv_connector_extra_config if transfer else None
+        )
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from tiercache.connector.scheduler import SchedulerHalf
 
-            if transfer is not None and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            if (
+                transfer is not None
+                and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute"
+            ):
                 log.warning(
                     "tiercache: kv_load_failure_policy is %r: a chunk that fails to load fails its request. "
-                    "Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so vLLM "
+                    'Set "kv_load_failure_policy": "recompute" in --kv-transfer-config so vLLM '
                     "recomputes instead.",
                     transfer.kv_load_failure_policy,
                 )
@@ -98,7 +103,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # stores are whole chunks of every layer, queued in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -116,7 +123,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return KVConnectorTransferResults()
         sending, recving, failed = self._worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

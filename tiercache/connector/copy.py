@@ -76,7 +76,9 @@ class PageCopyEngine(ABC):
         return None
 
     @abstractmethod
-    def save(self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def save(
+        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+    ) -> None:
         """Copy the pages of blocks ``ids`` of each layer into ``dsts[layer]``; returns once the bytes
         are in host memory. Raises :class:`CopyBackendError` when the device reports an error."""
 
@@ -96,7 +98,9 @@ class CpuPageCopy(PageCopyEngine):
 
     name = "cpu"
 
-    def save(self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def save(
+        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+    ) -> None:
         for pv, dst in zip(pages, dsts, strict=True):
             pv.gather(ids, dst)
 
@@ -123,7 +127,9 @@ class CudaPageCopy(PageCopyEngine):
                 "tiercache: the KV cache is on a CUDA device but torch.cuda.is_available() is False in this "
                 "process; check CUDA_VISIBLE_DEVICES and the driver"
             )
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.device = torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        )
         self._lock = threading.Lock()  # attach() runs on the link thread, copies on others
         self._backend: Any = None
         self._arena: SharedArena | None = None  # the mapping registered (identity, not name: a
@@ -162,7 +168,9 @@ class CudaPageCopy(PageCopyEngine):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def save(self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def save(
+        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+    ) -> None:
         stream = self._pinned().stream
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -242,7 +250,9 @@ class _CudaLoad(LoadJob):
 
     def wait_layer(self, position: int) -> None:
         if self._events:
-            torch.cuda.current_stream(self._device).wait_event(self._events[min(position, len(self._events) - 1)])
+            torch.cuda.current_stream(self._device).wait_event(
+                self._events[min(position, len(self._events) - 1)]
+            )
 
     def done(self) -> bool:
         return self._finished or not self._events or bool(self._events[-1].query())

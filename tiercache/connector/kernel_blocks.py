@@ -28,7 +28,9 @@ def attention_backend(vllm_config: Any, spec: Any) -> Any:
         )
 
 
-def derive_kernel_block_size(vllm_config: Any, kv_cache_config: Any, layer_names: Sequence[str], spec: Any) -> int:
+def derive_kernel_block_size(
+    vllm_config: Any, kv_cache_config: Any, layer_names: Sequence[str], spec: Any
+) -> int:
     """The kernel block size vLLM's GPU model runner will give this KV-cache group, from the config
     alone (the scheduler process has no tensors; both halves must agree on the fingerprint).
 
@@ -43,7 +45,9 @@ def derive_kernel_block_size(vllm_config: Any, kv_cache_config: Any, layer_names
             return block
         names = set(layer_names)
         for t in getattr(kv_cache_config, "kv_cache_tensors", ()):
-            if not names.isdisjoint(getattr(t, "layers", ())) and getattr(t, "block_stride", 0) > getattr(t, "layer_stride", 0):
+            if not names.isdisjoint(getattr(t, "layers", ())) and getattr(t, "block_stride", 0) > getattr(
+                t, "layer_stride", 0
+            ):
                 return block
         from vllm.config import set_current_vllm_config
         from vllm.v1.worker.utils import select_common_block_size

@@ -210,7 +210,11 @@ def check_block_sizes(chunk_size: int, scheduler_block_size: int, group_block_si
 def _spec_kind(spec: Any) -> str:
     """``full``, ``sliding`` or the reason this connector cannot hold the spec's state."""
     name = type(spec).__name__
-    if any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__) and not getattr(spec, "sliding_window", None) and not getattr(spec, "attention_chunk_size", None):
+    if (
+        any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__)
+        and not getattr(spec, "sliding_window", None)
+        and not getattr(spec, "attention_chunk_size", None)
+    ):
         return "full"
     if name == "SlidingWindowSpec" and int(getattr(spec, "sliding_window", 0) or 0) > 0:
         if int(getattr(spec, "extra_retained_tokens", 0) or 0):
@@ -274,7 +278,7 @@ def check_recurrent_config(
     if mamba_cache_mode != "align":
         raise ConfigError(
             f"this model has recurrent (Mamba/GDN/KDA) layers and mamba_cache_mode={mamba_cache_mode!r}: "
-            "the tiercache connector needs mamba_cache_mode=\"align\", the only mode in which vLLM keeps "
+            'the tiercache connector needs mamba_cache_mode="align", the only mode in which vLLM keeps '
             "reusable recurrent state at block boundaries. vLLM sets it when prefix caching is on "
             "(--enable-prefix-caching); on vLLM 0.32 also --mamba-cache-mode align (from 0.33 that flag is "
             "deprecated and has no effect)"
@@ -368,12 +372,18 @@ def cpu_in_step_checkpoints(specs: list[Any]) -> bool:
     """Whether this engine is vLLM's CPU build and a recurrent group exports prefill checkpoints from
     inside a step (``MambaSpec.num_prefill_checkpoint_blocks > 0``: Mamba2, e.g. Granite 4). vLLM 0.32's
     CPU chunk scan ignores ``return_intermediate_states``, so such a step fails in ``mamba_mixer2``."""
-    if not any(int(getattr(s, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for s in specs if _spec_kind(s) == "recurrent"):
+    if not any(
+        int(getattr(s, "num_prefill_checkpoint_blocks", 0) or 0) > 0
+        for s in specs
+        if _spec_kind(s) == "recurrent"
+    ):
         return False
     return dict(_platform_extras()).get("device") == "cpu"
 
 
-def derive_layout(vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None) -> EngineLayout:
+def derive_layout(
+    vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None
+) -> EngineLayout:
     """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -491,7 +501,10 @@ def verify_kv_caches(
     for g in groups:
         m = g.manifest
         pages[g.kv_group] = _pages().page_views(
-            g.layer_names, kv_caches, page_bytes=g.page_bytes, kernel_blocks=m.manager_block_size // m.kernel_block_size
+            g.layer_names,
+            kv_caches,
+            page_bytes=g.page_bytes,
+            kernel_blocks=m.manager_block_size // m.kernel_block_size,
         )
         for name in g.layer_names:
             layer = (forward_context or {}).get(name)

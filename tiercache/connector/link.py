@@ -77,9 +77,13 @@ class ServerLink:
             log.warning(
                 "tiercache: server at %s is not reachable (%s); running without the cache (all misses) "
                 "and retrying every %g s",
-                self.endpoint, exc, self.settings.retry_s,
+                self.endpoint,
+                exc,
+                self.settings.retry_s,
             )
-        self._thread = threading.Thread(target=self._reconnect_loop, name="tiercache-connector-reconnect", daemon=True)
+        self._thread = threading.Thread(
+            target=self._reconnect_loop, name="tiercache-connector-reconnect", daemon=True
+        )
         self._thread.start()
         return self._up
 
@@ -87,7 +91,9 @@ class ServerLink:
         s = self.settings
         with self._lock:
             if self._client is None:
-                self._client = Client(s.server, timeout=s.timeout_s, auth_secret=s.auth_secret, client_name=self._name)
+                self._client = Client(
+                    s.server, timeout=s.timeout_s, auth_secret=s.auth_secret, client_name=self._name
+                )
             client = self._client
         try:
             client.ping()
@@ -132,7 +138,11 @@ class ServerLink:
             log.warning(
                 "tiercache: %s failed (%s: %s); treating the cache as unavailable (misses, no stores) "
                 "and reconnecting to %s every %g s",
-                what, type(exc).__name__, exc, self.endpoint, self.settings.retry_s,
+                what,
+                type(exc).__name__,
+                exc,
+                self.endpoint,
+                self.settings.retry_s,
             )
 
     def close(self) -> None:

@@ -147,6 +147,10 @@ def page_views(
     for name in layers:
         t = kv_caches.get(name)
         if t is None:
-            raise ConfigError(f"tiercache: layer {name} has no KV tensor among the {len(kv_caches)} registered")
-        out.append(page_view(name, t, page_bytes=page_bytes, kernel_blocks=kernel_blocks, block_dim=block_dim))
+            raise ConfigError(
+                f"tiercache: layer {name} has no KV tensor among the {len(kv_caches)} registered"
+            )
+        out.append(
+            page_view(name, t, page_bytes=page_bytes, kernel_blocks=kernel_blocks, block_dim=block_dim)
+        )
     return out

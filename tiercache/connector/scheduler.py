@@ -142,7 +142,9 @@ class SchedulerHalf:
     # -- connection ----------------------------------------------------------------------------
     def _on_connect(self, client: Client) -> None:
         info = client.server
-        layout = derive_layout(self._vllm_config, self._kv_cache_config, info.chunk_size, self._settings.weights_id)
+        layout = derive_layout(
+            self._vllm_config, self._kv_cache_config, info.chunk_size, self._settings.weights_id
+        )
         if len(layout.groups) > 1 and not info.separate_object_groups:
             from tiercache.errors import ConfigError
 
@@ -155,7 +157,9 @@ class SchedulerHalf:
         self.use_layout(layout, client.register([(g.object_group, g.manifest) for g in layout.groups]))
         log.info(
             "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
-            len(layout.groups), layout.chunk_size, layout.groups[0].fingerprint.hex,
+            len(layout.groups),
+            layout.chunk_size,
+            layout.groups[0].fingerprint.hex,
         )
 
     def use_layout(self, layout: EngineLayout, refs: list[p.GroupRef]) -> None:
@@ -202,7 +206,9 @@ class SchedulerHalf:
         st = self._reqs.get(request.request_id)
         if st is None:
             prompt = request.prompt_token_ids
-            st = _Request(request.request_id, list(prompt) if prompt is not None else [], _extra_keys(request))
+            st = _Request(
+                request.request_id, list(prompt) if prompt is not None else [], _extra_keys(request)
+            )
             self._reqs[request.request_id] = st
         st.local_tokens = num_computed_tokens
         if st.load_failed:
@@ -221,7 +227,9 @@ class SchedulerHalf:
                 self._settle_miss(st, server_chunks=num_computed_tokens // chunk)
                 return 0, False
             try:
-                st.pending_id = client.lookup_async(st.hashes(chunk)[:limit], self._refs, prefetch=True, max_chunks=limit)
+                st.pending_id = client.lookup_async(
+                    st.hashes(chunk)[:limit], self._refs, prefetch=True, max_chunks=limit
+                )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
                 self._settle_miss(st)
@@ -352,7 +360,10 @@ class SchedulerHalf:
         # skips those positions (and the group, for chunks wholly outside the window). A chunk
         # whose blocks are not all allocated ends the list: load less, never garbage.
         planned = blocks_to_load(block_ids, sizes, self.layout.chunk_size, start, end, skip=recurrent)
-        chunks = [ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids]) for cb in planned]
+        chunks = [
+            ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
+            for cb in planned
+        ]
         complete = bool(planned) and planned[-1].chunk == -(-end // self.layout.chunk_size) - 1
         if recurrent and complete:
             # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a null
@@ -435,7 +446,12 @@ class SchedulerHalf:
                 continue
             for kv, block, tokens in entries:
                 # Only whole-chunk boundaries inside the prompt (stores cover prompt chunks only).
-                if kv in recurrent and block and tokens % layout.chunk_size == 0 and 0 < tokens <= len(st.prompt):
+                if (
+                    kv in recurrent
+                    and block
+                    and tokens % layout.chunk_size == 0
+                    and 0 < tokens <= len(st.prompt)
+                ):
                     st.states.setdefault(tokens // layout.chunk_size, {})[kv] = block
 
     def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
@@ -454,7 +470,13 @@ class SchedulerHalf:
         # gets 0s for the chunk (no object); each group maps chunks with its own block size.
         recurrent = layout.recurrent_kv_groups()
         planned = blocks_to_save(
-            st.block_ids, layout.kv_group_block_sizes(), layout.kv_group_windows(), chunk, first, end, before,
+            st.block_ids,
+            layout.kv_group_block_sizes(),
+            layout.kv_group_windows(),
+            chunk,
+            first,
+            end,
+            before,
             skip=recurrent,
         )
         for c, ids in planned:

@@ -86,7 +86,9 @@ class TierCacheConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d[k] for k in COUNTERS) and not any(d[k] for k in SUMS) and not any(d[BY_TIER].values())
+        return (
+            not any(d[k] for k in COUNTERS) and not any(d[k] for k in SUMS) and not any(d[BY_TIER].values())
+        )
 
     def aggregate(self, other: KVConnectorStats) -> TierCacheConnectorStats:
         """Add ``other``'s interval into this one (in place, as vLLM's loggers expect)."""
@@ -103,7 +105,9 @@ class TierCacheConnectorStats(KVConnectorStats):
         d = self.data
         out: dict[str, int | float] = {
             "Lookups": d["lookups"],
-            "Hit rate (%)": round(100.0 * d["hit_tokens"] / d["query_tokens"], 1) if d["query_tokens"] else 0.0,
+            "Hit rate (%)": round(100.0 * d["hit_tokens"] / d["query_tokens"], 1)
+            if d["query_tokens"]
+            else 0.0,
             "Hit tokens": d["hit_tokens"],
         }
         total_objects = sum(d[BY_TIER].values())
@@ -113,7 +117,9 @@ class TierCacheConnectorStats(KVConnectorStats):
         out["Load GB/s"] = round(d["loaded_bytes"] / GB / d["load_seconds"], 3) if d["load_seconds"] else 0.0
         out["Load failures"] = d["load_failures"]
         out["Stored chunks"] = d["stored_chunks"]
-        out["Store GB/s"] = round(d["stored_bytes"] / GB / d["store_seconds"], 3) if d["store_seconds"] else 0.0
+        out["Store GB/s"] = (
+            round(d["stored_bytes"] / GB / d["store_seconds"], 3) if d["store_seconds"] else 0.0
+        )
         out["Skipped stores"] = d["store_skipped"]
         out["Server unavailable"] = d["server_unavailable"]
         return out
@@ -167,7 +173,10 @@ COUNTER_METRICS: dict[str, tuple[str, str]] = {
     "stored_chunks": ("vllm:tiercache_stored_chunks", "Chunks stored into tiercache"),
     "stored_bytes": ("vllm:tiercache_stored_bytes", "Bytes stored into tiercache"),
     "store_skipped": ("vllm:tiercache_store_skipped", "Chunks not stored (server down, full or busy)"),
-    "server_unavailable": ("vllm:tiercache_server_unavailable", "Times the tiercache server became unreachable"),
+    "server_unavailable": (
+        "vllm:tiercache_server_unavailable",
+        "Times the tiercache server became unreachable",
+    ),
 }
 HIST_METRICS: dict[str, tuple[str, str]] = {
     "load_durations": ("vllm:tiercache_load_seconds", "Time per step spent loading chunks from tiercache"),
@@ -194,7 +203,9 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
             self._counters[key] = self._per_engine(metric)
         self._histograms: dict[str, dict[int, Any]] = {}
         for key, (name, doc) in HIST_METRICS.items():
-            metric = self._histogram_cls(name=name, documentation=doc, buckets=DURATION_BUCKETS, labelnames=labelnames)
+            metric = self._histogram_cls(
+                name=name, documentation=doc, buckets=DURATION_BUCKETS, labelnames=labelnames
+            )
             self._histograms[key] = self._per_engine(metric)
         # The tiers are the server's ("l1", "disk", "s3"): children are made as tiers show up.
         self._by_tier = self._counter_cls(

@@ -332,7 +332,12 @@ class WorkerHalf:
                         self._recv_failed.add(load.req_id)
                 else:
                     self._load_errors.update(
-                        b for chunk, k in zip(load.chunks, chunks_ok) if not k for ids in chunk.block_ids for b in ids if b
+                        b
+                        for chunk, k in zip(load.chunks, chunks_ok)
+                        if not k
+                        for ids in chunk.block_ids
+                        for b in ids
+                        if b
                     )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -376,7 +381,7 @@ class WorkerHalf:
 
     def _wait_idle(self, req_id: str | None) -> None:
         with self._idle:
-            while (self._pending.get(req_id, 0) if req_id is not None else any(self._pending.values())):
+            while self._pending.get(req_id, 0) if req_id is not None else any(self._pending.values()):
                 self._idle.wait(1.0)
 
     def _save_loop(self) -> None:
@@ -395,8 +400,10 @@ class WorkerHalf:
             finally:
                 # This thread is the only writer of the store counters: the deltas are this batch's.
                 self._record_store(
-                    self.stats["saved_chunks"] - saved, self.stats["save_skipped"] - skipped,
-                    stored_bytes, time.perf_counter() - started,
+                    self.stats["saved_chunks"] - saved,
+                    self.stats["save_skipped"] - skipped,
+                    stored_bytes,
+                    time.perf_counter() - started,
                 )
                 with self._idle:
                     for save in batch:
@@ -428,7 +435,12 @@ class WorkerHalf:
             for g in self._groups:
                 if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
                     continue  # a sliding group's blocks out of the window, or no state kept: no object
-                items.append((ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash), g.object_bytes))
+                items.append(
+                    (
+                        ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash),
+                        g.object_bytes,
+                    )
+                )
                 sources.append((g, save))
         if not items:
             return 0
@@ -457,7 +469,9 @@ class WorkerHalf:
                     raise ValueError(
                         f"a chunk of KV-cache group {g.kv_group} is {g.blocks_per_chunk} blocks, the save has {len(ids)}"
                     )
-                self._copy.save(ready, self._pages[g.kv_group], torch.tensor(ids, dtype=torch.long), list(dst))
+                self._copy.save(
+                    ready, self._pages[g.kv_group], torch.tensor(ids, dtype=torch.long), list(dst)
+                )
         except BaseException:
             try:
                 client.abort(tokens)

@@ -167,9 +167,7 @@ class TieredEngine:
             self.counters.add("lookup_chunks_hit", found.chunks)
         return found
 
-    def prefetch(
-        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int
-    ) -> PrefetchTicket:
+    def prefetch(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int) -> PrefetchTicket:
         """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
 
         Non-blocking: L1 hits are pinned at once; lower-tier objects are copied on the promotion

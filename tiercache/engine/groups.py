@@ -45,8 +45,6 @@ class GroupSpec:
         return [self.key(h) for h in hashes[chunks.start : chunks.stop]]
 
 
-def needed_keys(
-    groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int
-) -> list[ObjectKey]:
+def needed_keys(groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:
     """Every key needed to restore ``boundary`` chunks for all ``groups``."""
     return [key for g in groups for key in g.needed(hashes, boundary)]

@@ -59,9 +59,7 @@ class PrefetchTicket:
 class Promoter:
     """Moves objects from ``lower`` tiers (fastest first) into ``l1`` on ``workers`` threads."""
 
-    def __init__(
-        self, l1: FrontTier, lower: Sequence[Tier], workers: int, counters: EngineCounters
-    ) -> None:
+    def __init__(self, l1: FrontTier, lower: Sequence[Tier], workers: int, counters: EngineCounters) -> None:
         self._l1 = l1
         self._lower = list(lower)
         self._counters = counters
@@ -69,9 +67,7 @@ class Promoter:
         self._lock = threading.Lock()  # guards each ticket's ``handles`` and ``released``
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tiercache-promote")
 
-    def prefetch(
-        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int
-    ) -> PrefetchTicket:
+    def prefetch(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int) -> PrefetchTicket:
         """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones. Non-blocking."""
         ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks)
         for key in needed_keys(groups, hashes, chunks):

@@ -92,9 +92,7 @@ class WriteBehind:
         self._counters = counters
         self._l2_queue: WorkQueue[ObjectKey] = WorkQueue(config.write_queue_depth)
         # Write-through items are keys (read back from L2); write-back items carry their payload.
-        self._l3_queue: WorkQueue[ObjectKey | tuple[ObjectKey, bytes]] = WorkQueue(
-            config.write_queue_depth
-        )
+        self._l3_queue: WorkQueue[ObjectKey | tuple[ObjectKey, bytes]] = WorkQueue(config.write_queue_depth)
         self._writers: list[threading.Thread] = []
         if self._l3 is not None and config.l3_write_policy is L3WritePolicy.BACK:
             if self._l2 is None:

@@ -101,9 +101,7 @@ class Fingerprint:
 
     def __post_init__(self) -> None:
         if len(self.raw) != FINGERPRINT_BYTES:
-            raise KeyFormatError(
-                f"a fingerprint is {FINGERPRINT_BYTES} bytes, got {len(self.raw)}"
-            )
+            raise KeyFormatError(f"a fingerprint is {FINGERPRINT_BYTES} bytes, got {len(self.raw)}")
 
     @property
     def hex(self) -> str:

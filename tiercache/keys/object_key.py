@@ -47,13 +47,9 @@ class ObjectKey:
 
     def __post_init__(self) -> None:
         if not 0 <= self.object_group <= MAX_OBJECT_GROUP:
-            raise KeyFormatError(
-                f"object group {self.object_group} is outside 0..{MAX_OBJECT_GROUP}"
-            )
+            raise KeyFormatError(f"object group {self.object_group} is outside 0..{MAX_OBJECT_GROUP}")
         if len(self.prefix_hash) != HASH_BYTES:
-            raise KeyFormatError(
-                f"a prefix hash is {HASH_BYTES} bytes, got {len(self.prefix_hash)}"
-            )
+            raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(self.prefix_hash)}")
         raw = (
             bytes((KEY_VERSION,))
             + self.fingerprint.raw
@@ -91,9 +87,7 @@ class ObjectKey:
         """Parse :meth:`text`; raises :class:`KeyFormatError` naming the expected form."""
         m = _TEXT.match(text.strip())
         if not m:
-            raise KeyFormatError(
-                f"{text!r} is not an object key; expected <32 hex>/g<group>/<32 hex>"
-            )
+            raise KeyFormatError(f"{text!r} is not an object key; expected <32 hex>/g<group>/<32 hex>")
         return cls(Fingerprint.from_hex(m.group(1)), int(m.group(2)), bytes.fromhex(m.group(3)))
 
     def __str__(self) -> str:

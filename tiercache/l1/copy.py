@@ -115,9 +115,7 @@ def _byte_array(target: CopyTarget, arena: SharedArena | None, *, writable: bool
     """A flat uint8 numpy view of ``target`` (no copy)."""
     if isinstance(target, ArenaSlot):
         if arena is None:
-            raise ValueError(
-                "an ArenaSlot needs a back-end built with the arena: CpuCopyBackend(arena=...)"
-            )
+            raise ValueError("an ArenaSlot needs a back-end built with the arena: CpuCopyBackend(arena=...)")
         target = arena.view(target.offset, target.nbytes)
     try:
         view = memoryview(target)
@@ -146,9 +144,7 @@ class CpuCopyBackend(CopyBackend):
     def __init__(self, arena: SharedArena | None = None, *, background: bool = False) -> None:
         self._arena = arena
         self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-cpu-copy")
-            if background
-            else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-cpu-copy") if background else None
         )
 
     def copy(self, pairs: Sequence[CopyPair]) -> CopyJob:
@@ -312,9 +308,7 @@ class CudaCopyBackend(CopyBackend):
             d = self._tensor(dst, writable=True)
             s = self._tensor(src, writable=False)
             if d.numel() != s.numel():
-                raise ValueError(
-                    f"copy size mismatch: destination {d.numel()} bytes, source {s.numel()}"
-                )
+                raise ValueError(f"copy size mismatch: destination {d.numel()} bytes, source {s.numel()}")
             tensors.append((d, s))
             total += d.numel()
         self._stream.wait_stream(torch.cuda.current_stream(self._device))

@@ -69,7 +69,9 @@ class DiskReader:
                 "read data.mdb and write lock.mdb"
             ) from exc
         try:
-            self._dbs: dict[str, Any] = {name: self._env.open_db(name.encode(), create=False) for name in DB_NAMES}
+            self._dbs: dict[str, Any] = {
+                name: self._env.open_db(name.encode(), create=False) for name in DB_NAMES
+            }
             found = self._get("meta", INFO_FORMAT)
         except lmdb.Error as exc:
             self._env.close()

@@ -166,8 +166,7 @@ class DiskTier(Tier):
             os.chmod(path, 0o700)
         except OSError as exc:
             raise DiskTierError(
-                f"cannot create the disk tier directory {path}: {exc}; check the path and its "
-                "permissions"
+                f"cannot create the disk tier directory {path}: {exc}; check the path and its permissions"
             ) from exc
         old_umask = os.umask(0o077)  # data.mdb and lock.mdb are created owner-only
         try:
@@ -333,9 +332,7 @@ class DiskTier(Tier):
                         lease.txn.abort()
                 self._env.sync(True)
             except lmdb.Error:
-                log.warning(
-                    "final sync of the disk tier at %s failed", self.config.path, exc_info=True
-                )
+                log.warning("final sync of the disk tier at %s failed", self.config.path, exc_info=True)
             finally:
                 self._env.close()
 
@@ -533,9 +530,7 @@ class DiskTier(Tier):
             f"{extra} extra bytes; raise the disk map headroom (fragmentation of mixed value sizes)"
         )
 
-    def _insert(
-        self, kb: bytes, head: bytes, stored: Any, tail: bytes, *, limit: int | None
-    ) -> bool:
+    def _insert(self, kb: bytes, head: bytes, stored: Any, tail: bytes, *, limit: int | None) -> bool:
         """Write ``kb``'s data and meta (``head`` + recency seq + ``tail``), its recency record and
         the usage total in one transaction.
 
@@ -626,9 +621,7 @@ class DiskTier(Tier):
         if evicted:
             self._nudge()
 
-    def _evict_in(
-        self, txn: lmdb.Transaction, keep: bytes, after: int, target: int
-    ) -> tuple[int, int]:
+    def _evict_in(self, txn: lmdb.Transaction, keep: bytes, after: int, target: int) -> tuple[int, int]:
         """Delete LRU objects in ``txn`` until ``after`` (usage once the insert is done) is at most
         ``target``; return (stored bytes freed, objects deleted). ``keep`` is never evicted."""
         before = after
@@ -869,9 +862,7 @@ class DiskTier(Tier):
         self._hit(kb, fields[0])
         return True
 
-    def _read_into_general(
-        self, key: ObjectKey, kb: bytes, alloc: Callable[[int], memoryview]
-    ) -> bool:
+    def _read_into_general(self, key: ObjectKey, kb: bytes, alloc: Callable[[int], memoryview]) -> bool:
         """:meth:`read_into` for every case: compressed frames, misses and damaged records."""
         found = self._read(key, kb)
         if found is None:
@@ -899,9 +890,7 @@ class DiskTier(Tier):
         self._hit(kb, header.payload_len)
         return True
 
-    def _drop_corrupt(
-        self, key: ObjectKey, kb: bytes, seen_meta: bytes | None, size: int, why: str
-    ) -> None:
+    def _drop_corrupt(self, key: ObjectKey, kb: bytes, seen_meta: bytes | None, size: int, why: str) -> None:
         log.warning("disk tier object %s failed verification (%s); deleting it", key, why)
         self.stats.add("verify_failures")
         self.stats.add("misses")

@@ -89,9 +89,6 @@ class CircuitBreaker:
 
     def _maybe_half_open(self) -> None:
         # caller holds _lock
-        if (
-            self._state is BreakerState.OPEN
-            and self._clock() >= self._opened_at + self._cooldown_s
-        ):
+        if self._state is BreakerState.OPEN and self._clock() >= self._opened_at + self._cooldown_s:
             self._state = BreakerState.HALF_OPEN
             self._trial_in_flight = False

@@ -102,7 +102,8 @@ class S3Reader:
         name = self._names.manifest(fingerprint)
         try:
             return self._request(
-                "GetObject", lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read()
+                "GetObject",
+                lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
             )
         except S3TierError as exc:
             if isinstance(exc.__cause__, ClientError) and error_code(exc.__cause__) in NOT_FOUND_CODES:

@@ -96,9 +96,7 @@ class S3Tier(Tier):
         super().__init__()
         self.config = config
         self._clock = clock
-        self._breaker = CircuitBreaker(
-            config.breaker_failures, config.breaker_cooldown_s, clock=clock
-        )
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock=clock)
         # Bounds in-flight requests from all threads to the connection pool's size, so callers queue
         # here instead of opening and discarding extra connections.
         self._slots = threading.BoundedSemaphore(config.max_concurrency)
@@ -163,8 +161,7 @@ class S3Tier(Tier):
                 raise request_failure(exc, self._where, "HeadBucket", _PERMISSIONS) from exc
             if not self.config.create_bucket:
                 raise S3TierError(
-                    f"S3 {self._where} does not exist; create it, fix --s3-bucket, or enable "
-                    "create_bucket"
+                    f"S3 {self._where} does not exist; create it, fix --s3-bucket, or enable create_bucket"
                 ) from exc
         except BotoCoreError as exc:
             raise request_failure(exc, self._where, "HeadBucket", _PERMISSIONS) from exc
@@ -238,9 +235,7 @@ class S3Tier(Tier):
             # Connection refused/reset, timeouts, truncated bodies: the endpoint is unhealthy.
             self._breaker.record_failure()
             self.stats.add("errors")
-            raise S3TierError(
-                f"S3 {what} on {self._where} failed: {type(exc).__name__}"
-            ) from exc
+            raise S3TierError(f"S3 {what} on {self._where} failed: {type(exc).__name__}") from exc
         except BaseException:
             self._breaker.record_failure()  # never leave a half-open trial unreported
             raise
@@ -628,9 +623,7 @@ class S3Tier(Tier):
     def _drop_corrupt(self, key: ObjectKey) -> None:
         name = self.object_name(key)
         try:
-            self._call(
-                "DELETE corrupt", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name)
-            )
+            self._call("DELETE corrupt", lambda c: c.delete_object(Bucket=self.config.bucket, Key=name))
         except (S3TierError, _NotFound):
             pass  # still a miss; the next read verifies (and tries to delete) again
         self._forget(key)
@@ -655,4 +648,3 @@ class S3Tier(Tier):
             self._pins[key] = count
         else:
             self._pins.pop(key, None)
-

@@ -108,7 +108,9 @@ class Server:
         for tier in engine.tiers:
             tier.stats.listener = self.evictions.listener(tier.name)
         layouts = Layouts(engine, self.options)
-        data = DataOps(engine, self._l1, self.options, self._sessions, layouts, self._offload, lambda: self._received)
+        data = DataOps(
+            engine, self._l1, self.options, self._sessions, layouts, self._offload, lambda: self._received
+        )
         management = ManagementOps(engine, layouts, self.evictions, self._offload, self._server_stats)
         #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
         self.lookup_latency = data.lookup_latency
@@ -284,7 +286,9 @@ class Server:
             session.last_seen = now
         frame = frames[0]
         if len(frames) != 1:
-            return p.ErrorReply(code=p.ErrorCode.MALFORMED, message=f"a request is one frame, got {len(frames)}")
+            return p.ErrorReply(
+                code=p.ErrorCode.MALFORMED, message=f"a request is one frame, got {len(frames)}"
+            )
         if len(frame) > self.options.max_message_bytes:
             return p.ErrorReply(
                 code=p.ErrorCode.TOO_LARGE,
@@ -298,7 +302,9 @@ class Server:
             return p.ErrorReply(req_id=req_id, code=code, message=message)
         try:
             if self._stop_requested.is_set():
-                raise Refused(p.ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry on its successor")
+                raise Refused(
+                    p.ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry on its successor"
+                )
             if isinstance(msg, p.Challenge):
                 reply: p._Msg | None = self._sessions.challenge(identity)
             elif isinstance(msg, p.Hello):

@@ -157,7 +157,9 @@ class DataOps:
         items = []
         for raw, nbytes in msg.items:
             if not 0 <= nbytes <= self._l1.arena.size:
-                raise Refused(p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}")
+                raise Refused(
+                    p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}"
+                )
             items.append((parse_key(raw), nbytes))
         try:
             handles = self._l1.reserve_many(items)
@@ -224,7 +226,10 @@ class DataOps:
 
         def finish(data: bytes | None) -> p._Msg:
             if data is not None and len(data) > limit - 1024:
-                raise Refused(p.ErrorCode.TOO_LARGE, f"{key} has {len(data)} bytes, over max_message_bytes {limit}; load it through the arena")
+                raise Refused(
+                    p.ErrorCode.TOO_LARGE,
+                    f"{key} has {len(data)} bytes, over max_message_bytes {limit}; load it through the arena",
+                )
             return p.DataReply(data=data)
 
         self._offload(session, msg.req_id, lambda: self._engine.get(key), finish)

@@ -44,7 +44,9 @@ class Layouts:
         parsed: list[tuple[int, LayoutManifest]] = []
         for g in msg.groups:
             if g.object_group in seen or not 0 <= g.object_group <= 0xFFFF:
-                raise Refused(p.ErrorCode.INVALID, f"object group {g.object_group} is duplicated or out of range")
+                raise Refused(
+                    p.ErrorCode.INVALID, f"object group {g.object_group} is duplicated or out of range"
+                )
             seen.add(g.object_group)
             m = LayoutManifest.from_dict(g.manifest)
             if m.chunk_size != opts.chunk_size:
@@ -61,7 +63,10 @@ class Layouts:
                         f"the engine's {what} block size {block}; use {block} or a multiple of it",
                     )
             if m.group_kind is GroupKind.SLIDING_WINDOW and not (m.sliding_window or 0) > 0:
-                raise Refused(p.ErrorCode.INVALID, f"group {g.object_group}: a sliding-window group needs sliding_window > 0")
+                raise Refused(
+                    p.ErrorCode.INVALID,
+                    f"group {g.object_group}: a sliding-window group needs sliding_window > 0",
+                )
             parsed.append((g.object_group, m))
         return parsed
 

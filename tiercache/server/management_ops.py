@@ -65,7 +65,10 @@ class ManagementOps:
     def stats(self, session: Session, msg: p.Stats) -> None:
         server = self._server_stats()
         self._offload(
-            session, msg.req_id, lambda: {**self._engine.stats(), "server": server}, lambda s: p.StatsReply(stats=s)
+            session,
+            msg.req_id,
+            lambda: {**self._engine.stats(), "server": server},
+            lambda s: p.StatsReply(stats=s),
         )
 
     # -- listing ---------------------------------------------------------------------------------
@@ -75,10 +78,14 @@ class ManagementOps:
         if msg.order == "use":
             if not msg.tier:  # use orders are per tier: there is no one order across tiers
                 raise Refused(p.ErrorCode.INVALID, "list_keys order=use lists one tier; name it (tier=...)")
-            self._offload(session, msg.req_id, lambda: _keys_by_use(tiers[0], msg, limit), lambda reply: reply)
+            self._offload(
+                session, msg.req_id, lambda: _keys_by_use(tiers[0], msg, limit), lambda reply: reply
+            )
             return
         if msg.order != "key":
-            raise Refused(p.ErrorCode.INVALID, f"list_keys order {msg.order!r} is unknown; use 'key' or 'use'")
+            raise Refused(
+                p.ErrorCode.INVALID, f"list_keys order {msg.order!r} is unknown; use 'key' or 'use'"
+            )
 
         def job() -> p._Msg:
             found: dict[bytes, list[str]] = {}
@@ -134,17 +141,27 @@ class ManagementOps:
                 if note is not None:
                     entries.append(
                         p.ExplainEntry(
-                            i, spec.object_group, "evicted", tier=note.tier, reason=note.reason,
+                            i,
+                            spec.object_group,
+                            "evicted",
+                            tier=note.tier,
+                            reason=note.reason,
                             age_s=round(self._evictions.age(note), 3),
                         )
                     )
                     continue
                 other = next(
-                    (fp for fp in others if any(t.contains(ObjectKey(fp, spec.object_group, h)) for t in tiers)),
+                    (
+                        fp
+                        for fp in others
+                        if any(t.contains(ObjectKey(fp, spec.object_group, h)) for t in tiers)
+                    ),
                     None,
                 )
                 if other is not None:
-                    entries.append(p.ExplainEntry(i, spec.object_group, "other_fingerprint", other_fingerprint=other.raw))
+                    entries.append(
+                        p.ExplainEntry(i, spec.object_group, "other_fingerprint", other_fingerprint=other.raw)
+                    )
                 else:
                     entries.append(p.ExplainEntry(i, spec.object_group, "never_stored"))
         return p.ExplainReply(entries=entries)
@@ -155,10 +172,14 @@ class ManagementOps:
 
     def clear_batch(self, session: Session, msg: p.ClearBatch) -> None:
         if not 1 <= msg.limit <= MAX_PAGE:
-            raise Refused(p.ErrorCode.INVALID, f"clear_batch limit {msg.limit} is out of range; use 1 to {MAX_PAGE}")
+            raise Refused(
+                p.ErrorCode.INVALID, f"clear_batch limit {msg.limit} is out of range; use 1 to {MAX_PAGE}"
+            )
         self._clear(session, msg.req_id, msg.fingerprint, self._tiers_named(msg.tier), msg.limit)
 
-    def _clear(self, session: Session, req_id: int, fingerprint: bytes, tiers: list[Tier], limit: int | None) -> None:
+    def _clear(
+        self, session: Session, req_id: int, fingerprint: bytes, tiers: list[Tier], limit: int | None
+    ) -> None:
         """Delete the matching keys (at most ``limit``; ``None``: all) from ``tiers``; replies with
         how many keys went from at least one of them."""
         if fingerprint:
@@ -187,9 +208,15 @@ class ManagementOps:
 
     def warm(self, session: Session, msg: p.Warm) -> None:
         if len(msg.keys) > MAX_PAGE:
-            raise Refused(p.ErrorCode.INVALID, f"warm takes at most {MAX_PAGE} keys per request, got {len(msg.keys)}; send batches")
+            raise Refused(
+                p.ErrorCode.INVALID,
+                f"warm takes at most {MAX_PAGE} keys per request, got {len(msg.keys)}; send batches",
+            )
         if msg.max_bytes < 0:
-            raise Refused(p.ErrorCode.INVALID, f"warm max_bytes {msg.max_bytes} is negative; use 0 (no limit) or a byte budget")
+            raise Refused(
+                p.ErrorCode.INVALID,
+                f"warm max_bytes {msg.max_bytes} is negative; use 0 (no limit) or a byte budget",
+            )
         keys = [parse_key(raw) for raw in msg.keys]
 
         def job() -> p._Msg:
@@ -237,7 +264,10 @@ def _keys_by_use(tier: Tier, msg: p.ListKeys, limit: int) -> p._Msg:
         if seen <= skip:
             continue
         if len(page) == limit:
-            return p.KeysReply(keys=[p.ListedKey(k, [tier.name]) for k in page], next_cursor=(skip + limit).to_bytes(8, "big"))
+            return p.KeysReply(
+                keys=[p.ListedKey(k, [tier.name]) for k in page],
+                next_cursor=(skip + limit).to_bytes(8, "big"),
+            )
         page.append(key.to_bytes())
     return p.KeysReply(keys=[p.ListedKey(k, [tier.name]) for k in page], next_cursor=b"")
 

@@ -108,9 +108,7 @@ class EngineCollector(Collector):
             if name.endswith("_queue_depth"):
                 depth.add_metric([name.removesuffix("_queue_depth")], value)
             else:
-                yield CounterMetricFamily(
-                    f"tiercache_engine_{name}", f"Engine counter {name}.", value=value
-                )
+                yield CounterMetricFamily(f"tiercache_engine_{name}", f"Engine counter {name}.", value=value)
         yield depth
 
         tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})

@@ -85,9 +85,7 @@ def setup_curve(
             "zmq.auth.create_certificates()"
         ) from exc
     if not secret:
-        raise ConfigError(
-            f"{key_file} holds no secret key (is it the .key instead of the .key_secret file?)"
-        )
+        raise ConfigError(f"{key_file} holds no secret key (is it the .key instead of the .key_secret file?)")
     allowed = key_file.parent / "authorized_clients"
     if not allowed.is_dir():
         raise ConfigError(

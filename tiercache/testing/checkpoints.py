@@ -49,7 +49,9 @@ def tiny_llama_config(
     }
 
 
-def write_tiny_checkpoint(directory: Path, cfg: dict[str, Any], seed: int, *, norm_weight: float = 1.0) -> None:
+def write_tiny_checkpoint(
+    directory: Path, cfg: dict[str, Any], seed: int, *, norm_weight: float = 1.0
+) -> None:
     """Write ``config.json`` (``cfg`` as given) and ``model.safetensors`` with seeded random weights
     for any architecture transformers knows.
 

@@ -333,6 +333,7 @@ class TierSuite:
             assert list(tier.iter_manifests()) == []
         assert tier.get_manifest(Fingerprint(b"N" * 16)) is None
 
+
 class PersistentTierSuite(TierSuite):
     """The contract of a tier that keeps objects at rest (L2, L3): they survive a restart, and bytes
     damaged at rest are caught by the tier's own checks. :meth:`damage` is the fixture's to write."""
@@ -370,7 +371,9 @@ class PersistentTierSuite(TierSuite):
         assert not tier.contains(key)
 
     # -- restart ------------------------------------------------------------------------------
-    def test_committed_objects_and_manifests_survive_a_restart(self, tmp_path: Path, clock: FakeClock) -> None:
+    def test_committed_objects_and_manifests_survive_a_restart(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
         first = self.make_tier(tmp_path, clock, BUDGET)
         keys = [make_key(i) for i in range(5)]
         for key in keys:
@@ -389,7 +392,6 @@ class PersistentTierSuite(TierSuite):
             assert second.get_manifest(Fingerprint(b"M" * 16)) == b"{}"
         finally:
             second.close()
-
 
 
 class FrontTierSuite(TierSuite):

@@ -71,9 +71,7 @@ class FrameHeader:
             raise FrameError(f"frame header truncated: {len(raw)} of {HEADER_BYTES} bytes")
         body = bytes(raw[: _BODY.size])
         (check,) = _CHECK.unpack_from(raw, _BODY.size)
-        magic, version, flags, _reserved, key_raw, payload_len, stored_len, checksum = _BODY.unpack(
-            body
-        )
+        magic, version, flags, _reserved, key_raw, payload_len, stored_len, checksum = _BODY.unpack(body)
         if magic != MAGIC:
             raise FrameError(f"bad frame magic {magic!r}")
         if xxhash.xxh3_64_intdigest(body) != check:
@@ -97,9 +95,7 @@ def encode_header(
     What :meth:`FrameHeader.encode` returns, without building a :class:`FrameHeader` first: the L2
     put path calls this once per object.
     """
-    body = _BODY.pack(
-        MAGIC, FRAME_VERSION, flags, 0, key_raw, payload_len, stored_len, payload_checksum
-    )
+    body = _BODY.pack(MAGIC, FRAME_VERSION, flags, 0, key_raw, payload_len, stored_len, payload_checksum)
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -113,8 +109,8 @@ def plain_header_fields(raw: bytes | memoryview, expected_key_raw: bytes) -> tup
     """
     if len(raw) < HEADER_BYTES:
         return None
-    magic, version, flags, _reserved, key_raw, payload_len, stored_len, payload_checksum = (
-        _BODY.unpack_from(raw)
+    magic, version, flags, _reserved, key_raw, payload_len, stored_len, payload_checksum = _BODY.unpack_from(
+        raw
     )
     if (
         magic != MAGIC
@@ -153,17 +149,13 @@ def pack_payload(
     return build_header(key, payload, len(payload), FrameFlags.NONE), payload
 
 
-def encode_frame(
-    key: ObjectKey, payload: bytes | bytearray | memoryview, *, compress: bool = False
-) -> bytes:
+def encode_frame(key: ObjectKey, payload: bytes | bytearray | memoryview, *, compress: bool = False) -> bytes:
     """``header + stored payload`` as one bytes object (the L3 object body)."""
     header, stored = pack_payload(key, payload, compress=compress)
     return b"".join((header.encode(), stored))  # one copy of the payload, not two
 
 
-def verify_payload(
-    header: FrameHeader, stored: bytes | bytearray | memoryview
-) -> bytes | memoryview:
+def verify_payload(header: FrameHeader, stored: bytes | bytearray | memoryview) -> bytes | memoryview:
     """Check ``stored`` against ``header``; return the payload (decompressed if needed)."""
     if len(stored) != header.stored_len:
         raise FrameError(f"payload truncated: {len(stored)} of {header.stored_len} bytes")
@@ -173,9 +165,7 @@ def verify_payload(
         import zstandard
 
         try:
-            out = zstandard.ZstdDecompressor().decompress(
-                stored, max_output_size=header.payload_len
-            )
+            out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=header.payload_len)
         except zstandard.ZstdError as exc:
             raise FrameError(f"compressed payload does not decode: {exc}") from exc
         if len(out) != header.payload_len:

@@ -55,14 +55,12 @@ class StagedWrites:
             staged = self._open.pop(handle.token, None)
         if staged is None or staged.key != handle.key:
             raise ReservationError(
-                f"reservation {handle.token} for {handle.key} is unknown or already finished; "
-                "reserve again"
+                f"reservation {handle.token} for {handle.key} is unknown or already finished; reserve again"
             )
         if self._clock() >= staged.expires_at:
             self._stats.add("expired_reservations")
             raise ReservationError(
-                f"reservation {handle.token} for {handle.key} expired after {self._ttl_s:g} s; "
-                "reserve again"
+                f"reservation {handle.token} for {handle.key} expired after {self._ttl_s:g} s; reserve again"
             )
         return staged.buffer
 

@@ -79,9 +79,7 @@ class TierStats(Counters):
     #: Seconds per chunk object moved, ``read`` (pin / read into L1) and ``write`` (commit / put).
     #: Recorded by whoever times the call (the engine, around each tier call); not part of
     #: :meth:`snapshot`: the engine's ``latency()`` reports it, and metrics export it.
-    latency: LatencySet = field(
-        default_factory=lambda: LatencySet(TRANSFER_OPS), repr=False, compare=False
-    )
+    latency: LatencySet = field(default_factory=lambda: LatencySet(TRANSFER_OPS), repr=False, compare=False)
 
     def hit(self, nbytes: int) -> None:
         """Count one hit of ``nbytes`` (one lock round trip; hits are the hot path)."""
@@ -95,9 +93,7 @@ class TierStats(Counters):
             self.puts += n
             self.bytes_written += nbytes
 
-    def evicted(
-        self, reason: EvictionReason, n: int = 1, keys: Sequence[ObjectKey] = ()
-    ) -> None:
+    def evicted(self, reason: EvictionReason, n: int = 1, keys: Sequence[ObjectKey] = ()) -> None:
         """Count ``n`` evictions for ``reason``; tell the :attr:`listener` which ``keys`` went."""
         with self._lock:
             self.evictions[reason.value] = self.evictions.get(reason.value, 0) + n

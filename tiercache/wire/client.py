@@ -219,7 +219,9 @@ class Client:
                 "not reading: stopped or overloaded); check that it runs, then retry"
             ) from exc
         st.last_send = time.monotonic()
-        st.pending[req_id] = _Pending(convert, time.monotonic() + (self.timeout if timeout is None else timeout))
+        st.pending[req_id] = _Pending(
+            convert, time.monotonic() + (self.timeout if timeout is None else timeout)
+        )
         return req_id
 
     def _drain(self, wait_s: float) -> None:
@@ -261,7 +263,9 @@ class Client:
             return ProtocolError(reply.message, code.value)
         return ServerError(f"{code.value}: {reply.message}", code.value)
 
-    def _call(self, msg: p._Msg, convert: Callable[[Any], Any] = lambda r: r, timeout: float | None = None) -> Any:
+    def _call(
+        self, msg: p._Msg, convert: Callable[[Any], Any] = lambda r: r, timeout: float | None = None
+    ) -> Any:
         """Send and wait for the reply. Says hello again once if the server forgot us (restart)."""
         with self._lock:
             for attempt in (0, 1):
@@ -321,7 +325,9 @@ class Client:
         self._call(p.Ping(), timeout=timeout)
 
     # -- registration ----------------------------------------------------------------------------
-    def register(self, groups: Sequence[tuple[int, LayoutManifest]], timeout: float | None = None) -> list[p.GroupRef]:
+    def register(
+        self, groups: Sequence[tuple[int, LayoutManifest]], timeout: float | None = None
+    ) -> list[p.GroupRef]:
         """Register an engine's object groups ``(group id, manifest)``; returns their refs
         (fingerprint + group) for lookups. Round trip; the server stores manifests on L2/L3."""
         msg = p.RegisterEngine(groups=[p.RegisterGroup(g, m.to_dict()) for g, m in groups])
@@ -347,7 +353,12 @@ class Client:
         return self._call(msg, timeout=timeout)
 
     def lookup_async(
-        self, hashes: Sequence[bytes], groups: Sequence[p.GroupRef], *, prefetch: bool = True, max_chunks: int = 0
+        self,
+        hashes: Sequence[bytes],
+        groups: Sequence[p.GroupRef],
+        *,
+        prefetch: bool = True,
+        max_chunks: int = 0,
     ) -> int:
         """Send a lookup and return its request id at once; collect it with :meth:`poll`."""
         msg = p.Lookup(hashes=list(hashes), groups=list(groups), prefetch=prefetch, max_chunks=max_chunks)
@@ -438,7 +449,9 @@ class Client:
                 self._arena = SharedArena.attach(info.arena_name)
             return self._arena
 
-    def store_chunks(self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], timeout: float | None = None) -> int:
+    def store_chunks(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], timeout: float | None = None
+    ) -> int:
         """Store each buffer under its key: reserve → copy into the arena → commit. Two round trips
         plus the copies; aborts the reservations if a copy fails."""
         if len(keys) != len(buffers):
@@ -523,7 +536,9 @@ class Client:
         )
         return self._call(msg, lambda r: (r.keys, r.next_cursor), timeout)
 
-    def explain(self, hashes: Sequence[bytes], groups: Sequence[p.GroupRef], timeout: float | None = None) -> list[p.ExplainEntry]:
+    def explain(
+        self, hashes: Sequence[bytes], groups: Sequence[p.GroupRef], timeout: float | None = None
+    ) -> list[p.ExplainEntry]:
         """Per chunk and group: which tier holds it, or why not."""
         return self._call(p.Explain(hashes=list(hashes), groups=list(groups)), lambda r: r.entries, timeout)
 
@@ -546,10 +561,14 @@ class Client:
         ``ServerError`` code ``invalid`` for an unknown tier; ``ProtocolError`` code ``unknown_op``
         from a server older than this op.
         """
-        msg = p.ClearBatch(limit=limit, tier=tier, fingerprint=b"" if fingerprint is None else fingerprint.raw)
+        msg = p.ClearBatch(
+            limit=limit, tier=tier, fingerprint=b"" if fingerprint is None else fingerprint.raw
+        )
         return self._call(msg, lambda r: r.count, timeout)
 
-    def warm(self, keys: Sequence[ObjectKey], *, max_bytes: int = 0, timeout: float | None = None) -> p.WarmReply:
+    def warm(
+        self, keys: Sequence[ObjectKey], *, max_bytes: int = 0, timeout: float | None = None
+    ) -> p.WarmReply:
         """Promote ``keys`` (at most 10 000) into L1 from lower tiers, until ``max_bytes`` (0: no
         limit) are promoted. A server older than this op answers ``ProtocolError`` code ``unknown_op``."""
         msg = p.Warm(keys=[k.to_bytes() for k in keys], max_bytes=max_bytes)

@@ -395,7 +395,8 @@ Reply = (
 
 #: Every request op this version knows (to tell an unknown op from a malformed message).
 REQUEST_OPS: frozenset[str] = frozenset(
-    t.__struct_config__.tag for t in Request.__args__  # type: ignore[attr-defined]
+    t.__struct_config__.tag
+    for t in Request.__args__  # type: ignore[attr-defined]
 )
 
 
@@ -426,9 +427,13 @@ class Codec:
         if not isinstance(op, str):
             return req_id, ErrorCode.MALFORMED, "a request needs a string 'op' field"
         if op not in REQUEST_OPS:
-            return req_id, ErrorCode.UNKNOWN_OP, (
-                f"unknown op {op[:64]!r} for protocol version {PROTOCOL_VERSION}; "
-                f"known: {', '.join(sorted(REQUEST_OPS))}"
+            return (
+                req_id,
+                ErrorCode.UNKNOWN_OP,
+                (
+                    f"unknown op {op[:64]!r} for protocol version {PROTOCOL_VERSION}; "
+                    f"known: {', '.join(sorted(REQUEST_OPS))}"
+                ),
             )
         try:
             self.requests.decode(frame)
