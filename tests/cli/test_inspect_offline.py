@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.l2_disk import DiskTier
 from tiercache.l2_disk.reader import DiskReader
 from tiercache.l3_s3.reader import READ_OPERATIONS, S3Reader
+from tiercache.testing.poll import wait_until
 
 KiB = 1 << 10
 A = manifest()
@@ -177,11 +177,10 @@ def test_disk_inspected_while_a_server_has_it_open(
         with proc.client() as client:
             [group] = client.register([(0, A)])
             store_prompt(client, group, chunk_hashes(prompt_tokens(5), 256), nbytes=8 * KiB)
-            deadline = (
-                time.monotonic() + 30
-            )  # write-through to disk is asynchronous: poll, never sleep blindly
-            while client.stats()["tiers"]["disk"]["objects"] < 5 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # The write-through to disk is asynchronous.
+            wait_until(
+                lambda: client.stats()["tiers"]["disk"]["objects"] >= 5, what="the write-through to disk"
+            )
             served = client.stats()["tiers"]["disk"]
             assert served["objects"] == 5
             size_before = (path / "data.mdb").stat().st_size

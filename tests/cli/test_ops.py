@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.cli.app import main
 from tiercache.cli.output import Progress
 from tiercache.keys import ObjectKey
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
 
 KiB = 1 << 10
@@ -45,19 +45,13 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         with proc.client() as client:
             keys = [make_key(i) for i in range(OBJECTS)]
             assert client.store_chunks(keys, [os.urandom(SIZE) for _ in keys]) == OBJECTS
-            wait_for(
-                lambda: client.stats()["tiers"]["disk"]["objects"] == OBJECTS, "the write-through to disk"
+            wait_until(
+                lambda: client.stats()["tiers"]["disk"]["objects"] == OBJECTS,
+                what="the write-through to disk",
             )
         yield proc
     finally:
         proc.stop()
-
-
-def wait_for(predicate: object, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def objects(client: Client) -> dict[str, int]:
@@ -126,9 +120,9 @@ def test_warm_promotes_from_disk_into_l1_up_to_the_budget_most_recently_used_fir
         while client.clear_batch(100, tier="l1"):
             pass
         # The disk tier applies read touches in the background, once per sync interval.
-        wait_for(
+        wait_until(
             lambda: client.list_keys(tier="disk", limit=1, order="use")[0][0].key == make_key(0).to_bytes(),
-            "the read's recency touch",
+            what="the read's recency touch",
         )
         by_use = [ObjectKey.from_bytes(k.key) for k in client.list_keys(tier="disk", order="use")[0]]
     assert (

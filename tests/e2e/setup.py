@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -22,6 +21,7 @@ from typing import Any, Protocol, Self
 
 from tests.e2e.engine_run import make_prompts
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.testing.poll import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_RUN = "tests.e2e.engine_run"
@@ -125,12 +125,16 @@ def wait_for(server: ServerProcess, counter: str, at_least: int, deadline_s: flo
     """Poll the engine counter ``counter`` until it reaches ``at_least`` or the deadline passes, and
     return its value: the last stores of a run (and the tier writes behind them) may still be
     committing when its process exits, so poll, don't sleep."""
-    end = time.monotonic() + deadline_s
-    while True:
-        n = engine_stats(server)[counter]
-        if n >= at_least or time.monotonic() > end:
-            return n
-        time.sleep(0.05)
+    try:
+        wait_until(
+            lambda: engine_stats(server)[counter] >= at_least,
+            timeout=deadline_s,
+            interval=0.05,
+            what=f"{counter} >= {at_least}",
+        )
+    except TimeoutError:
+        pass  # the caller's assertion on the value says what is missing
+    return int(engine_stats(server)[counter])
 
 
 def wait_for_stores(server: ServerProcess, at_least: int, deadline_s: float = 30.0) -> int:

@@ -16,7 +16,6 @@ Three engine runs: the TP 2 cold run, a fresh TP 2 engine that loads, a TP 1 eng
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from tests.e2e.setup import (
     wait_for_stores,
 )
 from tiercache.keys import LayoutManifest, ObjectKey
+from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -144,9 +144,9 @@ def test_fresh_tp2_engine_loads_both_ranks_and_matches_cold_run(setup: Setup) ->
     assert hits == sum(expected) // CHUNK
     assert warm.tokens == setup.cold.tokens
     assert diff <= 1e-5
-    deadline = time.monotonic() + 30
-    while victim not in tp2_manifests(setup)[1][1] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(
+        lambda: victim in tp2_manifests(setup)[1][1], interval=0.1, what="rank 1 to store its object again"
+    )
     assert tp2_manifests(setup)[1][1] == set(chunk_index(setup.prompt_ids, CHUNK))  # stored again
 
 

@@ -21,6 +21,7 @@ from tiercache.config import DiskConfig
 from tiercache.errors import DiskTierError, TierFullError
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.l2_disk import DiskTier
+from tiercache.testing.poll import wait_until
 from tiercache.tier.frames import HEADER_BYTES, FrameFlags, FrameHeader
 
 KiB = 1 << 10
@@ -88,10 +89,7 @@ def test_a_named_background_thread_syncs_and_close_stops_it(tmp_path: Path, cloc
     names = [t.name for t in threading.enumerate()]
     assert any(n.startswith("tiercache-disk-sync") for n in names)
     tier.put(make_key(1), b"x" * 100)
-    deadline = time.monotonic() + 30
-    while tier.syncs == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert tier.syncs > 0
+    wait_until(lambda: tier.syncs > 0, what="a background sync")
     tier.close()
     tier.close()  # idempotent
     assert not any(t.name.startswith("tiercache-disk-sync") and t.is_alive() for t in threading.enumerate())
@@ -104,10 +102,11 @@ def _write_then_die(path: str, n: int) -> None:
     for i in range(n):
         key = make_key(i)
         tier.put(key, payload_for(key, 10_000 + i))
-    deadline = time.monotonic() + 30
-    while tier.syncs == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os._exit(0 if tier.syncs else 3)  # a crash: no close(), no flush()
+    try:
+        wait_until(lambda: tier.syncs > 0, what="a background sync")
+    except TimeoutError:
+        os._exit(3)
+    os._exit(0)  # a crash: no close(), no flush()
 
 
 def test_writes_survive_a_crash_after_the_background_sync(tmp_path: Path, clock: FakeClock) -> None:

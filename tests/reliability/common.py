@@ -38,16 +38,6 @@ def peak_rss_mib(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
-def wait_until(predicate: Any, timeout: float, what: str, pause: float = 0.02) -> float:
-    """Poll ``predicate`` until true; returns the seconds it took. Fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(pause)
-    return time.monotonic() - start
-
-
 def unlink_arena(name: str) -> None:
     """Remove a killed server's arena from /dev/shm (kill -9 skips its cleanup)."""
     try:

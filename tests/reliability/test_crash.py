@@ -17,10 +17,11 @@ import threading
 import time
 from pathlib import Path
 
-from tests.reliability.common import figures, payload, unlink_arena, wait_until
+from tests.reliability.common import figures, payload, unlink_arena
 from tests.server.conftest import StartServer, manifest
 from tiercache.errors import ServerError, TierCacheError
 from tiercache.keys import ObjectKey
+from tiercache.testing.poll import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -77,7 +78,9 @@ def test_kill_9_during_concurrent_writes_then_restart(start_server: StartServer,
         threads = [threading.Thread(target=write, args=(w,), name=f"writer-{w}") for w in range(writers)]
         for t in threads:
             t.start()
-        wait_until(lambda: observer.stats()["engine"]["l2_writes"] >= 600, 60, "600 chunks on disk")
+        wait_until(
+            lambda: observer.stats()["engine"]["l2_writes"] >= 600, timeout=60, what="600 chunks on disk"
+        )
         on_disk = all_disk_keys(observer)  # committed and written to L2 before the kill
         os.kill(server.process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -154,7 +157,11 @@ def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(
             os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
             worker.join(10)
             killed = time.monotonic()
-            wait_until(lambda: watcher.stats()["server"]["reservations"] == 0, 30, "reservations to expire")
+            wait_until(
+                lambda: watcher.stats()["server"]["reservations"] == 0,
+                timeout=30,
+                what="reservations to expire",
+            )
             reclaim_s = time.monotonic() - killed
             after = watcher.stats()
             # The space is really back: the whole arena can be reserved again (and then stored into).

@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 
 from tests.conftest import S3Endpoint
-from tests.reliability.common import FaultyS3Proxy, figures, payload, wait_until
+from tests.reliability.common import FaultyS3Proxy, figures, payload
 from tests.server.conftest import StartServer, manifest
 from tiercache.errors import ServerUnavailableError
 from tiercache.keys import ExtraKeys, ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
 from tiercache.wire.protocol import TicketStateName
 
@@ -72,7 +73,7 @@ def test_socket_data_files_and_arena_are_owner_only(start_server: StartServer, t
         key = ObjectKey(Fingerprint(group.fingerprint), 0, b"h" * 16)
         client.store_chunks([key], [b"x" * 4096])
         arena = Path("/dev/shm") / client.server.arena_name
-        wait_until(lambda: client.stats()["engine"]["l2_writes"] == 1, 10, "the disk write")
+        wait_until(lambda: client.stats()["engine"]["l2_writes"] == 1, timeout=10, what="the disk write")
         modes = {
             "socket": os.stat(server.endpoint.removeprefix("ipc://")).st_mode,
             "socket dir": os.stat(Path(server.endpoint.removeprefix("ipc://")).parent).st_mode,
@@ -149,11 +150,15 @@ def test_s3_credentials_never_appear_in_logs_errors_or_inspect(s3: S3Endpoint, t
             keys = [ObjectKey(fp, 0, i.to_bytes(16, "big")) for i in range(8)]
             client.store_chunks(keys[:4], [payload(k, 4096) for k in keys[:4]])
             wait_until(
-                lambda: client.stats()["engine"]["l2_writes"] == 4, 20, "writes to S3 (the first lower tier)"
+                lambda: client.stats()["engine"]["l2_writes"] == 4,
+                timeout=20,
+                what="writes to S3 (the first lower tier)",
             )
             proxy.mode = "error"  # S3 failures get logged: with no credentials in them
             client.store_chunks(keys[4:], [payload(k, 4096) for k in keys[4:]])
-            wait_until(lambda: client.stats()["engine"]["write_failures"] >= 1, 20, "a failed write")
+            wait_until(
+                lambda: client.stats()["engine"]["write_failures"] >= 1, timeout=20, what="a failed write"
+            )
             client.lookup([i.to_bytes(16, "big") for i in range(100, 104)], [group], prefetch=False)
             proxy.mode = "ok"
             for args in (

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from tests.conftest import S3Endpoint
 from tests.l3_s3.helpers import StoppableProxy
-from tests.reliability.common import FaultyS3Proxy, figures, payload, wait_until
+from tests.reliability.common import FaultyS3Proxy, figures, payload
 from tests.server.conftest import StartServer, manifest
 from tiercache.config import S3Config
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.l3_s3 import S3Tier
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef, TicketStateName
 
@@ -124,7 +125,9 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
                 d.store(seed)
                 seed += 1
             wait_until(
-                lambda: client.stats()["engine"]["l3_writes"] >= 4 * CHUNKS, 30, "warm-up write-through to S3"
+                lambda: client.stats()["engine"]["l3_writes"] >= 4 * CHUNKS,
+                timeout=30,
+                what="warm-up write-through to S3",
             )
 
             for p, (label, mode) in enumerate(phases):
@@ -192,7 +195,7 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
                 e = client.stats()["engine"]
                 return e["l3_writes"] + e["write_failures"] + e["l3_queue_drops"] == e["l2_writes"]
 
-            wait_until(accounted, 30, "every write-through accounted for")
+            wait_until(accounted, timeout=30, what="every write-through accounted for")
             e = client.stats()["engine"]
             figures(
                 "s3-outage[total]",

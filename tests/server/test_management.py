@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
 from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
 
 KiB = 1 << 10
@@ -126,10 +126,9 @@ def test_register_rejects_a_chunk_size_that_does_not_match(start_server: StartSe
 
 def wait_for_disk(client: Client, objects: int) -> None:
     """Poll until the write-through has put ``objects`` objects on disk (it runs in the background)."""
-    deadline = time.monotonic() + 30
-    while client.stats()["tiers"]["disk"]["objects"] < objects:
-        assert time.monotonic() < deadline, "the write-through to disk did not happen"
-        time.sleep(0.02)
+    wait_until(
+        lambda: client.stats()["tiers"]["disk"]["objects"] >= objects, what="the write-through to disk"
+    )
 
 
 def test_clear_batch_deletes_at_most_its_limit_from_the_tier_named(

@@ -9,22 +9,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(
-    condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.01, what: str = "the condition"
-) -> T:
-    """Call ``condition`` until it returns something truthy and return that; raise
-    :class:`TimeoutError` naming ``what`` once ``timeout`` seconds have passed.
-
-    The interval doubles from ``interval`` up to 0.25 s, so a slow condition costs few calls and a
-    fast one is seen within milliseconds.
-    """
+def wait_until(condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.02, what: str) -> T:
+    """Call ``condition`` every ``interval`` seconds until it returns something truthy, and return
+    that; raise :class:`TimeoutError` naming ``what`` once ``timeout`` seconds have passed."""
     end = time.monotonic() + timeout
-    pause = interval
     while True:
         result = condition()
         if result:
             return result
         if time.monotonic() > end:
-            raise TimeoutError(f"{what} did not happen within {timeout:g} s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.25)
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
