@@ -95,7 +95,7 @@ class Option:
     @property
     def choices(self) -> tuple[str, ...] | None:
         if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
-            return tuple(str(m.value) for m in self.kind)  # type: ignore[var-annotated]
+            return tuple(str(m.value) for m in self.kind)
         return None
 
     def to_field(self, value: Any) -> Any:
@@ -215,10 +215,10 @@ def parse_value(opt: Option, raw: Any, origin: Origin) -> Any:
             raise fail("a tier list", "use e.g. l1,disk,s3")
         return parse_tier_list(raw, origin.label())
     if kind is bool:
-        value = parse_bool(raw) if isinstance(raw, bool | str) else None
-        if value is None:
+        flag = parse_bool(raw) if isinstance(raw, bool | str) else None
+        if flag is None:
             raise fail("a boolean", "use true or false (or 1/0, yes/no, on/off)")
-        return value
+        return flag
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         choices = opt.choices or ()
         text = raw.strip().lower() if isinstance(raw, str) else raw

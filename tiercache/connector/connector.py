@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped: its bases are Any
     """tiercache as a vLLM v1 KV connector (settings: see docs/vllm.md)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -92,11 +92,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
-            self._worker.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
-            self._worker.start_load_kv(self._get_connector_metadata())  # type: ignore[arg-type]
+            self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Called by every attention layer before it reads its KV: wait for that layer's loaded pages."""
@@ -110,7 +110,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():
-            self._worker.wait_for_save(self._get_connector_metadata())  # type: ignore[arg-type]
+            self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:

@@ -1,6 +1,6 @@
 """The connector's connection to the tiercache server: best effort, never a stall.
 
-:class:`ServerLink` owns one :class:`~tiercache.client.Client`. While the server answers, callers get
+:class:`ServerLink` owns one :class:`~tiercache.wire.client.Client`. While the server answers, callers get
 the client from :meth:`ServerLink.client`. When a call fails (server down, slow, restarted), the caller
 reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
 thread (``tiercache-connector-reconnect``) tries to reconnect every ``retry_s`` seconds. While down,

@@ -66,7 +66,7 @@ class ChunkSave:
 
 
 @dataclass
-class TierCacheMetadata(KVConnectorMetadata):
+class TierCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped: its base is Any
     """One step's work for the workers.
 
     ``flush`` asks the workers to finish every queued save before the forward pass (requests were

@@ -59,7 +59,7 @@ def _empty() -> dict[str, Any]:
 
 
 @dataclass
-class TierCacheConnectorStats(KVConnectorStats):
+class TierCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped: its base is Any
     """tiercache's counters for one interval (see the module docstring for the flow)."""
 
     def __post_init__(self) -> None:
@@ -67,7 +67,7 @@ class TierCacheConnectorStats(KVConnectorStats):
         filled = _empty()
         for key, value in (self.data or {}).items():
             filled[key] = value
-        self.data = filled
+        self.data: dict[str, Any] = filled
 
     def reset(self) -> None:
         self.data = _empty()
@@ -186,7 +186,7 @@ TIER_METRIC = ("vllm:tiercache_hit_objects", "Objects of tiercache hits, by the 
 DURATION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
 
-class TierCachePromMetrics(KVConnectorPromMetrics):
+class TierCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM is untyped: its base is Any
     """Registers the ``vllm:tiercache_*`` counters and histograms, one child per engine."""
 
     def __init__(

@@ -60,13 +60,13 @@ def _as_u32_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     if isinstance(tokens, np.ndarray):
         if tokens.dtype != np.uint32 and tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
             raise ValueError("token ids must be in 0..2**32-1")
-        return memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B")
+        return np.ascontiguousarray(tokens, dtype="<u4").data.cast("B")
     if _NATIVE_U32:
         try:
             return memoryview(array.array("I", tokens)).cast("B")
         except OverflowError as exc:
             raise ValueError(f"token ids must be in 0..2**32-1: {exc}") from exc
-    return memoryview(np.fromiter(tokens, dtype="<u4", count=len(tokens))).cast("B")
+    return np.fromiter(tokens, dtype="<u4", count=len(tokens)).data.cast("B")
 
 
 def chunk_hashes(

@@ -43,7 +43,7 @@ class ObjectKey:
         # The 35-byte form holds every field: one bytes comparison instead of three field compares.
         if other.__class__ is not ObjectKey:
             return NotImplemented
-        return self._raw == other._raw  # type: ignore[attr-defined]
+        return self._raw == other._raw
 
     def __post_init__(self) -> None:
         if not 0 <= self.object_group <= MAX_OBJECT_GROUP:

@@ -13,7 +13,7 @@ ever fails for fragmentation that merging would cure.
 
 Every slot starts and ends on a multiple of ``alignment`` (4 KiB by default: page aligned, which DMA
 engines and ``cudaHostRegister``-ed copies like), so a slot of ``n`` bytes occupies ``n`` rounded up.
-Not thread-safe: the owner (:class:`~tiercache.l1.L1Tier`) calls it under its lock.
+Not thread-safe: the owner (:class:`~tiercache.l1.tier.L1Tier`) calls it under its lock.
 """
 
 from __future__ import annotations

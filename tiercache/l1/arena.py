@@ -99,7 +99,7 @@ class SharedArena:
     """A fixed-size shared-memory region, created by its owner and attachable by name.
 
     Not thread-safe by itself and it does not need to be: the region is a plain byte range; who may
-    touch which bytes is decided by the allocator of :class:`~tiercache.l1.L1Tier`.
+    touch which bytes is decided by the allocator of :class:`~tiercache.l1.tier.L1Tier`.
     Views returned by :meth:`view` stay valid after :meth:`close` until the last of them is dropped
     (the mapping is released then), so a late reader never faults.
     """

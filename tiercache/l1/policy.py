@@ -173,7 +173,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         return key in self._small or key in self._main
 
 
-def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
+def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy[K]:
     """The policy for a config value (``"lru"`` or ``"s3fifo"``)."""
     try:
         which = EvictionPolicyName(name)

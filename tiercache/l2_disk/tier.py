@@ -643,6 +643,7 @@ class DiskTier(Tier):
                 if stale_recency(meta, seqb):
                     stale.append(bytes(seqb))  # left behind by a touch or a lost meta: drop it
                     continue
+                assert meta is not None  # a missing meta is stale
                 if kb == keep or kb in pinned:
                     continue
                 key = ObjectKey.from_bytes(kb)
@@ -844,14 +845,14 @@ class DiskTier(Tier):
                 if meta is not None and data is not None and len(meta) == META_BYTES
                 else None
             )
-            if fields is not None and len(data) == fields[0]:
+            if fields is not None and meta is not None and data is not None and len(data) == fields[0]:
                 dst = alloc(fields[0])
                 dst[:] = data
                 if checksum(dst) != fields[1]:
                     corrupt = (bytes(meta), len(data), "payload checksum mismatch")
         finally:
             txn.abort()
-        if fields is None or len(data) != fields[0]:
+        if fields is None or data is None or len(data) != fields[0]:
             if meta is None and data is None:
                 self.stats.add("misses")
                 return False

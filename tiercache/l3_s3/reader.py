@@ -14,7 +14,7 @@ result; :meth:`contains`, :meth:`iter_keys` and :meth:`usage` answer from that l
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -101,9 +101,12 @@ class S3Reader:
     def get_manifest(self, fingerprint: Fingerprint) -> bytes | None:
         name = self._names.manifest(fingerprint)
         try:
-            return self._request(
-                "GetObject",
-                lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+            return cast(
+                bytes,
+                self._request(
+                    "GetObject",
+                    lambda: self.client.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+                ),
             )
         except S3TierError as exc:
             if isinstance(exc.__cause__, ClientError) and error_code(exc.__cause__) in NOT_FOUND_CODES:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -499,9 +499,12 @@ class S3Tier(Tier):
         """The stored manifest of ``fingerprint``, or ``None`` if absent or S3 is unreachable. One GET."""
         name = self.manifest_name(fingerprint)
         try:
-            return self._call(
-                "GET manifest",
-                lambda c: c.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+            return cast(
+                bytes,
+                self._call(
+                    "GET manifest",
+                    lambda c: c.get_object(Bucket=self.config.bucket, Key=name)["Body"].read(),
+                ),
             )
         except (_NotFound, S3TierError):
             return None
@@ -529,8 +532,12 @@ class S3Tier(Tier):
             kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
+
+            def list_page(c: Any, kw: dict[str, Any] = kwargs) -> Any:
+                return c.list_objects_v2(**kw)
+
             try:
-                page = self._call("LIST", lambda c, kw=kwargs: c.list_objects_v2(**kw))
+                page = self._call("LIST", list_page)
             except _NotFound as exc:
                 raise S3TierError(
                     f"S3 {self._where} disappeared while listing; was the bucket deleted? Recreate it or fix "

@@ -20,8 +20,8 @@ with the tier as a label)::
                                                          (histogram)
 
 Histograms come from a ``"latency"`` section of the stats (:meth:`Server.metrics_stats
-<tiercache.server.Server.metrics_stats>`): plain bucket counts recorded by
-:mod:`tiercache.latency`, so the engine, tiers and server never import prometheus_client.
+<tiercache.server.app.Server.metrics_stats>`): plain bucket counts recorded by
+:mod:`tiercache.tier.latency`, so the engine, tiers and server never import prometheus_client.
 
 The collector reads ``stats()`` at scrape time, so nothing is kept in between and a scrape costs one
 snapshot of the counters. The HTTP server binds to 127.0.0.1 unless told otherwise: metrics are not
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import (
@@ -46,6 +46,9 @@ from prometheus_client.utils import floatToGoString
 
 StatsSource = Callable[[], Mapping[str, Any]]
 
+# prometheus_client leaves this helper unannotated: a float bound → its Go-style text ("+Inf", "1e+07").
+_go_float = cast("Callable[[float], str]", floatToGoString)
+
 # Tier counters whose name is not already a Prometheus name (bytes go last: ``*_bytes_total``).
 _TIER_RENAMES = {"bytes_written": "written_bytes", "bytes_read": "read_bytes"}
 # Tier usage fields exported as gauges, with their help.
@@ -57,12 +60,12 @@ _TIER_GAUGES = {
 
 
 def _add_histogram(family: HistogramMetricFamily, labels: list[str], snap: Mapping[str, Any]) -> None:
-    """Add one :class:`~tiercache.latency.HistogramSnapshot` (per-bucket counts) as cumulative buckets."""
+    """Add one :class:`~tiercache.tier.latency.HistogramSnapshot` (per-bucket counts) as cumulative buckets."""
     buckets: list[tuple[str, float]] = []
     running = 0
     for bound, n in zip(snap["bounds"], snap["counts"], strict=False):
         running += n
-        buckets.append((floatToGoString(bound), running))
+        buckets.append((_go_float(bound), running))
     buckets.append(("+Inf", snap["count"]))
     family.add_metric(labels, buckets, snap["sum"])
 

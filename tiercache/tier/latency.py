@@ -2,7 +2,7 @@
 
 A :class:`LatencyHistogram` counts observations in fixed buckets (:data:`BUCKETS_S`, 10 µs … 10 s) and
 hands out plain-data :meth:`~LatencyHistogram.snapshot`\\ s, the way :class:`~tiercache.tier.Counters`
-does for counters. :mod:`tiercache.metrics` turns those snapshots into Prometheus histograms at scrape
+does for counters. :mod:`tiercache.server.metrics` turns those snapshots into Prometheus histograms at scrape
 time, so nothing that records a latency imports ``prometheus_client`` (dependencies point one way:
 tiers → this module ← metrics).
 

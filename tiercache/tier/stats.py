@@ -10,6 +10,7 @@ import enum
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier.latency import LatencySet
@@ -39,7 +40,7 @@ class Counters:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         """A consistent plain-dict copy of every counter (dicts of counts copied too)."""
         with self._lock:
             return {

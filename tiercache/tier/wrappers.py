@@ -37,7 +37,7 @@ class WrapperTier(FrontTier):
         self.remote = inner.remote
 
     @property
-    def stats(self) -> TierStats:  # type: ignore[override]
+    def stats(self) -> TierStats:
         return self.inner.stats
 
     @stats.setter

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -48,6 +48,7 @@ from tiercache.wire import protocol as p
 from tiercache.wire.auth import auth_proof
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 _PROTOCOL_CODES = {p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.VERSION_MISMATCH}
 
@@ -58,6 +59,15 @@ ServerInfo = p.HelloReply
 #: A lookup's answer: restorable ``chunks``, objects per tier, and the promotion ticket's state and
 #: (when ``ready``) its pinned slots. See :class:`~tiercache.wire.protocol.LookupReply`.
 LookupResult = p.LookupReply
+
+
+# Reply → result converters (for ``Client._call``) whose result type is the protocol's.
+def _count(reply: p.Done) -> int:
+    return reply.count
+
+
+def _data(reply: p.DataReply) -> bytes | None:
+    return reply.data
 
 
 @dataclass(slots=True)
@@ -264,9 +274,11 @@ class Client:
         return ServerError(f"{code.value}: {reply.message}", code.value)
 
     def _call(
-        self, msg: p._Msg, convert: Callable[[Any], Any] = lambda r: r, timeout: float | None = None
-    ) -> Any:
-        """Send and wait for the reply. Says hello again once if the server forgot us (restart)."""
+        self, msg: p._Msg, convert: Callable[[Any], T] = lambda r: r, timeout: float | None = None
+    ) -> T:
+        """Send, wait for the reply and return ``convert(reply)`` (the reply itself by default), typed as
+        ``convert`` or the caller says: nothing checks it at run time. Says hello again once if the
+        server forgot us (restart)."""
         with self._lock:
             for attempt in (0, 1):
                 if self._state.hello is None and not isinstance(msg, (p.Hello, p.Challenge)):
@@ -292,7 +304,7 @@ class Client:
                     self._state.pending.pop(req_id)
                     self._state.hello = None
                     continue
-                return self._result(req_id)
+                return cast(T, self._result(req_id))
         raise AssertionError("unreachable")
 
     def _say_hello(self, timeout: float | None) -> ServerInfo:
@@ -428,17 +440,17 @@ class Client:
         return self._call(msg, lambda r: r.slots, timeout)
 
     def commit(self, tokens: Sequence[int], timeout: float | None = None) -> int:
-        return self._call(p.Commit(tokens=list(tokens)), lambda r: r.count, timeout)
+        return self._call(p.Commit(tokens=list(tokens)), _count, timeout)
 
     def abort(self, tokens: Sequence[int], timeout: float | None = None) -> int:
-        return self._call(p.Abort(tokens=list(tokens)), lambda r: r.count, timeout)
+        return self._call(p.Abort(tokens=list(tokens)), _count, timeout)
 
     def pin(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[p.Slot | None]:
         """Lease the L1 copies of ``keys`` (``None`` for each not in L1)."""
         return self._call(p.Pin(keys=[k.to_bytes() for k in keys]), lambda r: r.slots, timeout)
 
     def release(self, tokens: Sequence[int], timeout: float | None = None) -> int:
-        return self._call(p.Release(tokens=list(tokens)), lambda r: r.count, timeout)
+        return self._call(p.Release(tokens=list(tokens)), _count, timeout)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
@@ -499,15 +511,15 @@ class Client:
     def put(self, key: ObjectKey, data: Buffer, timeout: float | None = None) -> bool:
         """Store ``data`` through the socket; ``False`` if L1 had no room. Bounded by the
         server's max_message_bytes."""
-        return bool(self._call(p.Put(key=key.to_bytes(), data=bytes(data)), lambda r: r.count, timeout))
+        return bool(self._call(p.Put(key=key.to_bytes(), data=bytes(data)), _count, timeout))
 
     def get(self, key: ObjectKey, timeout: float | None = None) -> bytes | None:
         """A verified copy of ``key`` from the fastest tier (promoting it), through the socket."""
-        return self._call(p.Get(key=key.to_bytes()), lambda r: r.data, timeout)
+        return self._call(p.Get(key=key.to_bytes()), _data, timeout)
 
     def delete(self, key: ObjectKey, timeout: float | None = None) -> int:
         """Remove ``key`` from every tier; how many held it."""
-        return self._call(p.Delete(key=key.to_bytes()), lambda r: r.count, timeout)
+        return self._call(p.Delete(key=key.to_bytes()), _count, timeout)
 
     # -- observation and management --------------------------------------------------------------
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
@@ -545,7 +557,7 @@ class Client:
     def clear(self, fingerprint: Fingerprint | None = None, timeout: float | None = None) -> int:
         """Delete everything (or one fingerprint's objects) from every tier; how many keys went."""
         msg = p.Clear(fingerprint=b"" if fingerprint is None else fingerprint.raw)
-        return self._call(msg, lambda r: r.count, timeout)
+        return self._call(msg, _count, timeout)
 
     def clear_batch(
         self,
@@ -564,7 +576,7 @@ class Client:
         msg = p.ClearBatch(
             limit=limit, tier=tier, fingerprint=b"" if fingerprint is None else fingerprint.raw
         )
-        return self._call(msg, lambda r: r.count, timeout)
+        return self._call(msg, _count, timeout)
 
     def warm(
         self, keys: Sequence[ObjectKey], *, max_bytes: int = 0, timeout: float | None = None
@@ -572,4 +584,4 @@ class Client:
         """Promote ``keys`` (at most 10 000) into L1 from lower tiers, until ``max_bytes`` (0: no
         limit) are promoted. A server older than this op answers ``ProtocolError`` code ``unknown_op``."""
         msg = p.Warm(keys=[k.to_bytes() for k in keys], max_bytes=max_bytes)
-        return self._call(msg, lambda r: r, timeout)
+        return self._call(msg, timeout=timeout)

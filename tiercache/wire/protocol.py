@@ -394,10 +394,7 @@ Reply = (
 )
 
 #: Every request op this version knows (to tell an unknown op from a malformed message).
-REQUEST_OPS: frozenset[str] = frozenset(
-    t.__struct_config__.tag
-    for t in Request.__args__  # type: ignore[attr-defined]
-)
+REQUEST_OPS: frozenset[str] = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 
 class Codec:
