@@ -151,6 +151,11 @@ class Tier(ABC):
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit)."""
+        self.commit(self._filled(key, data))
+
+    def _filled(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> WriteHandle:
+        """A reservation for ``key`` holding a copy of ``data``, ready to commit (aborted if the
+        copy fails)."""
         view = memoryview(data).cast("B")
         handle = self.reserve(key, view.nbytes)
         try:
@@ -158,7 +163,7 @@ class Tier(ABC):
         except BaseException:
             self.abort(handle)
             raise
-        self.commit(handle)
+        return handle
 
     def get(self, key: ObjectKey) -> bytes | None:
         """A verified copy of the payload of ``key``, or ``None`` on a miss."""
@@ -248,11 +253,4 @@ class FrontTier(Tier):
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked."""
-        view = memoryview(data).cast("B")
-        handle = self.reserve(key, view.nbytes)
-        try:
-            handle.buffer[:] = view
-        except BaseException:
-            self.abort(handle)
-            raise
-        self.commit(handle, owed=owed)
+        self.commit(self._filled(key, data), owed=owed)
