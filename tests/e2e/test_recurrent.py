@@ -73,6 +73,10 @@ class Recurrent:
     step: int  # prefill step (max_num_batched_tokens): recurrent state exists every ``step`` tokens
     dtype: str
     torchvision_stub: bool = False  # vLLM's module imports torchvision, absent from the CPU venv
+    # vLLM's CPU build keeps the GDN SSM state in float32 where the CPU has AVX-512 BF16, and in the
+    # model dtype elsewhere, which halves the state page and so N (384 → 256). Pinned, so the layout
+    # (and every expectation below) is the same on every CPU.
+    ssm_cache_dtype: str | None = None
 
     def engine_args(self) -> dict[str, Any]:
         return {
@@ -85,6 +89,7 @@ class Recurrent:
             # vLLM's default (0) keeps only "semantic" state checkpoints (the latest replay boundary of
             # each request); a periodic interval also keeps the state every step, so it can be stored.
             "prefix_cache_retention_interval": self.step,
+            **({"mamba_ssm_cache_dtype": self.ssm_cache_dtype} if self.ssm_cache_dtype else {}),
         }
 
     @property
@@ -112,11 +117,17 @@ class Recurrent:
 
 
 MODELS = {
-    "qwen3_next": Recurrent(
-        write_tiny_qwen3_next, "gdn+full", chunk=384, step=768, dtype="bfloat16"
-    ),  # the CPU GDN kernels need bf16
+    "qwen3_next": Recurrent(  # the CPU GDN kernels need bf16
+        write_tiny_qwen3_next, "gdn+full", chunk=384, step=768, dtype="bfloat16", ssm_cache_dtype="float32"
+    ),
     "qwen3_5": Recurrent(
-        write_tiny_qwen3_5, "gdn+full", chunk=384, step=768, dtype="bfloat16", torchvision_stub=True
+        write_tiny_qwen3_5,
+        "gdn+full",
+        chunk=384,
+        step=768,
+        dtype="bfloat16",
+        torchvision_stub=True,
+        ssm_cache_dtype="float32",
     ),
     "granite4": Recurrent(write_tiny_granite4, "mamba2+full", chunk=384, step=384, dtype="float32"),
 }
