@@ -32,46 +32,49 @@ class WorkQueue(Generic[T]):
 
     def __init__(self, depth: int) -> None:
         self._depth = depth
-        self._cond = threading.Condition()
-        self._items: deque[T] = deque()  # guarded by _cond
-        self._unfinished = 0  # queued or being worked on; guarded by _cond
-        self._closed = False  # guarded by _cond
+        lock = threading.Lock()
+        self._not_empty = threading.Condition(lock)  # an item was queued, or the queue closed
+        self._all_done = threading.Condition(lock)  # nothing is queued or being worked on
+        self._items: deque[T] = deque()  # guarded by lock
+        self._unfinished = 0  # queued or being worked on; guarded by lock
+        self._closed = False  # guarded by lock
 
     def put_nowait(self, item: T) -> bool:
         """Queue ``item``; ``False`` (nothing queued) when the queue is full or closed."""
-        with self._cond:
+        with self._not_empty:
             if self._closed or len(self._items) >= self._depth:
                 return False
             self._items.append(item)
             self._unfinished += 1
-            self._cond.notify_all()
+            self._not_empty.notify()
             return True
 
     def get(self) -> T | None:
         """The next item, waiting for one; ``None`` once the queue is closed and empty."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._items or self._closed)
+        with self._not_empty:
+            self._not_empty.wait_for(lambda: self._items or self._closed)
             return self._items.popleft() if self._items else None
 
     def task_done(self) -> None:
         """One item taken by :meth:`get` is finished."""
-        with self._cond:
+        with self._all_done:
             self._unfinished -= 1
-            self._cond.notify_all()
+            if self._unfinished == 0:
+                self._all_done.notify_all()
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Wait until every queued item is finished; ``False`` if ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._unfinished == 0, timeout)
+        with self._all_done:
+            return self._all_done.wait_for(lambda: self._unfinished == 0, timeout)
 
     def close(self) -> None:
         """Accept nothing more; getters drain what is queued, then get ``None``."""
-        with self._cond:
+        with self._not_empty:
             self._closed = True
-            self._cond.notify_all()
+            self._not_empty.notify_all()
 
     def qsize(self) -> int:
-        with self._cond:
+        with self._not_empty:
             return len(self._items)
 
 
