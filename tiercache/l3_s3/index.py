@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 
 from tiercache.keys.object_key import ObjectKey
 
@@ -105,9 +105,6 @@ class CapacityIndex:
     def _touch(self, key: ObjectKey) -> None:
         if self._touched is not None:
             self._touched.add(key)
-
-    def __iter__(self) -> Iterator[ObjectKey]:
-        return iter(self._sizes)
 
 
 class ExistenceCache:

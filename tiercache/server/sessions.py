@@ -58,9 +58,6 @@ class Sessions:
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)
 
-    def __len__(self) -> int:
-        return len(self.by_identity)
-
     # -- the handshake -------------------------------------------------------------------------
     def challenge(self, identity: bytes) -> p.ChallengeReply:
         """A fresh single-use nonce for ``identity`` to prove the shared secret with."""
