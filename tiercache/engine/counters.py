@@ -20,6 +20,8 @@ class EngineCounters(Counters):
     stores_dropped: int = 0
     promotions: int = 0
     promotion_failures: int = 0
+    inflight_waits: int = 0  # objects a prefetch waited for while another writer stored them
+    inflight_wait_misses: int = 0  # of those, not committed in time (aborted, expired, too slow)
     l2_queue_drops: int = 0
     l3_queue_drops: int = 0
     l2_writes: int = 0

@@ -155,25 +155,37 @@ class TieredEngine:
         return True
 
     # -- read path -------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult:
-        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing).
+    def lookup(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], *, inflight: bool = False
+    ) -> LookupResult:
+        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing); with
+        ``inflight``, objects still being written into L1 count (a :meth:`prefetch` with
+        ``inflight_wait_s`` then waits for their commit).
 
         Blocking when lower tiers must be asked (LMDB lookups; a few S3 requests for a long prompt);
         run it on a worker, not on a request loop.
         """
         self.counters.add("lookups")
-        found = self._locator.lookup(hashes, groups)
+        found = self._locator.lookup(hashes, groups, inflight=inflight)
         if found.chunks:
             self.counters.add("lookup_chunks_hit", found.chunks)
         return found
 
-    def prefetch(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int) -> PrefetchTicket:
+    def prefetch(
+        self,
+        hashes: Sequence[bytes],
+        groups: Sequence[GroupSpec],
+        chunks: int,
+        *,
+        inflight_wait_s: float = 0.0,
+    ) -> PrefetchTicket:
         """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
 
         Non-blocking: L1 hits are pinned at once; lower-tier objects are copied on the promotion
-        executor. Poll with :meth:`poll`; release with :meth:`release_ticket`.
+        executor; objects being written into L1 are pinned once committed, if that happens within
+        ``inflight_wait_s``. Poll with :meth:`poll`; release with :meth:`release_ticket`.
         """
-        return self._promoter.prefetch(hashes, groups, chunks)
+        return self._promoter.prefetch(hashes, groups, chunks, inflight_wait_s=inflight_wait_s)
 
     def poll(self, ticket: PrefetchTicket) -> TicketState:
         """Where ``ticket`` stands. Non-blocking."""

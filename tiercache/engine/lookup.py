@@ -5,6 +5,10 @@ sliding-window group the chunks of its trailing window, every recurrent group th
 stored under chunk ``T-1`` (:mod:`tiercache.keys.restore`). A hit is reported only when *all* groups
 are satisfied. Local tiers are asked in batches (one call per tier for all of a group's chunks);
 remote tiers (S3) by search, a run of keys at a time.
+
+Asked with ``inflight=True``, an object whose bytes are being written into the front tier (an open
+L1 reservation: another engine's store, or a promotion) counts as present, under the front tier: the
+caller then waits for its commit (:mod:`tiercache.engine.promotion`) instead of reporting a miss.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from dataclasses import dataclass
 from tiercache.engine.groups import GroupSpec
 from tiercache.keys.fingerprint import GroupKind
 from tiercache.keys.object_key import ObjectKey
-from tiercache.tier.contract import Tier
+from tiercache.tier.contract import FrontTier, Tier
+
+_INFLIGHT = "inflight"  # where-marker of an object being written into the front tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +29,13 @@ class LookupResult:
     """The longest restorable prefix, in chunks, and where its objects live.
 
     ``per_tier`` counts the needed objects by the highest tier holding each one (``"l1"``, ``"disk"``,
-    ``"s3"``), so a caller can report hits per tier.
+    ``"s3"``), so a caller can report hits per tier; ``inflight`` of those counted under the front
+    tier are still being written there (only with ``inflight=True``).
     """
 
     chunks: int
     per_tier: dict[str, int]
+    inflight: int = 0
 
 
 class Locator:
@@ -37,9 +45,13 @@ class Locator:
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self._tiers = list(tiers)
         self._remote = [t for t in self._tiers if t.remote]
+        self._front = self._tiers[0] if self._tiers and isinstance(self._tiers[0], FrontTier) else None
 
-    def lookup(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult:
-        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing)."""
+    def lookup(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], *, inflight: bool = False
+    ) -> LookupResult:
+        """Longest restorable prefix of ``hashes`` for all ``groups`` (all-or-nothing); with
+        ``inflight``, objects being written into the front tier count (see the module docstring)."""
         if not groups or not hashes:
             return LookupResult(0, {})
         where: dict[ObjectKey, str] = {}
@@ -48,12 +60,12 @@ class Locator:
         for g in groups:
             if g.kind is GroupKind.FULL_ATTENTION:
                 full.append(g.needed(hashes, boundary))
-                boundary = self._present_prefix(full[-1], where)
+                boundary = self._present_prefix(full[-1], where, inflight)
         partial = [g for g in groups if g.kind is not GroupKind.FULL_ATTENTION]
         partial_keys: list[ObjectKey] = []
         while boundary > 0 and partial:
             partial_keys = [k for g in partial for k in g.needed(hashes, boundary)]
-            if self._present(partial_keys, where):
+            if self._present(partial_keys, where, inflight):
                 break
             boundary -= 1
         if boundary == 0:
@@ -61,11 +73,15 @@ class Locator:
         counts: dict[str, int] = {}
         for key in [k for keys in full for k in keys[:boundary]] + partial_keys:
             counts[where[key]] = counts.get(where[key], 0) + 1
-        return LookupResult(boundary, counts)
+        writing = counts.pop(_INFLIGHT, 0)
+        if writing and self._front is not None:
+            counts[self._front.name] = counts.get(self._front.name, 0) + writing
+        return LookupResult(boundary, counts, writing)
 
-    def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> None:
+    def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> None:
         """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier
-        (one lock on L1, one read transaction on LMDB)."""
+        (one lock on L1, one read transaction on LMDB); with ``inflight``, then the keys being
+        written into the front tier."""
         pending = [k for k in dict.fromkeys(keys) if k not in where]
         for tier in self._tiers:
             if not pending or tier.remote:
@@ -75,10 +91,14 @@ class Locator:
                 if hit:
                     where[key] = tier.name
             pending = [k for k, hit in zip(pending, found, strict=True) if not hit]
+        if inflight and pending and self._front is not None:
+            for key, writing in zip(pending, self._front.writing_many(pending), strict=True):
+                if writing:
+                    where[key] = _INFLIGHT
 
-    def _present_prefix(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> int:
+    def _present_prefix(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> int:
         """How many leading ``keys`` some tier holds; fills ``where`` (remote finds included)."""
-        self._locate(keys, where)
+        self._locate(keys, where, inflight)
         i = 0
         while i < len(keys):
             if keys[i] in where:
@@ -97,9 +117,9 @@ class Locator:
             i += run
         return i
 
-    def _present(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str]) -> bool:
+    def _present(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> bool:
         """Whether every key is held by some tier (asking remote tiers key by key, cached)."""
-        self._locate(keys, where)
+        self._locate(keys, where, inflight)
         for key in keys:
             if key in where:
                 continue

@@ -5,6 +5,12 @@ caller polls the :class:`PrefetchTicket` (the request loop never waits on L2/L3)
 promotion land in an invisible L1 reservation and are verified there by the lower tier
 (``read_into``); only a verified copy is committed. A ticket settles on the longest boundary whose
 objects are all pinned.
+
+A prefetch may also wait, up to ``inflight_wait_s``, for objects whose bytes are being written into
+L1 (an open reservation: typically a prefill engine's store still in flight when its decode engine
+asks). Such an object is pinned once it is committed, never before; each :meth:`Promoter.poll`
+checks again, so the request loop still never blocks. One aborted, expired or still unwritten at the
+deadline ends the hit before its chunk, as a failed promotion does.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import enum
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -54,6 +61,7 @@ class PrefetchTicket:
     handles: dict[ObjectKey, ReadHandle] = field(default_factory=dict)
     released: bool = False
     _futures: list[Future[bool]] = field(default_factory=list)
+    _writing: dict[ObjectKey, float] = field(default_factory=dict)  # key -> monotonic deadline
 
 
 class Promoter:
@@ -67,9 +75,18 @@ class Promoter:
         self._lock = threading.Lock()  # guards each ticket's ``handles`` and ``released``
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tiercache-promote")
 
-    def prefetch(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int) -> PrefetchTicket:
-        """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones. Non-blocking."""
+    def prefetch(
+        self,
+        hashes: Sequence[bytes],
+        groups: Sequence[GroupSpec],
+        chunks: int,
+        *,
+        inflight_wait_s: float = 0.0,
+    ) -> PrefetchTicket:
+        """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones and waiting
+        up to ``inflight_wait_s`` for those being written into L1. Non-blocking."""
         ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks)
+        absent: list[ObjectKey] = []
         for key in needed_keys(groups, hashes, chunks):
             if key in ticket.handles:
                 continue
@@ -77,9 +94,16 @@ class Promoter:
             if handle is not None:
                 ticket.handles[key] = handle
             else:
+                absent.append(key)
+        writing = self._l1.writing_many(absent) if inflight_wait_s > 0 and absent else [False] * len(absent)
+        deadline = time.monotonic() + inflight_wait_s
+        for key, being_written in zip(absent, writing, strict=True):
+            if being_written:
+                ticket._writing[key] = deadline
+                self._counters.add("inflight_waits")
+            else:
                 ticket._futures.append(self._executor.submit(self.promote, ticket, key))
-        if not ticket._futures:
-            self._settle(ticket)
+        self.poll(ticket)
         return ticket
 
     def promote(self, ticket: PrefetchTicket, key: ObjectKey) -> bool:
@@ -148,15 +172,45 @@ class Promoter:
 
     def poll(self, ticket: PrefetchTicket) -> TicketState:
         """Where ``ticket`` stands. Non-blocking."""
-        if ticket.state is TicketState.PENDING and all(f.done() for f in ticket._futures):
-            with self._lock:
+        if ticket.state is not TicketState.PENDING:
+            return ticket.state
+        with self._lock:
+            if ticket._writing and not ticket.released:
+                self._pin_written(ticket)
+            if not ticket._writing and all(f.done() for f in ticket._futures):
                 self._settle(ticket)
         return ticket.state
 
+    def _pin_written(self, ticket: PrefetchTicket) -> None:
+        """Pin the awaited objects that were committed since; give up on those whose write ended
+        without a commit or whose deadline passed (the ticket then settles on a shorter prefix)."""
+        keys = list(ticket._writing)
+        still = self._l1.writing_many(keys)
+        now = time.monotonic()
+        for key, writing in zip(keys, still, strict=True):
+            handle = hold(self._l1, key)
+            if handle is not None:
+                ticket.handles[key] = handle
+            elif writing and now < ticket._writing[key]:
+                continue
+            else:
+                self._counters.add("inflight_wait_misses")
+            del ticket._writing[key]
+
     def wait(self, ticket: PrefetchTicket, timeout: float | None = None) -> TicketState:
-        """Block until ``ticket`` is decided or ``timeout`` passes (on the promotions themselves,
-        not by polling)."""
+        """Block until ``ticket`` is decided or ``timeout`` passes (on the promotions themselves and
+        on L1's commits, not by polling)."""
+        end = None if timeout is None else time.monotonic() + timeout
         wait_futures(ticket._futures, timeout)
+        while ticket._writing and not ticket.released:
+            deadline = max(ticket._writing.values())
+            if end is not None:
+                deadline = min(deadline, end)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._l1.wait_written(list(ticket._writing), left)
+            self.poll(ticket)
         return self.poll(ticket)
 
     def release(self, ticket: PrefetchTicket) -> None:
@@ -165,6 +219,7 @@ class Promoter:
             f.cancel()
         with self._lock:
             ticket.released = True
+            ticket._writing.clear()
             handles, ticket.handles = ticket.handles, {}
         for handle in handles.values():
             self._l1.release(handle)

@@ -116,6 +116,9 @@ class L1Tier(FrontTier):
         self._lock = threading.Lock()
         self._objects: dict[ObjectKey, _Slot] = {}  # visible (committed) objects
         self._reservations: dict[int, _Ticket] = {}  # token -> open reservation
+        self._writing: dict[ObjectKey, int] = {}  # key -> how many of its reservations are open
+        # Notified whenever a reservation ends (committed, aborted, expired): wait_written waits on it.
+        self._written = threading.Condition(self._lock)
         self._leases: dict[int, _Ticket] = {}  # token -> open read lease
         self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
         self._lease_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
@@ -199,7 +202,9 @@ class L1Tier(FrontTier):
                     handles.append(self._reserve_locked(key, nbytes, now))
             except BaseException:
                 for handle in handles:
-                    self._free(self._reservations.pop(handle.token).slot)
+                    ticket = self._end_reservation(handle.token)
+                    if ticket is not None:
+                        self._free(ticket.slot)
                 raise
         return handles
 
@@ -226,6 +231,7 @@ class L1Tier(FrontTier):
         token = next(self._tokens)
         expires_at = now + self._config.reservation_ttl_s
         self._reservations[token] = _Ticket(slot, expires_at)
+        self._writing[key] = self._writing.get(key, 0) + 1
         heapq.heappush(self._reservation_deadlines, (expires_at, token))
         buffer = self._arena.view(slot.offset, nbytes)
         return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
@@ -261,7 +267,7 @@ class L1Tier(FrontTier):
         ticket = self._reservations.get(handle.token)
         if ticket is None or ticket.slot.key != handle.key:
             raise ReservationError(self._reservation_gone(handle))
-        del self._reservations[handle.token]
+        self._end_reservation(handle.token)
         slot = ticket.slot
         slot.owed = owed
         slot.visible = True
@@ -281,7 +287,7 @@ class L1Tier(FrontTier):
             self._sweep(self._clock())
             ticket = self._reservations.get(handle.token)
             if ticket is not None and ticket.slot.key == handle.key:
-                del self._reservations[handle.token]
+                self._end_reservation(handle.token)
                 self._free(ticket.slot)
 
     # -- reads ---------------------------------------------------------------------------------
@@ -297,6 +303,33 @@ class L1Tier(FrontTier):
             self._check_open()
             objects = self._objects
             return [key in objects for key in keys]
+
+    def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether a reservation of each key is open (its bytes are being written, not yet
+        committed), under one lock acquisition. O(len(keys))."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            writing = self._writing
+            return [key in writing for key in keys]
+
+    def wait_written(self, keys: Sequence[ObjectKey], timeout: float) -> bool:
+        """Block until no reservation of ``keys`` is open (each was committed, aborted or expired),
+        or ``timeout`` seconds pass; ``True`` if none is open. For tools and tests: the request loop
+        asks :meth:`writing_many` instead."""
+        deadline = time.monotonic() + timeout
+        with self._written:
+            while True:
+                if self._closed:
+                    return True
+                self._sweep(self._clock())
+                if not any(key in self._writing for key in keys):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # Bounded: an expiry is noticed by a sweep, and nothing notifies when a TTL passes.
+                self._written.wait(min(left, 0.05))
 
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are committed here, under one lock acquisition. O(len(keys))."""
@@ -406,6 +439,8 @@ class L1Tier(FrontTier):
             self._closed = True
             self._objects.clear()
             self._reservations.clear()
+            self._writing.clear()
+            self._written.notify_all()
             self._leases.clear()
             self._reservation_deadlines.clear()
             self._lease_deadlines.clear()
@@ -427,7 +462,7 @@ class L1Tier(FrontTier):
         heap = self._reservation_deadlines
         while heap and heap[0][0] <= now:
             _, token = heapq.heappop(heap)
-            ticket = self._reservations.pop(token, None)
+            ticket = self._end_reservation(token)
             if ticket is not None:
                 self._free(ticket.slot)
                 self.stats.add("expired_reservations")
@@ -438,6 +473,21 @@ class L1Tier(FrontTier):
             if ticket is not None:
                 self.stats.add("expired_leases")
                 self._unpin(ticket.slot)
+
+    def _end_reservation(self, token: int) -> _Ticket | None:
+        """Close reservation ``token`` (the caller frees or publishes its slot) and wake the waiters
+        of :meth:`wait_written`."""
+        ticket = self._reservations.pop(token, None)
+        if ticket is None:
+            return None
+        key = ticket.slot.key
+        left = self._writing[key] - 1
+        if left:
+            self._writing[key] = left
+        else:
+            del self._writing[key]
+        self._written.notify_all()
+        return ticket
 
     def _can_evict(self, key: ObjectKey) -> bool:
         slot = self._objects.get(key)

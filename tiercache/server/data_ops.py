@@ -31,6 +31,8 @@ from tiercache.wire import protocol as p
 
 #: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
+#: The longest a lookup may ask to wait for objects still being stored (a ticket pins L1 meanwhile).
+MAX_INFLIGHT_WAIT_S = 60.0
 
 
 class DataOps:
@@ -90,15 +92,21 @@ class DataOps:
         if not msg.groups:
             raise Refused(p.ErrorCode.INVALID, "lookup needs at least one group")
         engine = self._engine
+        if not 0 <= msg.inflight_wait_s <= MAX_INFLIGHT_WAIT_S:
+            raise Refused(
+                p.ErrorCode.INVALID,
+                f"inflight_wait_s={msg.inflight_wait_s} is outside 0..{MAX_INFLIGHT_WAIT_S} seconds",
+            )
+        wait_s = msg.inflight_wait_s
 
         def job() -> tuple[LookupResult, PrefetchTicket | None]:
             specs = self._layouts.resolve(msg.groups)
-            found = engine.lookup(msg.hashes, specs)
+            wait = wait_s if msg.prefetch else 0.0
+            found = engine.lookup(msg.hashes, specs, inflight=wait > 0)
             ticket = None
             if msg.prefetch and found.chunks > 0:
                 target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
-                ticket = engine.prefetch(msg.hashes, specs, target)
-                engine.poll(ticket)
+                ticket = engine.prefetch(msg.hashes, specs, target, inflight_wait_s=wait)
             return found, ticket
 
         identity = session.identity

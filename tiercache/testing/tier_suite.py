@@ -419,6 +419,33 @@ class FrontTierSuite(TierSuite):
         self.fill(tier, range(1, 3 * BUDGET // CHUNK))
         assert self.peek(tier, owed) == payload_for(owed, CHUNK)
 
+    def test_a_key_is_being_written_from_its_reservation_until_commit_or_abort(self, tier: FrontTier) -> None:
+        first, second, idle = make_key(0), make_key(1), make_key(2)
+        assert tier.writing_many([first, second, idle]) == [False, False, False]
+        one, two = tier.reserve(first, CHUNK), tier.reserve(second, CHUNK)
+        assert tier.writing_many([first, second, idle]) == [True, True, False]
+        assert not tier.wait_written([first], 0.01)  # still open: the wait gives up at its bound
+        one.buffer[:] = payload_for(first, CHUNK)
+        tier.commit(one)
+        tier.abort(two)
+        assert tier.writing_many([first, second]) == [False, False]
+        assert tier.wait_written([first, second], 0.01)
+
+    def test_an_expired_reservation_is_no_longer_being_written(
+        self, tier: FrontTier, clock: FakeClock
+    ) -> None:
+        tier.reserve(make_key(0), CHUNK)
+        clock.advance(AGES)
+        assert tier.writing_many([make_key(0)]) == [False]
+
+    def test_two_writers_of_one_key_keep_it_being_written_until_both_end(self, tier: FrontTier) -> None:
+        key = make_key(0)
+        one, two = tier.reserve(key, CHUNK), tier.reserve(key, CHUNK)
+        tier.abort(one)
+        assert tier.writing_many([key]) == [True]
+        tier.commit(two)
+        assert tier.writing_many([key]) == [False]
+
     def test_when_everything_is_owed_a_reservation_is_refused_until_one_is_settled(
         self, tier: FrontTier
     ) -> None:

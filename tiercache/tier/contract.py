@@ -254,3 +254,14 @@ class FrontTier(Tier):
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked."""
         self.commit(self._filled(key, data), owed=owed)
+
+    def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key has an open reservation: its bytes are being written and not yet
+        committed (another engine's store, or a promotion). A lookup may wait for such keys instead
+        of reporting a miss. Default: a tier that cannot tell says none."""
+        return [False] * len(keys)
+
+    def wait_written(self, keys: Sequence[ObjectKey], timeout: float) -> bool:
+        """Block until no key of ``keys`` has an open reservation, or ``timeout`` passes; ``True``
+        if none has. Default: none has (see :meth:`writing_many`)."""
+        return True

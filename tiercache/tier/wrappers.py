@@ -97,6 +97,16 @@ class WrapperTier(FrontTier):
     def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
         return self.inner.read_into(key, alloc)
 
+    def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return (
+            self.inner.writing_many(keys) if isinstance(self.inner, FrontTier) else super().writing_many(keys)
+        )
+
+    def wait_written(self, keys: Sequence[ObjectKey], timeout: float) -> bool:
+        if isinstance(self.inner, FrontTier):
+            return self.inner.wait_written(keys, timeout)
+        return super().wait_written(keys, timeout)
+
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return self.inner.contains_many(keys)
 

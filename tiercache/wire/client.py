@@ -358,10 +358,19 @@ class Client:
         *,
         prefetch: bool = True,
         max_chunks: int = 0,
+        inflight_wait_s: float = 0.0,
         timeout: float | None = None,
     ) -> LookupResult:
-        """Longest restorable prefix; with ``prefetch`` also a promotion ticket. One round trip."""
-        msg = p.Lookup(hashes=list(hashes), groups=list(groups), prefetch=prefetch, max_chunks=max_chunks)
+        """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
+        ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`).
+        One round trip."""
+        msg = p.Lookup(
+            hashes=list(hashes),
+            groups=list(groups),
+            prefetch=prefetch,
+            max_chunks=max_chunks,
+            inflight_wait_s=inflight_wait_s,
+        )
         return self._call(msg, timeout=timeout)
 
     def lookup_async(
@@ -371,9 +380,17 @@ class Client:
         *,
         prefetch: bool = True,
         max_chunks: int = 0,
+        inflight_wait_s: float = 0.0,
     ) -> int:
-        """Send a lookup and return its request id at once; collect it with :meth:`poll`."""
-        msg = p.Lookup(hashes=list(hashes), groups=list(groups), prefetch=prefetch, max_chunks=max_chunks)
+        """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
+        :meth:`poll`."""
+        msg = p.Lookup(
+            hashes=list(hashes),
+            groups=list(groups),
+            prefetch=prefetch,
+            max_chunks=max_chunks,
+            inflight_wait_s=inflight_wait_s,
+        )
         return self._submit(msg, lambda r: r)
 
     def poll_ticket_async(self, ticket: int) -> int:

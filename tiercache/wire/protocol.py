@@ -144,13 +144,18 @@ class Lookup(_Msg, tag="lookup"):
     """Longest restorable prefix of ``hashes`` (16-byte chained chunk hashes) for ``groups``.
 
     With ``prefetch`` the server also promotes lower-tier hits into L1 and pins the objects of the
-    first ``min(chunks, max_chunks)`` chunks for the caller (``max_chunks=0``: no limit).
+    first ``min(chunks, max_chunks)`` chunks for the caller (``max_chunks=0``: no limit). With
+    ``inflight_wait_s > 0`` (and ``prefetch``), objects another client is still storing (reserved in
+    L1, not yet committed) count as found, and the ticket stays ``pending`` up to that many seconds
+    for their commit; they are pinned only once committed, and one not committed in time ends the
+    hit before its chunk.
     """
 
     hashes: list[bytes]
     groups: list[GroupRef]
     prefetch: bool = True
     max_chunks: int = 0
+    inflight_wait_s: float = 0.0
 
 
 class PollTicket(_Msg, tag="poll_ticket"):
