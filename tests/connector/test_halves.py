@@ -151,16 +151,28 @@ def test_recurrent_group_needs_only_the_state_at_the_boundary() -> None:
 
 
 def _recurrent_scheduler(
-    chunk: int = 768, block: int = 384, client: object = None, recurrent: bool = True
+    chunk: int = 768,
+    block: int = 384,
+    client: object = None,
+    recurrent: bool = True,
+    *,
+    loads: bool = True,
+    stores: bool = True,
 ) -> object:
     """A SchedulerHalf with kv group 0 full attention and (``recurrent``) kv group 1 recurrent
-    state, whose link is up with ``client`` (its planning methods only need a layout and a link)."""
+    state, whose link is up with ``client`` (its planning methods only need a layout and a link);
+    ``loads`` / ``stores`` as vLLM's kv_role sets them."""
     pytest.importorskip("vllm")
     from tiercache.connector.layout import EngineLayout, GroupLayout
     from tiercache.connector.scheduler import SchedulerHalf
 
     sched = SchedulerHalf(
-        None, None, ConnectorSettings(), link=link_to(client if client is not None else object())
+        None,
+        None,
+        ConnectorSettings(),
+        link=link_to(client if client is not None else object()),
+        loads=loads,
+        stores=stores,
     )
     groups = [GroupLayout(0, 0, 0, ("attn",), block, chunk // block, 196608, None)]  # type: ignore[arg-type]
     if recurrent:
@@ -232,6 +244,91 @@ def test_a_hit_loads_the_state_into_the_block_at_the_boundary() -> None:
         ([[0, 1], [0]], [[13, 14], [8]], True),
     ]
     assert load.asynchronous and load.complete
+
+
+# -- kv_role: a producer (prefill engine) never loads, a consumer (decode engine) never stores -------
+
+
+class _LookupClient:
+    """Answers every lookup with ``reply`` and records how each was asked."""
+
+    def __init__(self, reply: object) -> None:
+        self.reply, self.asked = reply, []  # type: ignore[var-annotated]
+
+    def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
+        self.asked.append((len(hashes), how))
+        return 1
+
+    def poll(self, req_id: int) -> object:
+        return self.reply
+
+
+def _prompt_request(tokens: int = 2400) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id="r", prompt_token_ids=list(range(tokens)), lora_request=None)
+
+
+def _scheduled(tokens: int = 2400) -> object:
+    from types import SimpleNamespace
+
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 8)),), num_computed_tokens=0)
+    return _output([new], {}, {"r": tokens})
+
+
+def test_a_producer_never_loads_and_stores_only_what_the_server_lacks() -> None:
+    pytest.importorskip("vllm")
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=2, per_tier={"l1": 2}))
+    sched = _recurrent_scheduler(client=client, recurrent=False, loads=False)
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    assert client.asked == [(3, {"prefetch": False, "max_chunks": 3, "inflight_wait_s": 0.0})]
+    meta = sched.build_connector_meta(_scheduled())  # type: ignore[attr-defined]
+    assert [s.chunk_index for s in meta.saves] == [2]  # chunks 0 and 1 are on the server already
+    assert sched.request_finished(_prompt_request()) == (True, None)  # type: ignore[attr-defined]
+
+
+def test_a_consumer_loads_waiting_for_stores_in_flight_and_never_stores() -> None:
+    pytest.importorskip("vllm")
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _recurrent_scheduler(client=client, recurrent=False, stores=False)
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    wait = ConnectorSettings().inflight_wait_s
+    assert wait > 0
+    assert client.asked == [(3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait})]
+    assert not sched.build_connector_meta(_scheduled()).saves  # type: ignore[attr-defined]
+    assert sched.request_finished(_prompt_request()) == (False, None)  # type: ignore[attr-defined]
+
+
+def test_kv_both_loads_and_stores() -> None:
+    pytest.importorskip("vllm")
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _recurrent_scheduler(client=client, recurrent=False)
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    assert client.asked[0][1]["prefetch"] is True
+    assert [s.chunk_index for s in sched.build_connector_meta(_scheduled()).saves] == [0, 1, 2]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("role", "words"),
+    [("kv_producer", "never loads"), ("kv_consumer", "never stores"), ("kv_both", "loads what")],
+)
+def test_the_start_up_line_says_what_the_role_does(role: str, words: str) -> None:
+    pytest.importorskip("vllm")
+    from tiercache.connector.connector import describe_role
+
+    assert role in describe_role(role) and words in describe_role(role)
+
+
+@pytest.mark.parametrize("wait", [-1, 61, "soon"])
+def test_inflight_wait_outside_its_range_is_refused(wait: object) -> None:
+    with pytest.raises(ConfigError, match="inflight_wait_s"):
+        ConnectorSettings.from_extra_config({"inflight_wait_s": wait})
 
 
 # -- asynchronous loads: the scheduler half's side of vLLM's WAITING_FOR_REMOTE_KVS protocol ---------

@@ -247,3 +247,55 @@ def test_an_underivable_kernel_block_falls_back_to_the_manager_block(monkeypatch
 
     monkeypatch.setattr(vllm.v1.attention.selector, "get_attn_backend", broken)
     assert _derive() == 64  # the worker then checks the real tensors and refuses a mismatch
+
+
+# -- a producer (prefill engine) reserves its step's stores before the step returns ----------------
+
+
+class GatedClient(FakeClient):
+    """A server whose reserve answers only once ``gate`` is opened; notes when it answered."""
+
+    def __init__(self, arena: SharedArena) -> None:
+        super().__init__(arena)
+        self.gate, self.reserved = threading.Event(), threading.Event()
+
+    def reserve(self, items: list[tuple[Any, int]]) -> list[Slot]:
+        assert self.gate.wait(10)
+        slots = super().reserve(items)
+        self.reserved.set()
+        return slots
+
+
+@pytest.mark.parametrize("producer", [True, False], ids=["kv_producer", "kv_both"])
+def test_a_producers_step_returns_only_once_its_stores_are_reserved(worker, producer: bool) -> None:  # type: ignore[no-untyped-def]
+    """So its response can never reach the decode engine before the server knows the chunks are
+    coming (a decode lookup then waits for their commit); kv_both does not wait."""
+    w, client, _ = worker
+    gated = GatedClient(client.arena())
+    w.link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
+    w._reserve_before_return = producer
+    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
+    w._saver.start()
+    threading.Timer(0.2, gated.gate.set).start()
+    w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"g" * 16, [[1, 2]])]))
+    assert gated.reserved.is_set() is producer
+    assert w.get_finished({"r"}) == ({"r"}, None)
+    assert len(gated.objects) == 1
+    w._queue.put(_STOP)
+    w._saver.join(5)
+
+
+def test_a_producer_whose_server_never_answers_waits_at_most_timeout_s(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, _ = worker
+    gated = GatedClient(client.arena())
+    w.link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
+    w._reserve_before_return = True
+    w._settings = ConnectorSettings(timeout_s=0.1)
+    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
+    w._saver.start()
+    w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"h" * 16, [[1, 2]])]))
+    assert not gated.reserved.is_set()  # returned at the bound, the store still queued
+    gated.gate.set()
+    assert w.get_finished({"r"}) == ({"r"}, None)
+    w._queue.put(_STOP)
+    w._saver.join(5)

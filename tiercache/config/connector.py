@@ -10,6 +10,10 @@ Keys (all optional)::
                   model revision, else a content fingerprint of the checkpoint files)
     overlap_loads write loaded pages layer by layer while the forward pass runs (default false;
                   on CUDA, true makes vLLM switch CUDA graphs to PIECEWISE mode)
+    inflight_wait_s
+                  how long a lookup waits for chunks another engine is still storing (reserved on
+                  the server, not yet committed: a prefill engine's stores when its decode engine
+                  asks), seconds; 0 reports them as misses (default 2.0)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -24,7 +28,9 @@ from typing import Any
 from tiercache.config.values import parse_bool
 from tiercache.errors import ConfigError
 
-_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads")
+_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads", "inflight_wait_s")
+#: The server refuses a longer wait (it pins L1 for the waiting lookup meanwhile).
+MAX_INFLIGHT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +43,18 @@ class ConnectorSettings:
     retry_s: float = 5.0
     weights_id: str | None = None
     overlap_loads: bool = False
+    inflight_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ConfigError(f"kv_connector_extra_config timeout_s={self.timeout_s!r} must be > 0 seconds")
         if not self.retry_s > 0:
             raise ConfigError(f"kv_connector_extra_config retry_s={self.retry_s!r} must be > 0 seconds")
+        if not 0 <= self.inflight_wait_s <= MAX_INFLIGHT_WAIT_S:
+            raise ConfigError(
+                f"kv_connector_extra_config inflight_wait_s={self.inflight_wait_s!r} must be 0 to "
+                f"{MAX_INFLIGHT_WAIT_S:g} seconds (0: never wait for chunks still being stored)"
+            )
         if self.server is not None and not self.server.startswith(("ipc://", "tcp://")):
             raise ConfigError(
                 f"kv_connector_extra_config server={self.server!r} is not a tiercache endpoint; "
@@ -62,16 +74,26 @@ class ConnectorSettings:
         try:
             return cls(
                 server=str(raw["server"]) if raw.get("server") else None,
-                timeout_s=float(raw.get("timeout_s", 2.0)),
+                timeout_s=_seconds(raw, "timeout_s", 2.0),
                 auth_secret=str(raw["auth_secret"])
                 if raw.get("auth_secret")
                 else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
-                retry_s=float(raw.get("retry_s", 5.0)),
+                retry_s=_seconds(raw, "retry_s", 5.0),
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
                 overlap_loads=_flag(raw.get("overlap_loads", False)),
+                inflight_wait_s=_seconds(raw, "inflight_wait_s", 2.0),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc
+
+
+def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
+    """``raw[key]`` as seconds (a number or a numeric string), naming the key when it is not."""
+    value = raw.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} is not a number of seconds") from None
 
 
 def _flag(value: Any) -> bool:

@@ -38,6 +38,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def describe_role(kv_role: str | None) -> str:
+    """What the connector does in ``kv_role`` (logged once at start-up)."""
+    if kv_role == "kv_producer":
+        return (
+            "kv_role kv_producer: stores every full prompt chunk and never loads (a prefill engine); "
+            "each step's stores are reserved on the server before the step returns, so a decode "
+            "engine asking next waits for them instead of missing"
+        )
+    if kv_role == "kv_consumer":
+        return "kv_role kv_consumer: loads what the server holds and never stores (a decode engine)"
+    return "kv_role kv_both: loads what the server holds and stores what this engine computes"
+
+
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped: its bases are Any
     """tiercache as a vLLM v1 KV connector (settings: see docs/vllm.md)."""
 
@@ -49,11 +62,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         self._scheduler = None
         self._worker = None
+        # vLLM's kv_role: kv_producer stores and never loads, kv_consumer loads and never stores.
+        loads = bool(transfer.is_kv_consumer) if transfer is not None else True
+        stores = bool(transfer.is_kv_producer) if transfer is not None else True
         if role == KVConnectorRole.SCHEDULER:
             from tiercache.connector.scheduler import SchedulerHalf
 
+            log.info("tiercache: %s", describe_role(transfer.kv_role if transfer is not None else None))
             if (
-                transfer is not None
+                loads
+                and transfer is not None
                 and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute"
             ):
                 log.warning(
@@ -62,11 +80,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     "recomputes instead.",
                     transfer.kv_load_failure_policy,
                 )
-            self._scheduler = SchedulerHalf(vllm_config, kv_cache_config, self.settings)
+            self._scheduler = SchedulerHalf(
+                vllm_config, kv_cache_config, self.settings, loads=loads, stores=stores
+            )
         else:
             from tiercache.connector.worker import WorkerHalf
 
-            self._worker = WorkerHalf(vllm_config, kv_cache_config, self.settings)
+            self._worker = WorkerHalf(
+                vllm_config, kv_cache_config, self.settings, reserve_before_return=stores and not loads
+            )
 
     # A best-effort cache: a preempted request is simply recomputed.
     @property

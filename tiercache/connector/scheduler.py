@@ -111,6 +111,10 @@ class SchedulerHalf:
 
     ``link`` builds the connection to the server (a test passes a fake one); it is started here, and
     on every (re)connect the engine's layout is derived, checked and registered (:meth:`use_layout`).
+
+    ``loads`` / ``stores`` follow vLLM's ``kv_role``: a producer (prefill engine) stores and never
+    loads: its lookups only learn what the server already has, so nothing is stored twice; a
+    consumer (decode engine) loads and never stores; ``kv_both`` does both.
     """
 
     def __init__(
@@ -120,7 +124,11 @@ class SchedulerHalf:
         settings: ConnectorSettings,
         *,
         link: LinkFactory = ServerLink,
+        loads: bool = True,
+        stores: bool = True,
     ) -> None:
+        self._loads_enabled = loads
+        self._stores_enabled = stores
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._settings = settings
@@ -228,7 +236,11 @@ class SchedulerHalf:
                 return 0, False
             try:
                 st.pending_id = client.lookup_async(
-                    st.hashes(chunk)[:limit], self._refs, prefetch=True, max_chunks=limit
+                    st.hashes(chunk)[:limit],
+                    self._refs,
+                    prefetch=self._loads_enabled,  # a producer asks only how much is stored already
+                    max_chunks=limit,
+                    inflight_wait_s=self._settings.inflight_wait_s if self._loads_enabled else 0.0,
                 )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
@@ -262,8 +274,8 @@ class SchedulerHalf:
                 st.ticket = result.ticket
             if result.per_tier:  # only the first reply has it; ticket polls do not
                 st.per_tier = dict(result.per_tier)
-            if result.state is p.TicketStateName.PENDING:  # promotion from a lower tier is running
-                if time.monotonic() - st.sent_at > self._settings.timeout_s:
+            if result.state is p.TicketStateName.PENDING:  # promotion or another engine's store running
+                if time.monotonic() - st.sent_at > self._settings.timeout_s + self._settings.inflight_wait_s:
                     log.info("tiercache: promotion for %s too slow; computing instead", st.req_id)
                     self._drop_ticket(st)
                     self._settle_miss(st)
@@ -458,7 +470,7 @@ class SchedulerHalf:
         """Schedule stores for the prompt chunks that are complete once this step has run
         (``before``: tokens computed before this step, ``scheduled``: tokens it computes)."""
         layout = self.layout
-        if layout is None or not st.prompt or self.link.client() is None:
+        if not self._stores_enabled or layout is None or not st.prompt or self.link.client() is None:
             return
         chunk = layout.chunk_size
         end = min(before + scheduled, len(st.prompt)) // chunk

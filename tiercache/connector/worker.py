@@ -32,7 +32,11 @@
   and commits. The scheduler holds finished requests' blocks until ``get_finished`` reports them; it
   waits for that request's queued saves first, so reported blocks are never read again. When
   requests were preempted (their blocks may be rewritten this step) every queued save is finished
-  before the forward pass (``handle_preemptions``).
+  before the forward pass (``handle_preemptions``). A producer (``kv_role`` ``kv_producer``: a
+  prefill engine whose decode engine asks the same server next) waits in ``wait_for_save`` until the
+  thread has *reserved* this step's chunks (one round trip, bounded by ``timeout_s``): its response
+  can then never reach the decode engine before the server knows the chunks are coming, and a
+  decode lookup waits for their commit (``inflight_wait_s``) instead of missing.
 
 Copies go through a :class:`~tiercache.connector.copy.PageCopyEngine` chosen from the KV tensors'
 device (CPU: plain ``torch`` copies; CUDA: pinned arena, DMA on a side stream ordered by events), over
@@ -105,10 +109,12 @@ class WorkerHalf:
         settings: ConnectorSettings,
         *,
         link: LinkFactory = ServerLink,
+        reserve_before_return: bool = False,
     ) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._settings = settings
+        self._reserve_before_return = reserve_before_return  # a producer's (see the module docstring)
         self._rank = 0
         self._groups: list[GroupLayout] = []
         self._fingerprints: dict[int, Fingerprint] = {}
@@ -362,7 +368,12 @@ class WorkerHalf:
                 self._with_saves.add(rid)
         # What the save thread's copies wait for (CUDA: an event after this forward pass).
         ready = self._copy.save_point() if self._copy is not None else None
-        self._queue.put((ready, list(meta.saves)))
+        reserved = threading.Event()
+        self._queue.put((ready, list(meta.saves), reserved))
+        if self._reserve_before_return:
+            # Earlier batches' copies are ahead of this one in the queue: bound the whole wait.
+            if not reserved.wait(self._settings.timeout_s):
+                log.debug("tiercache: this step's stores were not reserved within timeout_s")
 
     def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
         """The first hook of every step, before vLLM prepares inputs: finish queued saves whose
@@ -389,15 +400,16 @@ class WorkerHalf:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ready, batch = item
+            ready, batch, reserved = item
             started = time.perf_counter()
             saved, skipped, stored_bytes = self.stats["saved_chunks"], self.stats["save_skipped"], 0
             try:
-                stored_bytes = self._save_batch(batch, ready)
+                stored_bytes = self._save_batch(batch, ready, reserved)
             except Exception as exc:  # a failed store is a skipped store, never a crash
                 log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
                 self.stats["save_skipped"] += len(batch)
             finally:
+                reserved.set()  # also when nothing was reserved: the engine must not wait for it
                 # This thread is the only writer of the store counters: the deltas are this batch's.
                 self._record_store(
                     self.stats["saved_chunks"] - saved,
@@ -421,8 +433,11 @@ class WorkerHalf:
         if skipped:
             self.recorder.add("store_skipped", skipped)
 
-    def _save_batch(self, batch: list[ChunkSave], ready: Any = None) -> int:
-        """Store a batch; returns the bytes committed (0 when skipped)."""
+    def _save_batch(
+        self, batch: list[ChunkSave], ready: Any = None, reserved: threading.Event | None = None
+    ) -> int:
+        """Store a batch; returns the bytes committed (0 when skipped). ``reserved`` is set once
+        the server holds the batch's reservations (or it was skipped)."""
         client = self.link.client()
         if client is None or not self._groups:
             self.stats["save_skipped"] += len(batch)
@@ -454,6 +469,8 @@ class WorkerHalf:
             self.link.failed("store", exc)
             self.stats["save_skipped"] += len(batch)
             return 0
+        if reserved is not None:
+            reserved.set()
         tokens = [s.token for s in slots if s is not None]
         try:
             arena = client.arena()

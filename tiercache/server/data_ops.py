@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from tiercache.config.connector import MAX_INFLIGHT_WAIT_S
 from tiercache.config.parts import ServerOptions
 from tiercache.engine import (
     LookupResult,
@@ -31,8 +32,6 @@ from tiercache.wire import protocol as p
 
 #: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
-#: The longest a lookup may ask to wait for objects still being stored (a ticket pins L1 meanwhile).
-MAX_INFLIGHT_WAIT_S = 60.0
 
 
 class DataOps:
