@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import shlex
 import shutil
 import subprocess
@@ -20,64 +19,23 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tiercache.server")
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
-READY_TIMEOUT_S = 60
-BLOCK_TIMEOUT_S = 120
-
-_BLOCK = re.compile(
-    r"(?:<!--\s*quickstart:\s*(?P<marker>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)^```",
-    re.DOTALL | re.MULTILINE,
+from tests.docs.quickstart import (
+    QUICKSTART,
+    Block,
+    cpu_vllm_block,
+    fenced_bodies,
+    parse_blocks,
+    shell_commands,
 )
 
-
-@dataclass(frozen=True)
-class Block:
-    kind: str  # "server", "run" or "skip"
-    lang: str
-    body: str
-    expect: tuple[str, ...]
-    reason: str
-    line: int
-
-
-def parse_blocks(text: str) -> list[Block]:
-    """Every fenced block of the page, with its marker (a block without one is an error)."""
-    text = re.sub(
-        r"<!--(?!\s*quickstart:).*?-->", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.DOTALL
-    )
-    blocks = []
-    for m in _BLOCK.finditer(text):
-        line = text.count("\n", 0, m.start("lang")) + 1
-        marker = m.group("marker")
-        if marker is None:
-            raise AssertionError(
-                f"{QUICKSTART.name}:{line}: code block without a <!-- quickstart: ... --> marker"
-            )
-        kind = marker.split()[0]
-        assert kind in ("server", "run", "skip"), f"{QUICKSTART.name}:{line}: unknown marker {marker!r}"
-        reason = marker[len(kind) :].strip()
-        if kind == "skip":
-            assert reason.startswith("(") and reason.endswith(")"), (
-                f"{QUICKSTART.name}:{line}: a skip says why"
-            )
-        blocks.append(
-            Block(
-                kind,
-                m.group("lang"),
-                m.group("body"),
-                tuple(re.findall(r'expect="([^"]*)"', marker)),
-                reason,
-                line,
-            )
-        )
-    return blocks
+READY_TIMEOUT_S = 60
+BLOCK_TIMEOUT_S = 120
 
 
 def test_every_block_of_the_quickstart_is_marked() -> None:
@@ -101,6 +59,40 @@ def test_the_quickstart_keeps_the_readme_set_up_command_and_both_vllm_configs() 
         assert '"kv_connector": "TierCacheConnector"' in body
         assert '"kv_connector_module_path": "tiercache.connector"' in body
         assert '"kv_role": "kv_both"' in body
+
+
+def test_the_cpu_vllm_command_is_the_module_form_with_the_cpu_flags() -> None:
+    """The CPU wheel's ``vllm`` console script cannot start (it asks for a distribution named
+    ``vllm``), so the CPU block runs the module; tests/e2e/test_openai_server.py runs it as written."""
+    commands = shell_commands(cpu_vllm_block(parse_blocks(QUICKSTART.read_text())).body)
+    [serve] = [c for c in commands if "vllm.entrypoints.openai.api_server" in c]
+    assert serve[:5] == [
+        ".venv-vllm/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "MODEL",
+    ]
+    for flag in (
+        "--enable-prefix-caching",
+        "--block-size",
+        "--gpu-memory-utilization",
+        "--kv-transfer-config",
+    ):
+        assert flag in serve
+    assert not any(c[0].endswith("vllm") for c in commands), "the CPU wheel's vllm command fails"
+
+
+def test_vllm_md_gives_the_same_cpu_command_as_the_quickstart() -> None:
+    quickstart = shell_commands(cpu_vllm_block(parse_blocks(QUICKSTART.read_text())).body)
+    [serve] = [c for c in quickstart if "vllm.entrypoints.openai.api_server" in c]
+    vllm_md = (QUICKSTART.parent / "vllm.md").read_text()
+    quick_start = vllm_md[
+        vllm_md.index("## Quick start") : vllm_md.index("\n## ", vllm_md.index("## Quick start"))
+    ]
+    documented = [c for body in fenced_bodies(quick_start) for c in shell_commands(body)]
+    assert serve in documented
+    assert any(c[:2] == ["vllm", "serve"] for c in documented)  # and the GPU wheel's command
 
 
 class Server:
