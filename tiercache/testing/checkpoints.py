@@ -92,3 +92,58 @@ def write_tiny_checkpoint(
         else:
             w[name] = torch.zeros(shape)
     save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
+
+
+#: The chat template :func:`write_tokenizer` saves: ``<s>`` then each message's content, space-separated
+#: (no role words: every word of a prompt must be one of the tokenizer's words).
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %} {{ message['content'] }}{% endfor %}"
+
+#: The words :func:`write_tokenizer` gives its special ids; every other id ``i`` is the word ``t{i}``.
+SPECIAL_WORDS = {0: "<pad>", 1: "<s>", 2: "</s>"}
+
+
+def token_word(token_id: int) -> str:
+    """The word :func:`write_tokenizer`'s tokenizer has for ``token_id``."""
+    return SPECIAL_WORDS.get(token_id, f"t{token_id}")
+
+
+def token_text(token_ids: list[int]) -> str:
+    """``token_ids`` as the text :func:`write_tokenizer`'s tokenizer encodes back to exactly them."""
+    return " ".join(token_word(t) for t in token_ids)
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Write a tokenizer for a tiny checkpoint into ``directory`` (next to its ``config.json``), so an
+    OpenAI server or a load generator can serve it: decode → encode round-trips exactly.
+
+    A ``tokenizers`` ``WordLevel`` model with one word per id (:func:`token_word`: ``<pad>`` = 0,
+    ``<s>`` = 1 (bos), ``</s>`` = 2 (eos), ``t3`` … ``t{vocab_size - 1}``; an unknown word encodes as
+    ``<pad>``), a ``WhitespaceSplit`` pre-tokenizer, no post-processor (nothing is added to a prompt)
+    and a decoder that joins the words with single spaces. Saved as ``tokenizer.json`` plus a
+    ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` (``AutoTokenizer`` loads it), with
+    :data:`CHAT_TEMPLATE` so ``/v1/chat/completions`` works: a chat renders as ``<s> CONTENT ...``.
+    Only ``tokenizers`` is needed to write it; no download is involved.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size <= len(SPECIAL_WORDS):
+        raise ValueError(f"vocab_size {vocab_size} leaves no ordinary words")
+    tok = Tokenizer(
+        models.WordLevel(vocab={token_word(i): i for i in range(vocab_size)}, unk_token=SPECIAL_WORDS[0])
+    )
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # no word starts with ##: joins with spaces
+    tok.add_special_tokens(list(SPECIAL_WORDS.values()))  # skipped by decode(skip_special_tokens=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": SPECIAL_WORDS[0],
+        "bos_token": SPECIAL_WORDS[1],
+        "eos_token": SPECIAL_WORDS[2],
+        "unk_token": SPECIAL_WORDS[0],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
