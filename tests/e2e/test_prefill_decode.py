@@ -1,0 +1,170 @@
+"""Prefill and decode on separate engines through one tiercache server: two of vLLM's OpenAI servers
+(``kv_role`` ``kv_producer`` and ``kv_consumer``, the multiprocess engine as ``vllm serve`` runs it)
+behind a small proxy that sends each request to the prefill engine with ``max_tokens=1`` and then,
+at once, to the decode engine.
+
+The prefill engine stores slowly (``tests/e2e/slow_store_site``: every store's copy sleeps first), so its stores are still in flight when its responses return, as they are under load.
+
+The claims: for every prompt the decode engine loads all its full chunks (its response's cached
+tokens say so: it computes only the rest), because its lookups waited for the stores in flight
+(the server counts those waits); the decode engine stores nothing, the prefill engine stores each
+chunk once; and the decode engine's outputs equal a single engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv
+from tests.e2e.pd_proxy import PDProxy
+from tests.e2e.setup import engine_stats, wait_for
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.testing.checkpoints import token_text, write_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+MiB = 1 << 20
+CHUNK = 64
+LENGTHS = [200, 300, 257, 450, 129, 380]  # full chunks: 3, 4, 4, 7, 2, 5 (at least one token is computed)
+MAX_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-3
+STORE_DELAY_S = 0.2  # per stored chunk on the prefill engine: its stores outlive its responses
+SLOW_STORE_SITE = Path(__file__).parent / "slow_store_site"
+
+
+def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
+    """An OpenAI server for the tiny model whose connector plays ``role`` (plugin name only)."""
+    transfer = {
+        "kv_connector": "TierCacheConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 10},
+    }
+    return api_server_argv(
+        model,
+        "--dtype=float32",
+        "--block-size=32",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--seed=0",
+        "--max-model-len=1024",
+        "--gpu-memory-utilization=0.1",
+        "--num-gpu-blocks-override=128",
+        "--enable-prompt-tokens-details",
+        f"--kv-transfer-config={json.dumps(transfer)}",
+    )
+
+
+@dataclass
+class PD:
+    server: ServerProcess
+    producer: OpenAIServer
+    consumer: OpenAIServer
+    proxy: PDProxy
+    prompts: list[str]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    tmp = tmp_path_factory.mktemp("pd")
+    model = tmp / "model"
+    write_tiny_llama(model, seed=1234)
+    write_tokenizer(model, 512)
+    server = ServerProcess(
+        ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK})
+    )
+    server.wait_ready()
+    producer = OpenAIServer(
+        engine_argv(model, "kv_producer", server.endpoint),
+        tmp / "producer.log",
+        env={
+            "TIERCACHE_TEST_STORE_DELAY_S": str(STORE_DELAY_S),
+            "PYTHONPATH": os.pathsep.join(
+                [str(SLOW_STORE_SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+    )
+    consumer = OpenAIServer(engine_argv(model, "kv_consumer", server.endpoint), tmp / "consumer.log")
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        proxy = PDProxy(producer.url, consumer.url)
+        yield PD(server, producer, consumer, proxy, [token_text(p) for p in make_prompts(LENGTHS, seed=11)])
+        proxy.close()
+    finally:
+        producer.stop()
+        consumer.stop()
+        server.stop()
+
+
+def through_proxy(proxy: PDProxy, prompt: str) -> Completion:
+    with httpx.Client(base_url=proxy.url, timeout=300) as http:
+        r = http.post(
+            "/v1/completions",
+            json={
+                "model": "",
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+            },
+        )
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choice = data["choices"][0]
+    details = data["usage"].get("prompt_tokens_details") or {}
+    return Completion(
+        choice["text"],
+        [float(x) for x in choice["logprobs"]["token_logprobs"]],
+        int(data["usage"]["prompt_tokens"]),
+        details.get("cached_tokens"),
+    )
+
+
+def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd: PD) -> None:
+    before = engine_stats(pd.server)
+    # All at once: the prefill engine's stores of one prompt are in flight while others are decoded.
+    with ThreadPoolExecutor(len(pd.prompts)) as pool:
+        decoded = list(pool.map(lambda p: through_proxy(pd.proxy, p), pd.prompts))
+    assert pd.proxy.prefills == len(pd.prompts)
+    full = [(n - 1) // CHUNK * CHUNK for n in LENGTHS]
+    assert [d.prompt_tokens for d in decoded] == LENGTHS
+    assert [d.cached_tokens for d in decoded] == full  # the decode engine computed only the rest
+    after = engine_stats(pd.server)
+    print(
+        f"\nP/D: cached {[d.cached_tokens for d in decoded]} of {LENGTHS} prompt tokens; "
+        f"server stores {after['stores'] - before['stores']}, in-flight waits "
+        f"{after['inflight_waits'] - before['inflight_waits']} (missed "
+        f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})"
+    )
+    assert after["inflight_waits"] > before["inflight_waits"]  # the race happened, and was waited out
+    assert after["inflight_wait_misses"] == before["inflight_wait_misses"]
+
+    # A single engine (the prefill one, asked for the whole completion) gives the same outputs.
+    single = [pd.producer.complete(p, MAX_TOKENS) for p in pd.prompts]
+    assert [d.text for d in decoded] == [s.text for s in single]
+    worst = max(d.max_logprob_diff(s) for d, s in zip(decoded, single, strict=True))
+    assert worst < LOGPROB_TOLERANCE, worst
+
+
+def test_the_decode_engine_stores_nothing_and_the_prefill_engine_stores_each_chunk_once(pd: PD) -> None:
+    stores = engine_stats(pd.server)["stores"]
+    prompt = token_text(make_prompts([333], seed=99)[0])
+    first = pd.consumer.complete(prompt, MAX_TOKENS)  # the consumer computes it all, stores nothing
+    assert first.cached_tokens == 0
+    through_proxy(pd.proxy, prompt)  # now the producer computes and stores it
+    assert wait_for(pd.server, "stores", stores + 333 // CHUNK) == stores + 333 // CHUNK
+    through_proxy(pd.proxy, prompt)  # the server has every chunk: nothing is stored twice
+    assert engine_stats(pd.server)["stores"] == stores + 333 // CHUNK
