@@ -99,8 +99,8 @@ class OpenAIServer:
         environ.update(
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [environ.get("PYTHONPATH")])]),
-            **(env or {}),
         )
+        environ.update(env or {})  # may replace PYTHONPATH too (e.g. a test-only sitecustomize first)
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
             # A session of its own: stop() can reach the engine core process vLLM forks, by group id.
