@@ -325,6 +325,32 @@ def test_the_start_up_line_says_what_the_role_does(role: str, words: str) -> Non
     assert role in describe_role(role) and words in describe_role(role)
 
 
+def test_the_connectors_lines_go_through_vllms_log_handlers() -> None:
+    import logging
+
+    pytest.importorskip("vllm")
+    from tiercache.connector.connector import adopt_log_handlers
+
+    theirs, ours = logging.getLogger("test-vllm-like"), logging.getLogger("test-tiercache-like")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    theirs.addHandler(handler)
+    theirs.setLevel(logging.INFO)
+    try:
+        adopt_log_handlers(ours, theirs)
+        adopt_log_handlers(ours, theirs)  # idempotent: one handler, one line
+        ours.getChild("connector").info("tiercache: connected")
+        ours.getChild("connector").debug("not at INFO")
+        assert seen == ["tiercache: connected"]
+        assert not ours.propagate
+    finally:
+        theirs.removeHandler(handler)
+        ours.handlers.clear()
+        ours.propagate = True
+        ours.setLevel(logging.NOTSET)
+
+
 @pytest.mark.parametrize("wait", [-1, 61, "soon"])
 def test_inflight_wait_outside_its_range_is_refused(wait: object) -> None:
     with pytest.raises(ConfigError, match="inflight_wait_s"):

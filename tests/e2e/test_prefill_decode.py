@@ -149,6 +149,9 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
         f"{after['inflight_waits'] - before['inflight_waits']} (missed "
         f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})"
     )
+    # Each engine said at start-up (in vLLM's own log format) what its role makes it do.
+    assert "tiercache: kv_role kv_producer: stores every full prompt chunk" in pd.producer.log_text()
+    assert "tiercache: kv_role kv_consumer: loads" in pd.consumer.log_text()
     assert after["inflight_waits"] > before["inflight_waits"]  # the race happened, and was waited out
     assert after["inflight_wait_misses"] == before["inflight_wait_misses"]
 

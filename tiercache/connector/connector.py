@@ -38,6 +38,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def adopt_log_handlers(ours: logging.Logger, theirs: logging.Logger) -> None:
+    """Send ``ours`` (tiercache's loggers) through ``theirs``'s handlers (vLLM's), at its level,
+    unless ``ours`` already has handlers of its own.
+
+    vLLM configures only its ``vllm`` logger: without this the connector's start-up and connection
+    lines (INFO) never reach vLLM's log, and its warnings come out unformatted through Python's
+    last-resort handler. Like ``vllm``, ``ours`` then stops propagating, so nothing prints twice."""
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 def describe_role(kv_role: str | None) -> str:
     """What the connector does in ``kv_role`` (logged once at start-up)."""
     if kv_role == "kv_producer":
@@ -56,6 +72,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_log_handlers(logging.getLogger("tiercache"), logging.getLogger("vllm"))
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(
             transfer.kv_connector_extra_config if transfer else None
