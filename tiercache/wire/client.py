@@ -88,6 +88,22 @@ class _State:
     last_send: float = 0.0
 
 
+def _lookup(
+    hashes: Sequence[bytes],
+    groups: Sequence[p.GroupRef],
+    prefetch: bool,
+    max_chunks: int,
+    inflight_wait_s: float,
+) -> p.Lookup:
+    return p.Lookup(
+        hashes=list(hashes),
+        groups=list(groups),
+        prefetch=prefetch,
+        max_chunks=max_chunks,
+        inflight_wait_s=inflight_wait_s,
+    )
+
+
 class Client:
     """Connect to a tiercache server at ``endpoint`` (default: the server's default ipc socket).
 
@@ -364,14 +380,7 @@ class Client:
         """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
         ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`).
         One round trip."""
-        msg = p.Lookup(
-            hashes=list(hashes),
-            groups=list(groups),
-            prefetch=prefetch,
-            max_chunks=max_chunks,
-            inflight_wait_s=inflight_wait_s,
-        )
-        return self._call(msg, timeout=timeout)
+        return self._call(_lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s), timeout=timeout)
 
     def lookup_async(
         self,
@@ -384,14 +393,7 @@ class Client:
     ) -> int:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
         :meth:`poll`."""
-        msg = p.Lookup(
-            hashes=list(hashes),
-            groups=list(groups),
-            prefetch=prefetch,
-            max_chunks=max_chunks,
-            inflight_wait_s=inflight_wait_s,
-        )
-        return self._submit(msg, lambda r: r)
+        return self._submit(_lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s), lambda r: r)
 
     def poll_ticket_async(self, ticket: int) -> int:
         """Ask where a promotion ticket stands without waiting; collect with :meth:`poll`."""
