@@ -86,6 +86,13 @@ class _State:
     hello: ServerInfo | None = None
     pending: dict[int, _Pending] = field(default_factory=dict)
     last_send: float = 0.0
+    #: Async requests given up on (their timeout passed) whose late reply may still come: a ticket
+    #: it carries is released at once, so nothing stays pinned for a caller that gave up.
+    abandoned: set[int] = field(default_factory=set)
+
+
+#: Timed-out async requests remembered for their late replies; beyond this many, none will come.
+_MAX_ABANDONED = 4096
 
 
 def _lookup(
@@ -184,6 +191,7 @@ class Client:
         st.sock = None
         st.hello = None
         st.pending.clear()
+        st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
         if not self._closed.is_set():
             self._connect()
 
@@ -272,6 +280,22 @@ class Client:
             entry = self._state.pending.get(reply.req_id)
             if entry is not None:
                 entry.reply, entry.done = reply, True
+            elif reply.req_id in self._state.abandoned:
+                self._state.abandoned.discard(reply.req_id)
+                if isinstance(reply, p.LookupReply) and reply.ticket:
+                    self._release_late_ticket(reply.ticket)
+
+    def _release_late_ticket(self, ticket: int) -> None:
+        """Release a ticket that came in a late reply; fire and forget (its reply is dropped)."""
+        sock = self._state.sock
+        if sock is None:
+            return
+        msg = p.ReleaseTicket(ticket=ticket)
+        msg.req_id = next(self._ids)
+        try:
+            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the session's tickets go when the server drops the session
 
     def _result(self, req_id: int) -> Any:
         entry = self._state.pending.pop(req_id)
@@ -408,7 +432,8 @@ class Client:
     def poll(self, req_id: int) -> Any:
         """The result of an ``*_async`` request, or ``None`` if it has not arrived. Never waits.
 
-        Raises the request's error, or :class:`ServerUnavailableError` once its timeout passed.
+        Raises the request's error, or :class:`ServerUnavailableError` once its timeout passed; a
+        lookup's late reply is then dropped, and its ticket released (the caller gave up on it).
         """
         with self._lock:
             entry = self._state.pending.get(req_id)
@@ -424,6 +449,9 @@ class Client:
                 return self._result(req_id)
             if time.monotonic() > entry.deadline:
                 self._state.pending.pop(req_id)
+                if len(self._state.abandoned) >= _MAX_ABANDONED:  # replies that will never come
+                    self._state.abandoned.clear()
+                self._state.abandoned.add(req_id)
                 raise ServerUnavailableError(
                     f"no reply to request {req_id} from {self.endpoint} in time; check that the server runs and is "
                     "not overloaded (tiercache inspect summary), or raise the client timeout"
