@@ -20,10 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("vllm")
+
+import httpx
 
 from tests.e2e.engine_run import make_prompts, write_tiny_llama
 from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv
