@@ -299,3 +299,21 @@ def test_a_producer_whose_server_never_answers_waits_at_most_timeout_s(worker) -
     assert w.get_finished({"r"}) == ({"r"}, None)
     w._queue.put(_STOP)
     w._saver.join(5)
+
+
+def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps_end(worker) -> None:  # type: ignore[no-untyped-def]
+    """vLLM reports a synchronous load at the end of its step, after the forward pass; the
+    connector's load time (``vllm:tiercache_load_seconds``) must not include that pass."""
+    import time
+
+    w, _client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[1, 2]])])
+    w.take_stats()
+    before = time.perf_counter()
+    w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"t" * 16, [[0, 1]], [[4, 5]])])]))
+    written = time.perf_counter() - before  # the CPU engine writes inline: the load is done here
+    w.wait_for_layer_load("l1")  # ... the forward pass runs ...
+    assert not w.get_block_ids_with_load_errors()  # the end of the step: the load is reported
+    stats = w.take_stats()
+    assert stats is not None
+    assert 0 < stats.data["load_seconds"] <= written

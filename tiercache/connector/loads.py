@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -65,12 +66,18 @@ class LoadJob(ABC):
     def finish(self) -> set[int]:
         """Wait for every write; the chunks with a failed write. Idempotent."""
 
+    #: ``perf_counter()`` when the writes were done, where the host knows it (``None``: not yet, or
+    #: only a device knows). What the connector's load time ends at: a synchronous load is
+    #: *reported* at the end of its step, after the forward pass, which is no part of the load.
+    finished_at: float | None = None
+
 
 class FinishedLoad(LoadJob):
     """Writes already done when the job is made."""
 
     def __init__(self, failed: set[int]) -> None:
         self._failed = failed
+        self.finished_at = time.perf_counter()
 
     def wait_layer(self, position: int) -> None:
         return None
@@ -126,6 +133,7 @@ class ThreadedLoad(LoadJob):
         finally:
             with self._cond:
                 self._written = len(self._plan)
+                self.finished_at = time.perf_counter()
                 self._cond.notify_all()
 
     def wait_layer(self, position: int) -> None:

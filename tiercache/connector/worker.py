@@ -318,7 +318,10 @@ class WorkerHalf:
                 load.client.release(load.tokens)
             except TierCacheError as exc:  # leases expire by themselves
                 self.link.failed("release after a load", exc)
-        elapsed = time.perf_counter() - load.started
+        # Until the writes were done, not until this report (a synchronous load's comes after the
+        # forward pass); a device load's end is only known here.
+        done_at = load.job.finished_at if load.job is not None else None
+        elapsed = (done_at or time.perf_counter()) - load.started
         self.recorder.add("loaded_bytes", sum(load.nbytes.get(i, 0) for i, ok in enumerate(loaded) if ok))
         self.recorder.add("load_seconds", elapsed)
         self.recorder.add("load_durations", elapsed)
