@@ -57,7 +57,13 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
-from tests.e2e.openai_server import EXTERNAL_HITS, EXTERNAL_QUERIES, OpenAIServer, api_server_argv  # noqa: E402
+from tests.e2e.openai_server import (  # noqa: E402
+    EXTERNAL_HITS,
+    EXTERNAL_QUERIES,
+    OpenAIServer,
+    api_server_argv,
+    free_port,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -72,13 +78,6 @@ LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
 def log(msg: str) -> None:
     """A progress line on stderr (stdout is kept for the table)."""
     print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None) -> None:

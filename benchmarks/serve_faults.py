@@ -50,7 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.e2e.engine_run import write_tiny_llama
-from tests.e2e.openai_server import OpenAIServer, api_server_argv
+from tests.e2e.openai_server import OpenAIServer, api_server_argv, tiny_model_flags
 from tests.reliability.common import peak_rss_mib
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.testing.checkpoints import token_text, write_tokenizer
@@ -118,17 +118,7 @@ def working_set_chunks(prompts: Sequence[Sequence[int]]) -> int:
 
 def engine_argv(model: Path, args: argparse.Namespace, endpoint: str | None) -> list[str]:
     """An OpenAI server for the model; with ``endpoint``, through tiercache (plugin name only)."""
-    flags = [
-        "--dtype=float32",
-        "--block-size=32",
-        "--enable-prefix-caching",
-        "--enforce-eager",
-        "--seed=0",
-        "--max-model-len=1024",
-        "--gpu-memory-utilization=0.1",
-        f"--num-gpu-blocks-override={args.engine_blocks}",
-        "--enable-prompt-tokens-details",
-    ]
+    flags = tiny_model_flags(args.engine_blocks)
     if endpoint is not None:
         transfer = {
             "kv_connector": "TierCacheConnector",

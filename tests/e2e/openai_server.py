@@ -63,6 +63,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tiny_model_flags(blocks: int) -> list[str]:
+    """vLLM flags for the tests' tiny seeded checkpoints on CPU: float32, 32-token blocks, prefix
+    caching, eager, seeded, a small host-memory share, vLLM's own KV cache capped at ``blocks``, and
+    prompt token details in the usage (``cached_tokens``)."""
+    return [
+        "--dtype=float32",
+        "--block-size=32",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--seed=0",
+        "--max-model-len=1024",
+        "--gpu-memory-utilization=0.1",
+        f"--num-gpu-blocks-override={blocks}",
+        "--enable-prompt-tokens-details",
+    ]
+
+
 def api_server_argv(model: Path | str, *args: str, python: str = sys.executable) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server --model MODEL *args``: the command
     :class:`OpenAIServer` runs when given no other (it adds ``--host`` and ``--port``)."""

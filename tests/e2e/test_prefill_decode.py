@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 import httpx
 
 from tests.e2e.engine_run import make_prompts, write_tiny_llama
-from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv
+from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv, tiny_model_flags
 from tests.e2e.pd_proxy import PDProxy
 from tests.e2e.setup import engine_stats, wait_for
 from tests.server.serverproc import ServerProcess, ServerSpec
@@ -52,19 +52,7 @@ def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 10},
     }
-    return api_server_argv(
-        model,
-        "--dtype=float32",
-        "--block-size=32",
-        "--enable-prefix-caching",
-        "--enforce-eager",
-        "--seed=0",
-        "--max-model-len=1024",
-        "--gpu-memory-utilization=0.1",
-        "--num-gpu-blocks-override=128",
-        "--enable-prompt-tokens-details",
-        f"--kv-transfer-config={json.dumps(transfer)}",
-    )
+    return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 
 
 @dataclass
