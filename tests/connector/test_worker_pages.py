@@ -253,14 +253,18 @@ def test_an_underivable_kernel_block_falls_back_to_the_manager_block(monkeypatch
 
 
 class GatedClient(FakeClient):
-    """A server whose reserve answers only once ``gate`` is opened; notes when it answered."""
+    """A server whose reserve answers only once ``gate`` is opened, within ``timeout`` seconds (as
+    the real client's bound: ServerUnavailableError after it); notes when it answered."""
 
-    def __init__(self, arena: SharedArena) -> None:
+    def __init__(self, arena: SharedArena, timeout: float = 10.0) -> None:
         super().__init__(arena)
-        self.gate, self.reserved = threading.Event(), threading.Event()
+        self.gate, self.reserved, self.timeout = threading.Event(), threading.Event(), timeout
 
     def reserve(self, items: list[tuple[Any, int]]) -> list[Slot]:
-        assert self.gate.wait(10)
+        from tiercache.errors import ServerUnavailableError
+
+        if not self.gate.wait(self.timeout):
+            raise ServerUnavailableError("no reply in time")
         slots = super().reserve(items)
         self.reserved.set()
         return slots
@@ -285,18 +289,18 @@ def test_a_producers_step_returns_only_once_its_stores_are_reserved(worker, prod
     w._saver.join(5)
 
 
-def test_a_producer_whose_server_never_answers_waits_at_most_timeout_s(worker) -> None:  # type: ignore[no-untyped-def]
+def test_a_producer_whose_server_never_answers_skips_the_store_at_the_clients_timeout(worker) -> None:  # type: ignore[no-untyped-def]
     w, client, _ = worker
-    gated = GatedClient(client.arena())
-    w.link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
+    gated = GatedClient(client.arena(), timeout=0.1)
+    link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
+    w.link = link
     w._reserve_before_return = True
-    w._settings = ConnectorSettings(timeout_s=0.1)
     w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
     w._saver.start()
     w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"h" * 16, [[1, 2]])]))
-    assert not gated.reserved.is_set()  # returned at the bound, the store still queued
-    gated.gate.set()
+    assert link.failures == ["store"]  # the link goes down: later steps skip at once
     assert w.get_finished({"r"}) == ({"r"}, None)
+    assert not gated.objects and w.stats["save_skipped"] == 1
     w._queue.put(_STOP)
     w._saver.join(5)
 

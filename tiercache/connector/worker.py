@@ -33,8 +33,9 @@
   waits for that request's queued saves first, so reported blocks are never read again. When
   requests were preempted (their blocks may be rewritten this step) every queued save is finished
   before the forward pass (``handle_preemptions``). A producer (``kv_role`` ``kv_producer``: a
-  prefill engine whose decode engine asks the same server next) waits in ``wait_for_save`` until the
-  thread has *reserved* this step's chunks (one round trip, bounded by ``timeout_s``): its response
+  prefill engine whose decode engine asks the same server next) reserves this step's chunks in
+  ``wait_for_save`` itself (one round trip, bounded by ``timeout_s``, not behind the copies still
+  queued), and the thread then copies and commits them: its response
   can then never reach the decode engine before the server knows the chunks are coming, and a
   decode lookup waits for their commit (``inflight_wait_s``) instead of missing.
 
@@ -97,6 +98,17 @@ class _StepLoad:
     def sync(self) -> bool:
         """Whether it feeds this very step's forward pass (some request's load is synchronous)."""
         return not all(r.asynchronous for r in self.meta.loads)
+
+
+@dataclass(eq=False)
+class _Reservation:
+    """A save batch's arena slots, in the order of ``sources`` (the group and save of each object);
+    ``skipped``: nothing was reserved although the batch had objects (server down, L1 full)."""
+
+    client: Client | None = None
+    slots: list[Any] = field(default_factory=list)
+    sources: list[tuple[GroupLayout, ChunkSave]] = field(default_factory=list)
+    skipped: bool = False
 
 
 class WorkerHalf:
@@ -371,12 +383,11 @@ class WorkerHalf:
                 self._with_saves.add(rid)
         # What the save thread's copies wait for (CUDA: an event after this forward pass).
         ready = self._copy.save_point() if self._copy is not None else None
-        reserved = threading.Event()
-        self._queue.put((ready, list(meta.saves), reserved))
-        if self._reserve_before_return:
-            # Earlier batches' copies are ahead of this one in the queue: bound the whole wait.
-            if not reserved.wait(self._settings.timeout_s):
-                log.debug("tiercache: this step's stores were not reserved within timeout_s")
+        batch = list(meta.saves)
+        # A producer reserves here, on the engine thread, so it does not wait behind the copies
+        # still queued before this batch: one round trip, bounded by timeout_s.
+        early = self._reserve(batch) if self._reserve_before_return else None
+        self._queue.put((ready, batch, early))
 
     def handle_preemptions(self, meta: TierCacheMetadata | None) -> None:
         """The first hook of every step, before vLLM prepares inputs: finish queued saves whose
@@ -403,16 +414,15 @@ class WorkerHalf:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ready, batch, reserved = item
+            ready, batch, early = item
             started = time.perf_counter()
             saved, skipped, stored_bytes = self.stats["saved_chunks"], self.stats["save_skipped"], 0
             try:
-                stored_bytes = self._save_batch(batch, ready, reserved)
+                stored_bytes = self._save_batch(batch, ready, early)
             except Exception as exc:  # a failed store is a skipped store, never a crash
                 log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
                 self.stats["save_skipped"] += len(batch)
             finally:
-                reserved.set()  # also when nothing was reserved: the engine must not wait for it
                 # This thread is the only writer of the store counters: the deltas are this batch's.
                 self._record_store(
                     self.stats["saved_chunks"] - saved,
@@ -437,43 +447,17 @@ class WorkerHalf:
             self.recorder.add("store_skipped", skipped)
 
     def _save_batch(
-        self, batch: list[ChunkSave], ready: Any = None, reserved: threading.Event | None = None
+        self, batch: list[ChunkSave], ready: Any = None, early: _Reservation | None = None
     ) -> int:
-        """Store a batch; returns the bytes committed (0 when skipped). ``reserved`` is set once
-        the server holds the batch's reservations (or it was skipped)."""
-        client = self.link.client()
-        if client is None or not self._groups:
+        """Store a batch (reserving it first unless ``early`` holds its reservation, made on the
+        engine thread by a producer); returns the bytes committed (0 when skipped)."""
+        reservation = early if early is not None else self._reserve(batch)
+        if reservation.skipped:
             self.stats["save_skipped"] += len(batch)
             return 0
-        items: list[tuple[ObjectKey, int]] = []
-        if not batch:
-            return 0
-        sources: list[tuple[GroupLayout, ChunkSave]] = []
-        for save in batch:
-            for g in self._groups:
-                if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
-                    continue  # a sliding group's blocks out of the window, or no state kept: no object
-                items.append(
-                    (
-                        ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash),
-                        g.object_bytes,
-                    )
-                )
-                sources.append((g, save))
-        if not items:
-            return 0
-        try:
-            slots = client.reserve(items)
-        except TierCacheError as exc:
-            if getattr(exc, "code", "") in ("tier_full", "busy"):
-                log.debug("tiercache: store skipped: %s", exc)
-                self.stats["save_skipped"] += len(batch)
-                return 0
-            self.link.failed("store", exc)
-            self.stats["save_skipped"] += len(batch)
-            return 0
-        if reserved is not None:
-            reserved.set()
+        client, slots, sources = reservation.client, reservation.slots, reservation.sources
+        if client is None or not slots:
+            return 0  # nothing in the batch to store
         tokens = [s.token for s in slots if s is not None]
         try:
             arena = client.arena()
@@ -506,6 +490,36 @@ class WorkerHalf:
             return 0
         self.stats["saved_chunks"] += len(batch)
         return sum(s.nbytes for s in slots if s is not None)
+
+    def _reserve(self, batch: list[ChunkSave]) -> _Reservation:
+        """Reserve arena slots for every object of ``batch`` (one round trip). Touches no counter:
+        a producer calls it on the engine thread, and the save thread counts the outcome."""
+        client = self.link.client()
+        if client is None or not self._groups:
+            return _Reservation(skipped=bool(batch))
+        items: list[tuple[ObjectKey, int]] = []
+        sources: list[tuple[GroupLayout, ChunkSave]] = []
+        for save in batch:
+            for g in self._groups:
+                if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
+                    continue  # a sliding group's blocks out of the window, or no state kept: no object
+                items.append(
+                    (
+                        ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash),
+                        g.object_bytes,
+                    )
+                )
+                sources.append((g, save))
+        if not items:
+            return _Reservation()
+        try:
+            return _Reservation(client=client, slots=client.reserve(items), sources=sources)
+        except TierCacheError as exc:
+            if getattr(exc, "code", "") in ("tier_full", "busy"):
+                log.debug("tiercache: store skipped: %s", exc)
+            else:
+                self.link.failed("store", exc)
+            return _Reservation(skipped=True)
 
     # -- step results --------------------------------------------------------------------------
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
