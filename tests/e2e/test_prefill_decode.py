@@ -40,7 +40,7 @@ CHUNK = 64
 LENGTHS = [200, 300, 257, 450, 129, 380]  # full chunks: 3, 4, 4, 7, 2, 5 (at least one token is computed)
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
-STORE_DELAY_S = 0.2  # per stored chunk on the prefill engine: its stores outlive its responses
+STORE_DELAY_S = 0.05  # per stored chunk on the prefill engine: its stores outlive its responses
 SLOW_STORE_SITE = Path(__file__).parent / "slow_store_site"
 
 
@@ -50,7 +50,7 @@ def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
         "kv_connector": "TierCacheConnector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 10},
+        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 30},
     }
     return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 
@@ -152,7 +152,8 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
 
 
 def test_the_decode_engine_stores_nothing_and_the_prefill_engine_stores_each_chunk_once(pd: PD) -> None:
-    stores = engine_stats(pd.server)["stores"]
+    # The first test's slowed stores may still be committing: count from once they all are.
+    stores = wait_for(pd.server, "stores", sum(n // CHUNK for n in LENGTHS), deadline_s=120)
     prompt = token_text(make_prompts([333], seed=99)[0])
     first = pd.consumer.complete(prompt, MAX_TOKENS)  # the consumer computes it all, stores nothing
     assert first.cached_tokens == 0

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK = ROOT / "benchmarks" / "serve.py"
 
 
+@pytest.mark.timeout(900)  # three vLLM server starts: more than the suite's 300 s per test on a busy machine
 def test_quick_serving_benchmark_hits_tiercache_and_matches_none(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     proc = subprocess.run(
