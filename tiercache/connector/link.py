@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tiercache.config.connector import ConnectorSettings
+from tiercache.connector.affinity import spread_current_thread
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.wire.client import Client
 
@@ -92,7 +93,11 @@ class ServerLink:
         with self._lock:
             if self._client is None:
                 self._client = Client(
-                    s.server, timeout=s.timeout_s, auth_secret=s.auth_secret, client_name=self._name
+                    s.server,
+                    timeout=s.timeout_s,
+                    auth_secret=s.auth_secret,
+                    client_name=self._name,
+                    on_thread_start=spread_current_thread,
                 )
             client = self._client
         try:
@@ -106,6 +111,7 @@ class ServerLink:
         log.info("tiercache: connected to %s (chunk size %d)", self.endpoint, client.server.chunk_size)
 
     def _reconnect_loop(self) -> None:
+        spread_current_thread()
         while not self._closed.is_set():
             self._wake.wait(self.settings.retry_s)
             self._wake.clear()

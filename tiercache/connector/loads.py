@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.connector.affinity import spread_current_thread
 from tiercache.connector.pages import PageView
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class ThreadedLoad(LoadJob):
         self._thread.start()
 
     def _run(self) -> None:
+        spread_current_thread()
         try:
             for i, writes in enumerate(self._plan):
                 run_layer(writes, self._write, self._failed)

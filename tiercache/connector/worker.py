@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from tiercache.config.connector import ConnectorSettings
+from tiercache.connector.affinity import describe_binding, spread_current_thread
 from tiercache.connector.copy import PageCopyEngine, select_copy_engine
 from tiercache.connector.layout import (
     EngineLayout,
@@ -164,6 +165,9 @@ class WorkerHalf:
         self._kv_caches = kv_caches
         self.order_layers(kv_caches)
         self._copy = select_copy_engine(kv_caches.values())
+        binding = describe_binding()
+        if binding is not None:
+            log.info("tiercache: %s", binding)
         self.link.start()
         self._saver = threading.Thread(target=self._save_loop, name="tiercache-connector-save", daemon=True)
         self._saver.start()
@@ -410,6 +414,7 @@ class WorkerHalf:
                 self._idle.wait(1.0)
 
     def _save_loop(self) -> None:
+        spread_current_thread()
         while True:
             item = self._queue.get()
             if item is _STOP:

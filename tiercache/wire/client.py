@@ -131,6 +131,7 @@ class Client:
         curve_client_key_file: Path | None = None,
         client_name: str = "",
         heartbeat: bool = True,
+        on_thread_start: Callable[[], None] | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
@@ -146,6 +147,7 @@ class Client:
         self._arena: SharedArena | None = None  # guarded by _lock
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._on_thread_start = on_thread_start  # run first on the heartbeat thread (e.g. its CPUs)
         try:
             self._connect()
             self.hello()
@@ -219,6 +221,8 @@ class Client:
         self.close()
 
     def _beat(self) -> None:
+        if self._on_thread_start is not None:
+            self._on_thread_start()
         while not self._closed.is_set():
             info = self._state.hello
             interval = (info.heartbeat_timeout_s if info else 15.0) / 3

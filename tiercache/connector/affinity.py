@@ -1,0 +1,56 @@
+"""Which CPUs the connector's own threads run on.
+
+vLLM's CPU worker binds its main thread and its OpenMP threads to cores, and a thread inherits the
+binding of the thread that starts it: the connector's save, load, heartbeat and reconnect threads
+would all share the forward pass's core. That core is busy whenever the engine is (vLLM's workers
+poll their message queues with ``sched_yield``), and on a host where two engines' workers are bound
+to the same core (two engines auto-binding on a small machine, as ``tests/e2e/test_prefill_decode.py``
+runs them) a thread bound there was measured waiting up to 15 s for CPU: the heartbeat timeout, so the
+server dropped the worker's session and with it the reservations of the stores in flight.
+
+So each connector thread first takes the CPU set of the worker's parent process (vLLM's engine
+core): the CPUs the user gave vLLM as a whole (``taskset``, a cpuset), among which the kernel puts the
+thread wherever there is room. Where the parent's set is no wider (GPU hosts, unbound workers) this
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def background_cpus() -> set[int] | None:
+    """The CPUs a connector thread should run on, when wider than the calling thread's binding
+    (``None``: nothing to change, or the platform cannot tell)."""
+    try:
+        own = os.sched_getaffinity(0)
+        parent = os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # not Linux, or the parent is gone
+        return None
+    return set(parent) if parent - own else None
+
+
+def spread_current_thread() -> None:
+    """Move the calling thread onto :func:`background_cpus`; a refusal (a cpuset that forbids those
+    CPUs) leaves it where it is."""
+    cpus = background_cpus()
+    if cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        log.debug("tiercache: could not move a connector thread onto CPUs %s: %s", sorted(cpus), exc)
+
+
+def describe_binding() -> str | None:
+    """One line for the start-up log when the connector's threads leave the engine thread's cores."""
+    cpus = background_cpus()
+    if cpus is None:
+        return None
+    return (
+        f"the engine thread is bound to CPUs {sorted(os.sched_getaffinity(0))}; the connector's threads "
+        f"run on {sorted(cpus)}"
+    )
