@@ -261,7 +261,9 @@ class L1Tier(FrontTier):
                     done += 1
             finally:
                 if done:  # one stats update per batch, also when a later handle was refused
-                    self.stats.put(nbytes, done)
+                    self.stats.put(
+                        nbytes, done, [h.key for h in handles[:done]] if self.stats.arrival else ()
+                    )
 
     def _commit_locked(self, handle: WriteHandle, owed: bool) -> int:
         ticket = self._reservations.get(handle.token)

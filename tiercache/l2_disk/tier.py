@@ -513,7 +513,7 @@ class DiskTier(Tier):
                         )
                         extra += self._budget // 10
                         continue
-                    self.stats.put(nbytes)
+                    self.stats.put(nbytes, keys=(ObjectKey.from_bytes(kb),) if self.stats.arrival else ())
                     return
         except lmdb.MapFullError as exc:
             # Even the eviction txn found no page to copy-on-write into.

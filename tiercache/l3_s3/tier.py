@@ -307,7 +307,7 @@ class S3Tier(Tier):
             "PUT",
             lambda c: c.put_object(Bucket=self.config.bucket, Key=name, Body=body),
         )
-        self.stats.put(len(body))
+        self.stats.put(len(body), keys=(key,))
         with self._lock:
             self._index.set(key, len(body))
         self._exists.remember(key, True)

@@ -41,6 +41,7 @@ from tiercache.errors import ConfigError, ServerError
 from tiercache.l1.arena import SharedArena
 from tiercache.l1.tier import L1Tier
 from tiercache.server.data_ops import DataOps
+from tiercache.server.events import ResidencyLog, chain_removals
 from tiercache.server.layouts import Layouts
 from tiercache.server.management_ops import ManagementOps
 from tiercache.server.records import EvictionRecord
@@ -105,8 +106,13 @@ class Server:
         self._counters: dict[str, int] = {"requests": 0, "errors": 0}
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
+        #: What each tier gained and lost, for clients that follow it (KV events for routers).
+        self.residency = ResidencyLog()
         for tier in engine.tiers:
-            tier.stats.listener = self.evictions.listener(tier.name)
+            tier.stats.listener = chain_removals(
+                self.evictions.listener(tier.name), self.residency.removed(tier.name)
+            )
+            tier.stats.arrival = self.residency.stored(tier.name)
         layouts = Layouts(engine, self.options)
         data = DataOps(
             engine, self._l1, self.options, self._sessions, layouts, self._offload, lambda: self._received
@@ -116,6 +122,7 @@ class Server:
         self.lookup_latency = data.lookup_latency
         self._handlers: dict[type, Handler] = {
             p.Ping: lambda session, msg: p.Pong(),
+            p.Events: lambda session, msg: self.residency.read(msg),
             **data.handlers(),
             **management.handlers(),
         }

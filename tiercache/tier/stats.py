@@ -56,6 +56,8 @@ TRANSFER_OPS = ("read", "write")
 
 #: ``listener(key, reason)``: told about each object a tier names as gone (see :attr:`TierStats.listener`).
 RemovalListener = Callable[[ObjectKey, EvictionReason], None]
+#: ``arrival(key)``: told about each object a tier committed (see :attr:`TierStats.arrival`).
+ArrivalListener = Callable[[ObjectKey], None]
 
 
 @dataclass(slots=True)
@@ -77,6 +79,9 @@ class TierStats(Counters):
     #: bounded record of recent evictions for ``explain``). Runs under the tier's locks: it must be
     #: cheap and must never call back into a tier.
     listener: RemovalListener | None = field(default=None, repr=False, compare=False)
+    #: Called as ``arrival(key)`` for each object a tier committed (a store, a write to a lower
+    #: tier, a promotion into L1; the server's residency log). Same rules as :attr:`listener`.
+    arrival: ArrivalListener | None = field(default=None, repr=False, compare=False)
     #: Seconds per chunk object moved, ``read`` (pin / read into L1) and ``write`` (commit / put).
     #: Recorded by whoever times the call (the engine, around each tier call); not part of
     #: :meth:`snapshot`: the engine's ``latency()`` reports it, and metrics export it.
@@ -88,11 +93,16 @@ class TierStats(Counters):
             self.hits += 1
             self.bytes_read += nbytes
 
-    def put(self, nbytes: int, n: int = 1) -> None:
-        """Count ``n`` committed writes of ``nbytes`` in all."""
+    def put(self, nbytes: int, n: int = 1, keys: Sequence[ObjectKey] = ()) -> None:
+        """Count ``n`` committed writes of ``nbytes`` in all; tell the :attr:`arrival` listener
+        which ``keys`` they were."""
         with self._lock:
             self.puts += n
             self.bytes_written += nbytes
+        arrival = self.arrival
+        if arrival is not None:
+            for key in keys:
+                arrival(key)
 
     def evicted(self, reason: EvictionReason, n: int = 1, keys: Sequence[ObjectKey] = ()) -> None:
         """Count ``n`` evictions for ``reason``; tell the :attr:`listener` which ``keys`` went."""

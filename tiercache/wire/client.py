@@ -95,6 +95,10 @@ class _State:
 _MAX_ABANDONED = 4096
 
 
+def _events(since: int, fingerprints: Sequence[Fingerprint], limit: int) -> p.Events:
+    return p.Events(since=since, fingerprints=[f.raw for f in fingerprints], limit=limit)
+
+
 def _lookup(
     hashes: Sequence[bytes],
     groups: Sequence[p.GroupRef],
@@ -422,6 +426,24 @@ class Client:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
         :meth:`poll`."""
         return self._submit(_lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s), lambda r: r)
+
+    def events(
+        self,
+        since: int = -1,
+        fingerprints: Sequence[Fingerprint] = (),
+        limit: int = 10_000,
+        timeout: float | None = None,
+    ) -> p.EventsReply:
+        """The residency changes after ``since`` (``-1``: none, just the current position) of objects
+        with one of ``fingerprints`` (empty: all); see :class:`~tiercache.wire.protocol.Events`.
+        One round trip."""
+        return self._call(_events(since, fingerprints, limit), timeout=timeout)
+
+    def events_async(
+        self, since: int = -1, fingerprints: Sequence[Fingerprint] = (), limit: int = 10_000
+    ) -> int:
+        """Send :meth:`events` and return its request id at once; collect it with :meth:`poll`."""
+        return self._submit(_events(since, fingerprints, limit), lambda r: r)
 
     def poll_ticket_async(self, ticket: int) -> int:
         """Ask where a promotion ticket stands without waiting; collect with :meth:`poll`."""

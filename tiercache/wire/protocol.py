@@ -58,6 +58,13 @@ class TicketStateName(enum.StrEnum):
     MISS = "miss"  # the objects vanished or failed verification meanwhile
 
 
+class EventKind(enum.StrEnum):
+    """What happened to an object in one tier (:class:`ResidencyEvent`)."""
+
+    STORED = "stored"  # the tier now holds the object (a store, a write-through, a promotion)
+    REMOVED = "removed"  # the tier dropped it (evicted, failed verification, deleted, expired)
+
+
 class _Msg(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     """Base of every message: ``req_id`` is echoed by the reply."""
 
@@ -95,6 +102,16 @@ class ListedKey(msgspec.Struct, frozen=True):
 
     key: bytes
     tiers: list[str]
+
+
+class ResidencyEvent(msgspec.Struct, frozen=True, array_like=True):
+    """One residency change, numbered by the server: ``tier`` (``l1``, ``disk``, ``s3``) now holds
+    (or no longer holds) object ``key``."""
+
+    seq: int
+    kind: EventKind
+    tier: str
+    key: bytes
 
 
 class ExplainEntry(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -264,6 +281,21 @@ class Warm(_Msg, tag="warm"):
     max_bytes: int = 0
 
 
+class Events(_Msg, tag="events"):
+    """The residency changes numbered after ``since``, of objects whose fingerprint is one of
+    ``fingerprints`` (empty: all), scanning at most ``limit`` (1..10 000) changes.
+
+    ``since=-1`` (the default) asks for none and returns the current position: a client starts
+    there (changes are numbered from 1, so ``since=0`` means from the first one). The server
+    records changes only once some client has asked (servers nobody asks pay nothing), in a bounded
+    log: a client that falls behind it is told so (``EventsReply.lost``).
+    """
+
+    since: int = -1
+    fingerprints: list[bytes] = []
+    limit: int = 10_000
+
+
 Request = (
     Hello
     | Challenge
@@ -287,6 +319,7 @@ Request = (
     | Clear
     | ClearBatch
     | Warm
+    | Events
 )
 
 # -- replies ---------------------------------------------------------------------------------------
@@ -381,6 +414,19 @@ class WarmReply(_Msg, tag="warm_ok"):
     bytes: int = 0
 
 
+class EventsReply(_Msg, tag="events_ok"):
+    """Changes after the request's ``since`` up to ``next_seq`` (ask from there next; ``more``: the
+    scan stopped at ``limit`` and changes remain). ``instance`` is random per server start: a new one
+    means a restarted server (its L1 is empty; numbering starts again). ``lost``: changes after
+    ``since`` fell out of the bounded log, so what the client derived from them may be stale."""
+
+    instance: bytes
+    next_seq: int
+    events: list[ResidencyEvent] = []
+    more: bool = False
+    lost: bool = False
+
+
 Reply = (
     ErrorReply
     | HelloReply
@@ -396,6 +442,7 @@ Reply = (
     | ManifestReply
     | ExplainReply
     | WarmReply
+    | EventsReply
 )
 
 #: Every request op this version knows (to tell an unknown op from a malformed message).
