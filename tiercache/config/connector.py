@@ -14,6 +14,14 @@ Keys (all optional)::
                   how long a lookup waits for chunks another engine is still storing (reserved on
                   the server, not yet committed: a prefill engine's stores when its decode engine
                   asks), seconds; 0 reports them as misses (default 2.0)
+    kv_events_interval_s
+                  with vLLM's ``--kv-events-config`` on, how often the connector asks the server which
+                  tiers gained or lost the chunks it stored, to publish them as KV events; seconds,
+                  0 publishes none (default 0.5)
+    kv_events_chunks
+                  how many stored chunks the connector remembers for those events (their token ids
+                  and block hashes, about 14 bytes per token); the oldest beyond it are published as
+                  removed and forgotten (default 16384)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -28,7 +36,17 @@ from typing import Any
 from tiercache.config.values import parse_bool
 from tiercache.errors import ConfigError
 
-_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id", "overlap_loads", "inflight_wait_s")
+_KEYS = (
+    "server",
+    "timeout_s",
+    "auth_secret",
+    "retry_s",
+    "weights_id",
+    "overlap_loads",
+    "inflight_wait_s",
+    "kv_events_interval_s",
+    "kv_events_chunks",
+)
 #: The server refuses a longer wait (it pins L1 for the waiting lookup meanwhile).
 MAX_INFLIGHT_WAIT_S = 60.0
 
@@ -44,6 +62,8 @@ class ConnectorSettings:
     weights_id: str | None = None
     overlap_loads: bool = False
     inflight_wait_s: float = 2.0
+    kv_events_interval_s: float = 0.5
+    kv_events_chunks: int = 16384
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -54,6 +74,15 @@ class ConnectorSettings:
             raise ConfigError(
                 f"kv_connector_extra_config inflight_wait_s={self.inflight_wait_s!r} must be 0 to "
                 f"{MAX_INFLIGHT_WAIT_S:g} seconds (0: never wait for chunks still being stored)"
+            )
+        if not self.kv_events_interval_s >= 0:
+            raise ConfigError(
+                f"kv_connector_extra_config kv_events_interval_s={self.kv_events_interval_s!r} must be >= 0 "
+                "seconds (0: publish no KV events)"
+            )
+        if self.kv_events_chunks < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config kv_events_chunks={self.kv_events_chunks!r} must be at least 1"
             )
         if self.server is not None and not self.server.startswith(("ipc://", "tcp://")):
             raise ConfigError(
@@ -82,6 +111,8 @@ class ConnectorSettings:
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
                 overlap_loads=_flag(raw.get("overlap_loads", False)),
                 inflight_wait_s=_seconds(raw, "inflight_wait_s", 2.0),
+                kv_events_interval_s=_seconds(raw, "kv_events_interval_s", 0.5),
+                kv_events_chunks=_count(raw, "kv_events_chunks", 16384),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc
@@ -94,6 +125,17 @@ def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{key}={value!r} is not a number of seconds") from None
+
+
+def _count(raw: Mapping[str, Any], key: str, default: int) -> int:
+    """``raw[key]`` as a whole number (an int or a numeric string), naming the key when it is not."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{key}={value!r} is not a whole number")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} is not a whole number") from None
 
 
 def _flag(value: Any) -> bool:

@@ -9,6 +9,7 @@ the metadata vLLM pickles from the scheduler to the workers every step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,6 +220,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM's engine stepping (it collects :meth:`take_events` only then) until the chunks
+        just stored have been reported by a tier, so their events do not wait for the next request."""
+        return self._scheduler is not None and self._scheduler.has_pending_events()
+
+    def take_events(self) -> Iterable[Any]:
+        """tiercache's KV events (``BlockStored`` / ``BlockRemoved`` per tier) for vLLM's event stream."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

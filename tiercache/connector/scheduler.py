@@ -30,6 +30,7 @@ On a hit of ``b`` chunks, vLLM assigns the state block at table position ``b * c
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
+from tiercache.connector.events import KVEventTracker
 from tiercache.connector.layout import (
     EngineLayout,
     check_recurrent_config,
@@ -89,6 +91,7 @@ class _Request:
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
     saves_scheduled: int = 0
     states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
+    request: Any = None  # vLLM's Request (block hashes and extra keys for KV events)
     loading: bool = False  # an asynchronous load was sent; the ticket is kept until it is reported
     load_failed: bool = False  # the workers reported its asynchronous load failed: compute instead
 
@@ -144,6 +147,16 @@ class SchedulerHalf:
         self._async_loads = False  # set at connect: see _on_connect
         self.stats = StatsRecorder()
         self._outages_counted = 0
+        # KV events for routers, only when vLLM publishes them (--kv-events-config).
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        publishing = bool(getattr(events_config, "enable_kv_cache_events", False))
+        block_size = getattr(kv_cache_config, "hash_block_size", None) or getattr(
+            getattr(vllm_config, "cache_config", None), "block_size", 0
+        )
+        self.events = KVEventTracker(
+            settings if publishing else dataclasses.replace(settings, kv_events_interval_s=0.0),
+            int(block_size or 0),
+        )
         self.link = link(settings, "vllm-scheduler", self._on_connect)
         self.link.start()
 
@@ -163,6 +176,7 @@ class SchedulerHalf:
         if layout.has_recurrent:
             self._check_recurrent(layout, info.separate_object_groups)
         self.use_layout(layout, client.register([(g.object_group, g.manifest) for g in layout.groups]))
+        self.events.on_connect(client)
         log.info(
             "tiercache: scheduler registered %d object group(s), chunk %d tokens, fingerprint %s",
             len(layout.groups),
@@ -178,6 +192,13 @@ class SchedulerHalf:
         # report a failure per request (failed_recving). Recurrent state always goes that way, so the
         # state lands before the request's first step (preprocess_mamba) and needs no zeroing tricks.
         self._async_loads = len(layout.kv_group_block_sizes()) > 1 or layout.has_recurrent
+        # A chunk's events follow one object of it: a full-attention group's exists for every
+        # stored chunk (a sliding group's only inside the window, a recurrent one's at boundaries).
+        if self.events.enabled:
+            anchor = next(
+                (g for g in layout.groups if not g.is_sliding and not g.is_recurrent), layout.groups[0]
+            )
+            self.events.use_anchor(anchor.fingerprint, anchor.object_group)
         self.layout = layout
 
     def _check_recurrent(self, layout: EngineLayout, separate_object_groups: bool) -> None:
@@ -219,6 +240,7 @@ class SchedulerHalf:
             )
             self._reqs[request.request_id] = st
         st.local_tokens = num_computed_tokens
+        st.request = request
         if st.load_failed:
             # vLLM retries a request whose asynchronous load failed from its first token: compute it.
             return 0, False
@@ -497,6 +519,7 @@ class SchedulerHalf:
             for kv in recurrent:
                 ids[kv] = [state.get(kv, 0)]
             meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
+            self.events.remember(st.request, c, chunk, hashes[c])
             st.saves_scheduled += 1
             st.saved_upto = c + 1
 
@@ -562,6 +585,15 @@ class SchedulerHalf:
         # report it): released after the next step, which runs after the step carrying the load.
         self._drop_ticket(st)
         return st.saves_scheduled > 0, None
+
+    def has_pending_events(self) -> bool:
+        """Whether stored chunks still wait for their first event (vLLM keeps stepping meanwhile)."""
+        return self.events.busy()
+
+    def take_events(self) -> list[Any]:
+        """KV events (vLLM's ``BlockStored`` / ``BlockRemoved``) for the tiers that gained or lost
+        chunks this engine stored, since the last call (see :mod:`tiercache.connector.events`)."""
+        return self.events.take(self._client())
 
     def shutdown(self) -> None:
         self.link.close()

@@ -5,7 +5,7 @@ for routers: ``BlockStored`` when a chunk it stored lands in a tier, ``BlockRemo
 drops it. Tiers report through :class:`~tiercache.tier.TierStats` listeners (``arrival`` and
 ``listener``), which run under the tiers' own locks: recording is one append under a private lock.
 
-Bounded (``capacity`` changes, ~100 bytes each) and lazy: nothing is recorded until a client first
+Bounded (``capacity`` changes, ~110 bytes each measured) and lazy: nothing is recorded until a client first
 asks, so a server nobody follows pays one flag check per change. A client that falls more than
 ``capacity`` changes behind is told (``lost``) instead of being handed a partial story.
 """
