@@ -168,6 +168,7 @@ class S3Config:
     lease_ttl_s: float = 60.0
     reservation_ttl_s: float = 30.0
     create_bucket: bool = False
+    relist_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -179,6 +180,12 @@ class S3Config:
         _positive("connect_timeout_s", "S3 connect timeout", self.connect_timeout_s, " s")
         _positive("read_timeout_s", "S3 read timeout", self.read_timeout_s, " s")
         _at_least_one("breaker_failures", "S3 breaker failures", self.breaker_failures)
+        if self.relist_interval_s < 0:
+            raise SettingError(
+                "relist_interval_s",
+                "S3 relist interval",
+                f"must be >= 0 s, got {self.relist_interval_s!r}; 0 lists the prefix only at start-up",
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,11 @@ META: dict[tuple[str, str], Meta] = {
     ("s3", "lease_ttl_s"): Meta("Seconds an unreleased S3 read lease lives.", metavar="SECONDS"),
     ("s3", "reservation_ttl_s"): Meta("Seconds an uncommitted S3 upload lives.", metavar="SECONDS"),
     ("s3", "create_bucket"): Meta("Create the bucket at start-up if it does not exist."),
+    ("s3", "relist_interval_s"): Meta(
+        "Seconds between listings of the prefix, so the capacity bound also counts (and evicts) what "
+        "other nodes wrote; 0 lists only at start-up.",
+        metavar="SECONDS",
+    ),
     # engine
     ("engine", "l3_write_policy"): Meta(
         "When chunks go to S3: through (after disk, asynchronously) or back (when evicted from disk; "

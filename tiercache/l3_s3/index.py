@@ -1,8 +1,9 @@
 """The S3 tier's memory of the bucket: the capacity index and the existence cache.
 
 * :class:`CapacityIndex` — object size by key, oldest first, and their byte total: what the capacity
-  bound evicts from, and what ``usage`` reports without a request. Built from one listing of the
-  prefix at start-up, then kept by the tier's own puts, reads and deletes.
+  bound evicts from, and what ``usage`` reports without a request. Built from a listing of the
+  prefix at start-up, kept by the tier's own puts, reads and deletes, and reconciled with a new
+  listing every ``relist_interval_s`` (other nodes' writes and deletions).
 * :class:`ExistenceCache` — recent HEAD answers with a TTL each, so a lookup of a long prompt costs a
   few requests, and a repeated one none.
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
@@ -20,16 +22,21 @@ EXISTENCE_CACHE_ENTRIES = 1 << 18
 
 
 class CapacityIndex:
-    """Object sizes by key, oldest first. Not thread-safe: the tier calls it under its own lock.
+    """Object sizes by key, oldest first, each with the wall-clock time it was last written or read
+    (S3's ``LastModified`` for listed objects): what the capacity bound evicts from. Not thread-safe:
+    the tier calls it under its own lock.
 
-    While the start-up listing runs (until :meth:`merge_listing`), the keys this process wrote or
-    deleted are remembered, so the listing cannot resurrect or resize them with what it saw earlier.
+    While a listing of the prefix runs (until :meth:`merge_listing` or :meth:`reconcile`), the keys
+    this process writes or deletes are remembered, so the listing cannot resurrect or resize them
+    with what it saw earlier.
     """
 
-    def __init__(self) -> None:
-        self._sizes: OrderedDict[ObjectKey, int] = OrderedDict()
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # wall clock: compared with S3's LastModified
+        self._sizes: OrderedDict[ObjectKey, int] = OrderedDict()  # oldest first
+        self._stamps: dict[ObjectKey, float] = {}
         self._bytes = 0
-        self._touched: set[ObjectKey] | None = set()  # None once the listing is merged
+        self._touched: set[ObjectKey] | None = set()  # None while no listing runs
 
     @property
     def bytes_used(self) -> int:
@@ -51,6 +58,7 @@ class CapacityIndex:
         if old is not None:
             self._bytes -= old
         self._sizes[key] = size
+        self._stamps[key] = self._clock()
         self._bytes += size
         self._touch(key)
 
@@ -58,12 +66,14 @@ class CapacityIndex:
         """``key`` was read: it becomes the youngest (LRU-ish)."""
         if key in self._sizes:
             self._sizes.move_to_end(key)
+            self._stamps[key] = self._clock()
 
     def forget(self, key: ObjectKey) -> None:
         """``key`` is gone from the bucket."""
         old = self._sizes.pop(key, None)
         if old is not None:
             self._bytes -= old
+            del self._stamps[key]
         self._touch(key)
 
     def restore_oldest(self, key: ObjectKey, size: int) -> None:
@@ -71,6 +81,7 @@ class CapacityIndex:
         if key not in self._sizes:
             self._sizes[key] = size
             self._sizes.move_to_end(key, last=False)
+            self._stamps[key] = float("-inf")
             self._bytes += size
 
     def take_oldest(self, excess: int, skip: Callable[[ObjectKey], bool]) -> list[tuple[ObjectKey, int]]:
@@ -88,19 +99,44 @@ class CapacityIndex:
         return victims
 
     def merge_listing(self, listed: Collection[tuple[float, ObjectKey, int]]) -> None:
-        """Merge the start-up listing ``(last modified, key, size)``: listed objects oldest first,
-        then everything this process wrote meanwhile (newer than anything listed)."""
-        touched = self._touched or set()
-        merged: OrderedDict[ObjectKey, int] = OrderedDict()
-        for _mtime, key, size in sorted(listed, key=lambda t: t[0]):
-            if key not in touched:
-                merged[key] = size
-        for key, size in self._sizes.items():
-            merged.pop(key, None)
-            merged[key] = size
-        self._sizes = merged
-        self._bytes = sum(merged.values())
+        """Merge the start-up listing ``(last modified, key, size)``: listed objects by their time,
+        and everything this process wrote meanwhile."""
+        self.reconcile(listed, drop_unlisted=False)
+
+    def begin_relisting(self) -> None:
+        """A later listing of the prefix starts (see :meth:`reconcile`)."""
+        self._touched = set()
+
+    def abandon_relisting(self) -> None:
+        """The listing failed: keep the index as it is."""
         self._touched = None
+
+    def reconcile(
+        self, listed: Collection[tuple[float, ObjectKey, int]], *, drop_unlisted: bool = True
+    ) -> tuple[int, int]:
+        """Merge a listing ``(last modified, key, size)``. Keys it lacks that this process did not
+        write meanwhile were deleted by another node (forgotten, with ``drop_unlisted``); keys this
+        index lacks (and this process did not delete meanwhile) were written by another node; then
+        everything is ordered by time, oldest first. Returns ``(added, dropped)``."""
+        touched = self._touched or set()
+        seen = {key: (mtime, size) for mtime, key, size in listed}
+        dropped = (
+            [key for key in self._sizes if key not in seen and key not in touched] if drop_unlisted else []
+        )
+        for key in dropped:
+            self._bytes -= self._sizes.pop(key)
+            del self._stamps[key]
+        added = 0
+        for key, (mtime, size) in seen.items():
+            if key not in self._sizes and key not in touched:
+                self._sizes[key] = size
+                self._stamps[key] = mtime
+                self._bytes += size
+                added += 1
+        stamps = self._stamps
+        self._sizes = OrderedDict(sorted(self._sizes.items(), key=lambda item: stamps[item[0]]))
+        self._touched = None
+        return added, len(dropped)
 
     def _touch(self, key: ObjectKey) -> None:
         if self._touched is not None:

@@ -77,6 +77,10 @@ class _Lease:
     expires_at: float
 
 
+class _Closed(Exception):
+    """The tier closed while listing: a partial listing must not be reconciled."""
+
+
 class S3Tier(Tier):
     """L3: chunks as self-verifying S3 objects under ``config.prefix``, bounded by ``capacity_bytes``.
 
@@ -576,6 +580,45 @@ class S3Tier(Tier):
             log.exception("building the S3 capacity index failed")
         finally:
             self._indexed.set()
+        interval = self.config.relist_interval_s
+        while interval > 0 and not self._closed.wait(interval):
+            self._relist()
+
+    def _relist(self) -> None:
+        """List the prefix again and reconcile the index with it, so the capacity bound holds for
+        the prefix as a whole: other nodes' writes count (and are evicted, oldest first) and their
+        deletions are forgotten. A failed listing keeps the index as it is."""
+        with self._lock:
+            self._index.begin_relisting()
+        listed: list[tuple[float, ObjectKey, int]] = []
+        try:
+            for name, size, mtime in self._list():
+                if self._closed.is_set():
+                    raise _Closed
+                key = self._names.key_of(name)
+                if key is not None:
+                    listed.append((mtime, key, size))
+        except _Closed:
+            return
+        except Exception as exc:  # S3 down, or a bug: keep the index as it is, retry next interval
+            log.warning(
+                "could not list S3 %s to count other nodes' objects (%s); retrying later", self._where, exc
+            )
+            with self._lock:
+                self._index.abandon_relisting()
+            return
+        with self._lock:
+            added, dropped = self._index.reconcile(listed)
+            used = self._index.bytes_used
+        log.debug(
+            "relisted S3 %s: %d objects, %d new from other writers, %d deleted by them; %d bytes",
+            self._where,
+            len(listed),
+            added,
+            dropped,
+            used,
+        )
+        self._enforce_capacity(keep=None)
 
     def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
         with self._lock:
