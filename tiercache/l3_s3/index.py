@@ -34,7 +34,8 @@ class CapacityIndex:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # wall clock: compared with S3's LastModified
         self._sizes: OrderedDict[ObjectKey, int] = OrderedDict()  # oldest first
-        self._stamps: dict[ObjectKey, float] = {}
+        self._stamps: dict[ObjectKey, float] = {}  # the order's times
+        self._reads: dict[ObjectKey, float] = {}  # when this process last read each key
         self._bytes = 0
         self._touched: set[ObjectKey] | None = set()  # None while no listing runs
 
@@ -66,7 +67,7 @@ class CapacityIndex:
         """``key`` was read: it becomes the youngest (LRU-ish)."""
         if key in self._sizes:
             self._sizes.move_to_end(key)
-            self._stamps[key] = self._clock()
+            self._stamps[key] = self._reads[key] = self._clock()
 
     def forget(self, key: ObjectKey) -> None:
         """``key`` is gone from the bucket."""
@@ -74,6 +75,7 @@ class CapacityIndex:
         if old is not None:
             self._bytes -= old
             del self._stamps[key]
+            self._reads.pop(key, None)
         self._touch(key)
 
     def restore_oldest(self, key: ObjectKey, size: int) -> None:
@@ -116,8 +118,10 @@ class CapacityIndex:
     ) -> tuple[int, int]:
         """Merge a listing ``(last modified, key, size)``. Keys it lacks that this process did not
         write meanwhile were deleted by another node (forgotten, with ``drop_unlisted``); keys this
-        index lacks (and this process did not delete meanwhile) were written by another node; then
-        everything is ordered by time, oldest first. Returns ``(added, dropped)``."""
+        index lacks (and this process did not delete meanwhile) were written by another node. Then
+        every listed key is ordered by S3's time for it (or this process's last read, if later), ties
+        by key: the same order on every node that lists the same objects, so nodes evicting down to
+        one capacity evict the same objects. Returns ``(added, dropped)``."""
         touched = self._touched or set()
         seen = {key: (mtime, size) for mtime, key, size in listed}
         dropped = (
@@ -126,15 +130,20 @@ class CapacityIndex:
         for key in dropped:
             self._bytes -= self._sizes.pop(key)
             del self._stamps[key]
+            self._reads.pop(key, None)
         added = 0
         for key, (mtime, size) in seen.items():
-            if key not in self._sizes and key not in touched:
+            if key in touched:
+                continue  # written, read or deleted while listing: this process knows better
+            if key not in self._sizes:
                 self._sizes[key] = size
-                self._stamps[key] = mtime
                 self._bytes += size
                 added += 1
+            self._stamps[key] = max(mtime, self._reads.get(key, mtime))
         stamps = self._stamps
-        self._sizes = OrderedDict(sorted(self._sizes.items(), key=lambda item: stamps[item[0]]))
+        self._sizes = OrderedDict(
+            sorted(self._sizes.items(), key=lambda item: (stamps[item[0]], item[0].to_bytes()))
+        )
         self._touched = None
         return added, len(dropped)
 
