@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.config.connector import ConnectorSettings
-from tiercache.errors import TierCacheError
+from tiercache.errors import ProtocolError, TierCacheError
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.wire import protocol as p
 from tiercache.wire.client import Client
@@ -94,9 +94,22 @@ class KVEventTracker:
     def on_connect(self, client: Client) -> None:
         """(Re)connected: learn the server's position before this engine stores anything (the
         server records changes from the first request on). One round trip."""
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             reply = client.events()
-            self._connected = (reply.instance, reply.next_seq)  # one assignment: taken by take()
+        except ProtocolError as exc:  # a server from before the residency log: no events, still a cache
+            log.warning(
+                "tiercache: the server cannot report what its tiers hold (%s); publishing no KV events", exc
+            )
+            self._interval = 0.0
+            return
+        self._connected = (reply.instance, reply.next_seq)  # one assignment: taken by take()
+        log.info(
+            "tiercache: publishing KV events for routers every %g s (media %s)",
+            self._interval,
+            ", ".join(TIER_MEDIA.values()),
+        )
 
     def _adopt(self, instance: bytes) -> None:
         if self._instance is not None and instance != self._instance:

@@ -19,6 +19,9 @@ request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it in ``finished_
 that retry with no hit). The ticket is kept until that report. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
 
+With vLLM's ``--kv-events-config`` on, it also publishes which tiers hold the chunks it stored, as
+vLLM KV events (:mod:`tiercache.connector.events`; ``take_events``).
+
 Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
 position-indexed but sparse (null 0s) and entries move, so the block holding the state at a chunk
 boundary is never resolved positionally. vLLM hands it over each step in
