@@ -76,6 +76,9 @@ class _Pending:
     deadline: float
     reply: Any = None
     done: bool = False
+    #: An asynchronous request, kept to be sent once more if the server answers hello_required (it
+    #: restarted and forgot the session); ``None`` once resent, or for synchronous calls.
+    msg: p._Msg | None = None
 
 
 @dataclass(slots=True)
@@ -453,7 +456,30 @@ class Client:
         with self._lock:
             if self._state.hello is None:
                 self._say_hello(None)
-            return self._send(msg, convert, None)
+            req_id = self._send(msg, convert, None)
+            self._state.pending[req_id].msg = msg
+            return req_id
+
+    def _resend_after_hello(self, req_id: int, entry: _Pending) -> None:
+        """The server restarted (``hello_required``): say hello again (one round trip, as
+        :meth:`_submit` does after a reconnect) and send ``entry``'s request once more under the
+        same id, so its caller's :meth:`poll` goes on as if nothing happened."""
+        msg, entry.msg = entry.msg, None
+        assert msg is not None
+        self._state.hello = None
+        self._say_hello(None)
+        sock = self._state.sock
+        assert sock is not None
+        msg.req_id = req_id
+        try:
+            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again as exc:
+            self._state.pending.pop(req_id, None)
+            raise ServerUnavailableError(
+                f"cannot send to the tiercache server at {self.endpoint}: send queue full; check that it runs"
+            ) from exc
+        self._state.last_send = time.monotonic()
+        self._state.pending[req_id] = _Pending(entry.convert, time.monotonic() + self.timeout)
 
     def poll(self, req_id: int) -> Any:
         """The result of an ``*_async`` request, or ``None`` if it has not arrived. Never waits.
@@ -471,6 +497,14 @@ class Client:
                 )
             if not entry.done:
                 self._drain(0)
+            if (
+                entry.done
+                and entry.msg is not None
+                and isinstance(entry.reply, p.ErrorReply)
+                and entry.reply.code is p.ErrorCode.HELLO_REQUIRED
+            ):
+                self._resend_after_hello(req_id, entry)
+                return None
             if entry.done:
                 return self._result(req_id)
             if time.monotonic() > entry.deadline:
