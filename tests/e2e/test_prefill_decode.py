@@ -52,7 +52,9 @@ def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
         "kv_connector": "TierCacheConnector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 30},
+        # Two engines and a server on this machine's two cores, where vLLM's workers spin between
+        # steps: a round trip can take longer than the default 2 s; the claims do not depend on it.
+        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 30, "timeout_s": 5},
     }
     return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 

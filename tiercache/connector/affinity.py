@@ -8,10 +8,10 @@ to the same core (two engines auto-binding on a small machine, as ``tests/e2e/te
 runs them) a thread bound there was measured waiting up to 15 s for CPU: the heartbeat timeout, so the
 server dropped the worker's session and with it the reservations of the stores in flight.
 
-So each connector thread first takes the CPU set of the worker's parent process (vLLM's engine
-core): the CPUs the user gave vLLM as a whole (``taskset``, a cpuset), among which the kernel puts the
-thread wherever there is room. Where the parent's set is no wider (GPU hosts, unbound workers) this
-changes nothing.
+So each connector thread first moves off the engine thread's cores, onto the rest of the CPU set of
+the worker's parent process (vLLM's engine core: the CPUs the user gave vLLM as a whole, ``taskset``
+or a cpuset; vLLM reserves some of them for its other processes). Where the parent's set is no
+wider (GPU hosts, unbound workers) this changes nothing.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def background_cpus() -> set[int] | None:
-    """The CPUs a connector thread should run on, when wider than the calling thread's binding
-    (``None``: nothing to change, or the platform cannot tell)."""
+    """The CPUs a connector thread should run on when the calling thread is bound narrower than the
+    worker's parent process: the parent's CPUs outside the calling thread's binding. ``None``:
+    nothing to change (no such CPU), or the platform cannot tell."""
     try:
         own = os.sched_getaffinity(0)
         parent = os.sched_getaffinity(os.getppid())
     except (AttributeError, OSError):  # not Linux, or the parent is gone
         return None
-    return set(parent) if parent - own else None
+    rest = set(parent) - own
+    return rest or None
 
 
 def spread_current_thread() -> None:

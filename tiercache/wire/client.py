@@ -339,6 +339,9 @@ class Client:
                 while not entry.done:
                     left = entry.deadline - time.monotonic()
                     if left <= 0:
+                        self._drain(0)  # a reply that came while this thread was not running
+                        if entry.done:
+                            break
                         self._reset()
                         raise ServerUnavailableError(
                             f"no reply from the tiercache server at {self.endpoint} within "
