@@ -221,9 +221,7 @@ class KVEventTracker:
                 self._out.append(self._stored(chunk, event.tier, medium))
                 self.counts["stored_events"] += 1
             elif event.kind is p.EventKind.REMOVED and medium in chunk.media:
-                chunk.media.discard(medium)
-                self._out.append(self._removed(chunk, event.tier, medium))
-                self.counts["removed_events"] += 1
+                self._publish_removal(chunk, event.tier, medium)
 
     def _retract(self, only: str | None = None) -> None:
         for chunk in self._chunks.values():
@@ -232,9 +230,12 @@ class KVEventTracker:
     def _remove_all(self, chunk: _Chunk, only: str | None = None) -> None:
         for tier, medium in TIER_MEDIA.items():
             if medium in chunk.media and (only is None or tier == only):
-                chunk.media.discard(medium)
-                self._out.append(self._removed(chunk, tier, medium))
-                self.counts["removed_events"] += 1
+                self._publish_removal(chunk, tier, medium)
+
+    def _publish_removal(self, chunk: _Chunk, tier: str, medium: str) -> None:
+        chunk.media.discard(medium)
+        self._out.append(self._removed(chunk, tier, medium))
+        self.counts["removed_events"] += 1
 
     @staticmethod
     def _stored(chunk: _Chunk, tier: str, medium: str) -> Any:

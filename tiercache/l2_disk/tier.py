@@ -490,9 +490,9 @@ class DiskTier(Tier):
                 f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
             )
         self._sweep()
-        self._store(kb, head, stored, META_FLAGS)
+        self._store(key, kb, head, stored, META_FLAGS)
 
-    def _store(self, kb: bytes, head: bytes, stored: Any, tail: bytes) -> None:
+    def _store(self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes) -> None:
         nbytes = len(stored)
         extra = 0
         try:
@@ -513,7 +513,7 @@ class DiskTier(Tier):
                         )
                         extra += self._budget // 10
                         continue
-                    self.stats.put(nbytes, keys=(ObjectKey.from_bytes(kb),) if self.stats.arrival else ())
+                    self.stats.put(nbytes, keys=(key,))
                     return
         except lmdb.MapFullError as exc:
             # Even the eviction txn found no page to copy-on-write into.

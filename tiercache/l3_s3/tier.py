@@ -558,12 +558,9 @@ class S3Tier(Tier):
         try:
             listed: list[tuple[float, ObjectKey, int]] = []
             try:
-                for name, size, mtime in self._list():
-                    if self._closed.is_set():
-                        return
-                    key = self._names.key_of(name)
-                    if key is not None:
-                        listed.append((mtime, key, size))
+                listed = self._list_chunks()
+            except _Closed:
+                return
             except S3TierError as exc:
                 log.warning(
                     "could not list S3 %s to build the capacity index (%s); only objects written "
@@ -590,14 +587,8 @@ class S3Tier(Tier):
         deletions are forgotten. A failed listing keeps the index as it is."""
         with self._lock:
             self._index.begin_relisting()
-        listed: list[tuple[float, ObjectKey, int]] = []
         try:
-            for name, size, mtime in self._list():
-                if self._closed.is_set():
-                    raise _Closed
-                key = self._names.key_of(name)
-                if key is not None:
-                    listed.append((mtime, key, size))
+            listed = self._list_chunks()
         except _Closed:
             return
         except Exception as exc:  # S3 down, or a bug: keep the index as it is, retry next interval
@@ -619,6 +610,18 @@ class S3Tier(Tier):
             used,
         )
         self._enforce_capacity(keep=None)
+
+    def _list_chunks(self) -> list[tuple[float, ObjectKey, int]]:
+        """Every chunk object under the prefix as ``(last modified, key, size)``; raises
+        :class:`_Closed` if the tier closes meanwhile (a partial listing must not be merged)."""
+        listed: list[tuple[float, ObjectKey, int]] = []
+        for name, size, mtime in self._list():
+            if self._closed.is_set():
+                raise _Closed
+            key = self._names.key_of(name)
+            if key is not None:
+                listed.append((mtime, key, size))
+        return listed
 
     def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
         with self._lock:

@@ -247,10 +247,13 @@ class Client:
                 self._lock.release()
 
     # -- request machinery -----------------------------------------------------------------------
-    def _send(self, msg: p._Msg, convert: Callable[[Any], Any], timeout: float | None) -> int:
+    def _send(
+        self, msg: p._Msg, convert: Callable[[Any], Any], timeout: float | None, req_id: int | None = None
+    ) -> int:
+        """Send ``msg`` under a new request id (or ``req_id``: a resend) and file its pending reply."""
         if self._closed.is_set():
             raise ServerUnavailableError("this client is closed; create a new one")
-        req_id = next(self._ids)
+        req_id = next(self._ids) if req_id is None else req_id
         msg.req_id = req_id
         st = self._state
         if st.sock is None:
@@ -467,22 +470,12 @@ class Client:
         """The server restarted (``hello_required``): say hello again (one round trip, as
         :meth:`_submit` does after a reconnect) and send ``entry``'s request once more under the
         same id, so its caller's :meth:`poll` goes on as if nothing happened."""
-        msg, entry.msg = entry.msg, None
+        msg = entry.msg
         assert msg is not None
+        self._state.pending.pop(req_id)  # a failure below leaves nothing to poll for
         self._state.hello = None
         self._say_hello(None)
-        sock = self._state.sock
-        assert sock is not None
-        msg.req_id = req_id
-        try:
-            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
-        except zmq.Again as exc:
-            self._state.pending.pop(req_id, None)
-            raise ServerUnavailableError(
-                f"cannot send to the tiercache server at {self.endpoint}: send queue full; check that it runs"
-            ) from exc
-        self._state.last_send = time.monotonic()
-        self._state.pending[req_id] = _Pending(entry.convert, time.monotonic() + self.timeout)
+        self._send(msg, entry.convert, None, req_id=req_id)  # not kept again: resent once at most
 
     def poll(self, req_id: int) -> Any:
         """The result of an ``*_async`` request, or ``None`` if it has not arrived. Never waits.
