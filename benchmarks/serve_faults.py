@@ -49,11 +49,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.e2e.engine_run import write_tiny_llama
+from tests.e2e.engine_run import write_served_tiny_llama
 from tests.e2e.openai_server import OpenAIServer, api_server_argv, tiny_model_flags
 from tests.reliability.common import peak_rss_mib
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.testing.checkpoints import token_text, write_tokenizer
+from tiercache.testing.checkpoints import token_text
 
 MiB = 1 << 20
 CHUNK = 64
@@ -393,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiercache-serve-faults-") as d:
         tmp = Path(d)
         args.model_dir = tmp / "model"
-        write_tiny_llama(args.model_dir, seed=1234)
-        write_tokenizer(args.model_dir, VOCAB)
+        write_served_tiny_llama(args.model_dir, seed=1234)
         token_prompts, order = make_workload(args)
         prompts = [token_text(p) for p in token_prompts]
         chunk_bytes = 2 * 2 * 2 * 32 * 4 * CHUNK  # layers x K/V x kv heads x head dim x fp32 x tokens

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint
+from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint, write_tokenizer
 
 MiB = 1 << 20
 
@@ -30,6 +30,13 @@ MiB = 1 << 20
 def write_tiny_llama(directory: Path, seed: int) -> None:
     """A tiny Llama checkpoint with seeded random weights, so outputs depend on the KV."""
     write_tiny_checkpoint(directory, tiny_llama_config(), seed)
+
+
+def write_served_tiny_llama(directory: Path, seed: int) -> None:
+    """:func:`write_tiny_llama` with a word-level tokenizer over its whole vocabulary beside it, as
+    vLLM's OpenAI server needs (prompts are :func:`~tiercache.testing.checkpoints.token_text`)."""
+    write_tiny_llama(directory, seed)
+    write_tokenizer(directory, tiny_llama_config()["vocab_size"])
 
 
 SLIDING_AND_FULL: dict = {

@@ -115,6 +115,21 @@ def run_engine(
     )
 
 
+def cli_json(*args: str, timeout: float = 60) -> dict[str, Any]:
+    """``tiercache ARGS`` (which must include ``--json``) run as the CLI from this checkout; its JSON."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercache.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
+
+
 def engine_stats(server: ServerProcess) -> dict[str, int]:
     """The server engine's counters (stores, lookup hits, tier writes, promotions, ...)."""
     with server.client() as c:

@@ -28,10 +28,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import OpenAIServer, api_server_argv, free_port, tiny_model_flags
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.testing.checkpoints import token_text, write_tokenizer
+from tiercache.testing.checkpoints import token_text
 from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -89,8 +89,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("kv-events")
     model = tmp / "model"
-    write_tiny_llama(model, seed=4321)
-    write_tokenizer(model, 512)
+    write_served_tiny_llama(model, seed=4321)
     # L1 only, room for 15 objects: later prompts evict the first one's chunks from every tier.
     server = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1 * MiB, options={"chunk_size": CHUNK})
     proc = ServerProcess(server)

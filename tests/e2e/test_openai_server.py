@@ -28,7 +28,6 @@ engine can take 192, 128, 256 and 128 prompt tokens of each kind from tiercache.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,11 +46,11 @@ from tests.docs.quickstart import (
     parse_blocks,
     shell_commands,
 )
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import EXTERNAL_HITS, EXTERNAL_QUERIES, Completion, OpenAIServer
-from tests.e2e.setup import MiB, engine_stats, wait_for, wait_for_stores
+from tests.e2e.setup import MiB, cli_json, engine_stats, wait_for, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.testing.checkpoints import token_text, write_tokenizer
+from tiercache.testing.checkpoints import token_text
 from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -180,8 +179,7 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("openai")
     model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    write_tokenizer(model, VOCAB)
+    write_served_tiny_llama(model, seed=1234)
     prompts = [token_text(p) for p in make_prompts(LENGTHS, seed=7, vocab=VOCAB)]
     probes = [token_text(p) for p in make_prompts([PROBE_LENGTH] * PROBES, seed=11, vocab=VOCAB)]
     spec = ServerSpec(
@@ -233,17 +231,7 @@ def restart(world: World, cold: Answers) -> Restart:
 
 def inspect_summary(endpoint: str) -> dict[str, Any]:
     """``tiercache inspect summary --server ENDPOINT --json``, run as the CLI."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tiercache.cli", "inspect", "summary", "--server", endpoint, "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    data: dict[str, Any] = json.loads(done.stdout)
-    return data
+    return cli_json("inspect", "summary", "--server", endpoint, "--json")
 
 
 @pytest.mark.parametrize("name", ["cold", "restart"])

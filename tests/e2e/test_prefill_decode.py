@@ -28,12 +28,12 @@ pytest.importorskip("vllm")
 
 import httpx
 
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv, tiny_model_flags
 from tests.e2e.pd_proxy import PDProxy
 from tests.e2e.setup import engine_stats, wait_for
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.testing.checkpoints import token_text, write_tokenizer
+from tiercache.testing.checkpoints import token_text
 
 pytestmark = pytest.mark.e2e
 
@@ -75,8 +75,7 @@ class PD:
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     tmp = tmp_path_factory.mktemp("pd")
     model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    write_tokenizer(model, 512)
+    write_served_tiny_llama(model, seed=1234)
     server = ServerProcess(
         ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK})
     )

@@ -41,8 +41,6 @@ computes at least the last prompt token). The probe has 65 tokens: one chunk.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,23 +57,22 @@ from botocore.config import Config
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import S3Endpoint
-from tests.e2e.engine_run import make_prompts, write_tiny_llama
+from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import (
     EXTERNAL_HITS,
-    ROOT,
     Completion,
     OpenAIServer,
     api_server_argv,
     tiny_model_flags,
 )
-from tests.e2e.setup import MiB, wait_for
+from tests.e2e.setup import MiB, cli_json, wait_for
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.config.parts import L3WritePolicy
 from tiercache.keys import ExtraKeys, PrefixHasher
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l3_s3.names import ObjectNames
-from tiercache.testing.checkpoints import token_text, write_tokenizer
+from tiercache.testing.checkpoints import token_text
 from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -235,8 +232,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) ->
     tmp = tmp_path_factory.mktemp("replicas")
     bucket = f"e2e-replicas-{uuid.uuid4().hex[:8]}"
     model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
-    write_tokenizer(model, VOCAB)
+    write_served_tiny_llama(model, seed=1234)
     ids = make_prompts(LENGTHS, seed=23, vocab=VOCAB)
     [probe] = make_prompts([PROBE_LENGTH], seed=29, vocab=VOCAB)
     spec_a = node_spec(tmp, "node-a", "disk-a", s3_server, bucket)
@@ -414,17 +410,7 @@ class Warmed:
 
 def run_warm(endpoint: str) -> dict[str, Any]:
     """``tiercache warm --server ENDPOINT --tier s3 --json``, run as the CLI."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tiercache.cli", "warm", "--server", endpoint, "--tier", "s3", "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    data: dict[str, Any] = json.loads(done.stdout)
-    return data
+    return cli_json("warm", "--server", endpoint, "--tier", "s3", "--json", timeout=120)
 
 
 def reset_local_prefix_cache(vllm: OpenAIServer) -> None:
