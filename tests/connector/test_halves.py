@@ -263,10 +263,12 @@ class _LookupClient:
         return self.reply
 
 
-def _prompt_request(tokens: int = 2400) -> object:
+def _prompt_request(tokens: int = 2400, cache_salt: str | None = None) -> object:
     from types import SimpleNamespace
 
-    return SimpleNamespace(request_id="r", prompt_token_ids=list(range(tokens)), lora_request=None)
+    return SimpleNamespace(
+        request_id="r", prompt_token_ids=list(range(tokens)), lora_request=None, cache_salt=cache_salt
+    )
 
 
 def _scheduled(tokens: int = 2400) -> object:
@@ -283,7 +285,7 @@ def test_a_producer_never_loads_and_stores_only_what_the_server_lacks() -> None:
     client = _LookupClient(LookupReply(chunks=2, per_tier={"l1": 2}))
     sched = _recurrent_scheduler(client=client, recurrent=False, loads=False)
     assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
-    assert client.asked == [(3, {"prefetch": False, "max_chunks": 3, "inflight_wait_s": 0.0})]
+    assert client.asked == [(3, {"prefetch": False, "max_chunks": 3, "inflight_wait_s": 0.0, "tenant": b""})]
     meta = sched.build_connector_meta(_scheduled())  # type: ignore[attr-defined]
     assert [s.chunk_index for s in meta.saves] == [2]  # chunks 0 and 1 are on the server already
     assert sched.request_finished(_prompt_request()) == (True, None)  # type: ignore[attr-defined]
@@ -298,7 +300,7 @@ def test_a_consumer_loads_waiting_for_stores_in_flight_and_never_stores() -> Non
     assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
     wait = ConnectorSettings().inflight_wait_s
     assert wait > 0
-    assert client.asked == [(3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait})]
+    assert client.asked == [(3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait, "tenant": b""})]
     assert not sched.build_connector_meta(_scheduled()).saves  # type: ignore[attr-defined]
     assert sched.request_finished(_prompt_request()) == (False, None)  # type: ignore[attr-defined]
 
@@ -312,6 +314,20 @@ def test_kv_both_loads_and_stores() -> None:
     assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
     assert client.asked[0][1]["prefetch"] is True
     assert [s.chunk_index for s in sched.build_connector_meta(_scheduled()).saves] == [0, 1, 2]  # type: ignore[attr-defined]
+
+
+def test_a_salted_request_asks_and_stores_as_its_tenant_named_by_id_not_salt() -> None:
+    pytest.importorskip("vllm")
+    from tiercache.keys.tenant import tenant_id
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _recurrent_scheduler(client=client, recurrent=False)
+    sched.get_num_new_matched_tokens(_prompt_request(cache_salt="acme-secret"), 0)  # type: ignore[attr-defined]
+    tenant = tenant_id("acme-secret")
+    assert client.asked[0][1]["tenant"] == tenant and b"acme" not in tenant
+    saves = sched.build_connector_meta(_scheduled()).saves  # type: ignore[attr-defined]
+    assert [s.tenant for s in saves] == [tenant] * 3
 
 
 @pytest.mark.parametrize(

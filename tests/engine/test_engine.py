@@ -13,6 +13,7 @@ from tiercache.config import EngineConfig, L3WritePolicy
 from tiercache.engine import GroupSpec, TicketState, TieredEngine
 from tiercache.errors import TierError
 from tiercache.keys import Fingerprint, GroupKind, chunk_hashes
+from tiercache.keys.tenant import tenant_id, tenant_label
 from tiercache.testing.faults import FaultInjectingTier, FaultPlan
 
 CHUNK_BYTES = 64 * 1024
@@ -139,6 +140,22 @@ def test_a_restart_finds_chunks_on_disk_and_promotes_them(tmp_path: Path, make_e
     second.release_ticket(ticket)
     # Promoted chunks are now L1 hits.
     assert second.lookup(hashes, [FULL]).per_tier == {"l1": 8}
+
+
+def test_promoted_copies_count_against_the_asking_tenant(tmp_path: Path, make_engine: EngineFactory) -> None:
+    hashes = prompt(4)
+    first = make_engine(l1_tier(), disk_tier(tmp_path))
+    store(first, [FULL], hashes)
+    assert first.flush(timeout=30)
+    first.close()
+
+    second = make_engine(l1_tier(), disk_tier(tmp_path))
+    tenant = tenant_id("acme")
+    ticket = second.prefetch(hashes, [FULL], 4, tenant=tenant)
+    assert second.wait(ticket, timeout=30) is TicketState.READY
+    second.release_ticket(ticket)
+    held = second.stats()["tenants"][tenant_label(tenant)]["tiers"]  # type: ignore[index]
+    assert held["l1"]["objects"] == 4 and held["l1"]["bytes"] == 4 * CHUNK_BYTES
 
 
 def test_a_second_node_reads_through_s3(tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory) -> None:

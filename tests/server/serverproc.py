@@ -31,6 +31,8 @@ class ServerSpec:
     s3_bucket: str = "tiercache-server-test"
     options: dict[str, Any] = field(default_factory=dict)
     l1_lease_ttl_s: float = 60.0
+    #: Extra fields of L1Config (tenant quotas).
+    l1_options: dict[str, Any] = field(default_factory=dict)
     #: Extra fields of DiskConfig / S3Config / EngineConfig (e.g. short S3 timeouts, a tiny budget).
     disk_options: dict[str, Any] = field(default_factory=dict)
     s3_options: dict[str, Any] = field(default_factory=dict)
@@ -57,7 +59,7 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     l1 = L1Tier(
         # The default arena name carries the server's pid, so an arena left by a server a test
         # killed with SIGKILL is reclaimed when the next server starts.
-        L1Config(size_bytes=spec.l1_bytes, name=None, lease_ttl_s=spec.l1_lease_ttl_s)
+        L1Config(size_bytes=spec.l1_bytes, name=None, lease_ttl_s=spec.l1_lease_ttl_s, **spec.l1_options)
     )
     lower: list[Tier] = []
     if spec.disk_path is not None:

@@ -5,7 +5,8 @@ Subcommands: ``server`` (run a server; its flags come from the option table, see
 ``bench`` (tier throughput against raw baselines on this machine, :mod:`tiercache.cli.bench`),
 ``inspect`` (what the cache holds and why, from a live server or read-only from a disk path / S3
 prefix; :mod:`tiercache.cli.inspect`), ``clear`` and ``warm`` (delete from / promote into a live
-server's tiers in batches, with a progress bar; :mod:`tiercache.cli.ops`).
+server's tiers in batches, with a progress bar; :mod:`tiercache.cli.ops`), ``tenant-id`` (the id a
+cache salt's tenant goes by; :mod:`tiercache.cli.tenants`).
 
 Exit codes: 0 success; 2 a usage or configuration error (bad flag, environment variable or config
 file; one line ``tiercache: error: ...``); 1 a start-up or run-time failure (unwritable directory,
@@ -25,6 +26,7 @@ from tiercache.cli.bench import add_bench_parser
 from tiercache.cli.inspect import add_inspect_parser
 from tiercache.cli.ops import add_ops_parsers
 from tiercache.cli.server import add_server_parsers
+from tiercache.cli.tenants import add_tenant_parser
 from tiercache.errors import ConfigError, TierCacheError
 
 __all__ = ["build_parser", "main"]
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_inspect_parser(sub, _Parser)
     add_ops_parsers(sub)
+    add_tenant_parser(sub)
     return parser
 
 

@@ -21,9 +21,11 @@ from typing import Any
 from tiercache.cli.connection import add_server_options, connect
 from tiercache.cli.output import console as stdout_console
 from tiercache.cli.output import format_bytes, print_json
-from tiercache.cli.sources import KeyFilter, LiveSource, OfflineSource, explain_report
+from tiercache.cli.sources import KeyFilter, LiveSource, OfflineSource, explain_report, hit_rate
+from tiercache.config.values import TIER_ORDER
 from tiercache.errors import ConfigError
 from tiercache.keys.fingerprint import Fingerprint
+from tiercache.server.tenants import held_bytes
 
 _TOKEN_SPLIT = re.compile(r"[\s,]+")
 
@@ -77,6 +79,12 @@ def add_inspect_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) ->
         default=None,
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C; live server only",
+    )
+    s.add_argument(
+        "--by-tenant",
+        action="store_true",
+        help="also a table per tenant (by id, see `tiercache tenant-id`): bytes against quota per "
+        "tier, evictions, lookups and chunk hit rate; live server only (--json always has them)",
     )
     s.set_defaults(func=_summary)
 
@@ -273,25 +281,80 @@ def _summary_view(data: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
+_TIER_RANK = {name: i for i, name in enumerate(TIER_ORDER)}
+
+
+def _tenant_view(tenants: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    tiers = sorted(
+        {t for r in tenants.values() for t in r.get("tiers", {})},
+        key=lambda t: _TIER_RANK.get(t, len(_TIER_RANK)),
+    )
+    table = Table(title="per tenant", title_justify="left")
+    table.add_column("tenant")
+    for tier in tiers:
+        for col in ("used", "quota", "objects", "evictions"):
+            table.add_column(f"{tier} {col}", justify="right")
+    for col in ("lookups", "chunk hit rate"):
+        table.add_column(col, justify="right")
+    ranked = sorted(tenants.items(), key=lambda kv: (-held_bytes(kv[1]), kv[0]))
+    for label, record in ranked:
+        row = [label]
+        for tier in tiers:
+            t = record.get("tiers", {}).get(tier)
+            if t is None:
+                row += ["-"] * 4
+                continue
+            quota = t.get("quota_bytes")
+            row += [
+                _size(t.get("bytes", 0)),
+                "-" if quota is None else _size(quota),
+                str(t.get("objects", 0)),
+                str(t.get("evictions", 0)),
+            ]
+        rate = hit_rate(int(record.get("hit_chunks", 0)), missed_chunks(record))
+        row += [str(record.get("lookups", 0)), "-" if rate is None else f"{100 * rate:.1f}%"]
+        table.add_row(*row)
+    return table
+
+
+def missed_chunks(record: dict[str, Any]) -> int:
+    """Chunks a tenant's lookups asked about and did not find."""
+    return max(0, int(record.get("lookup_chunks", 0)) - int(record.get("hit_chunks", 0)))
+
+
 def _summary(args: argparse.Namespace) -> int:
+    by_tenant = bool(getattr(args, "by_tenant", False))
+
+    def view(data: dict[str, Any]) -> Any:
+        summary = _summary_view(data)
+        if not by_tenant:
+            return summary
+        from rich.console import Group
+
+        return Group(summary, _tenant_view(data.get("tenants", {})))
+
     def body(source: LiveSource | OfflineSource) -> int:
+        if by_tenant and not source.live:
+            raise ConfigError("--by-tenant needs a live server (tenants are counted in its memory)")
         if args.watch is None:
             data = source.summary()
             if args.json:
                 print_json(data)
             else:
-                stdout_console().print(_summary_view(data))
+                stdout_console().print(view(data))
             return 0
         if not source.live:
             raise ConfigError("--watch needs a live server; drop --disk-path/--s3-bucket")
         if args.watch <= 0:
             raise ConfigError(f"--watch {args.watch:g} must be a positive number of seconds")
-        return _watch(source, args.watch, args.json)
+        return _watch(source, args.watch, args.json, view)
 
     return _run(args, body)
 
 
-def _watch(source: LiveSource | OfflineSource, interval: float, as_json: bool) -> int:
+def _watch(source: LiveSource | OfflineSource, interval: float, as_json: bool, view: Any = None) -> int:
     """Refresh until Ctrl-C (exit 0). ``--json`` prints one JSON object per line per refresh."""
     try:
         if as_json:
@@ -301,10 +364,11 @@ def _watch(source: LiveSource | OfflineSource, interval: float, as_json: bool) -
                 time.sleep(interval)
         from rich.live import Live
 
-        with Live(_summary_view(source.summary()), console=stdout_console(), auto_refresh=False) as live:
+        view = view or _summary_view
+        with Live(view(source.summary()), console=stdout_console(), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_summary_view(source.summary()), refresh=True)
+                live.update(view(source.summary()), refresh=True)
     except KeyboardInterrupt:
         return 0
 

@@ -132,6 +132,7 @@ class LiveSource:
             "tiers": tiers,
             "engine": stats.get("engine", {}),
             "server": stats.get("server", {}),
+            "tenants": stats.get("tenants", {}),
         }
 
     def keys(self, flt: KeyFilter, limit: int, cursor: bytes) -> tuple[list[dict[str, Any]], bytes]:

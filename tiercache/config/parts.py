@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config.units import GiB, MiB
-from tiercache.config.values import DEFAULT_TIERS, parse_tier_list
+from tiercache.config.values import DEFAULT_TIERS, parse_tenant_shares, parse_tier_list
 from tiercache.errors import SettingError
 
 
@@ -79,6 +79,10 @@ class L1Config:
     ``name`` is the shared-memory object (``/dev/shm/<name>``) that workers attach to; ``None`` picks a
     unique name. Reservations and read leases expire after their TTLs so a crashed client cannot leak
     the arena.
+
+    Tenant quotas (:mod:`tiercache.l1.tenants`): each tenant may hold ``tenant_share`` of the arena
+    before its own objects are the first to go, unless ``tenant_quotas`` (``TENANT=SHARE,...``) gives
+    it another share. ``1.0`` with no overrides: no quotas, one eviction order for everyone.
     """
 
     size_bytes: int = 1 * GiB
@@ -87,15 +91,31 @@ class L1Config:
     alignment: int = 4096
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    tenant_share: float = 1.0
+    tenant_quotas: str = ""
 
     def __post_init__(self) -> None:
         _positive("size_bytes", "--l1-size-gb", self.size_bytes, " bytes")
+        _fraction("tenant_share", "--l1-tenant-share", self.tenant_share)
+        self.tenant_overrides()  # validates
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise SettingError(
                 "alignment", "L1 alignment", f"must be a power of two, got {self.alignment}; use e.g. 4096"
             )
         _positive("reservation_ttl_s", "L1 reservation TTL", self.reservation_ttl_s, " s")
         _positive("lease_ttl_s", "L1 lease TTL", self.lease_ttl_s, " s")
+
+    def tenant_overrides(self) -> dict[bytes, float]:
+        """``tenant_quotas`` parsed: tenant id → share of the arena."""
+        try:
+            return parse_tenant_shares(self.tenant_quotas)
+        except ValueError as exc:
+            raise SettingError("tenant_quotas", "--l1-tenant-quotas", str(exc)) from None
+
+    @property
+    def tenant_quotas_enabled(self) -> bool:
+        """Whether any tenant has a share below the whole arena."""
+        return self.tenant_share < 1 or any(s < 1 for s in self.tenant_overrides().values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +266,7 @@ class ServerOptions:
     max_message_bytes: int = 64 * MiB
     drain_timeout_s: float = 10.0
     metrics_port: int | None = None
+    metrics_tenants: int = 10
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -277,4 +298,8 @@ class ServerOptions:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingError(
                 "metrics_port", "--metrics-port", f"{self.metrics_port} is not a port number (0-65535)"
+            )
+        if self.metrics_tenants < 0:
+            raise SettingError(
+                "metrics_tenants", "--metrics-tenants", f"must be >= 0, got {self.metrics_tenants}"
             )

@@ -82,6 +82,11 @@ META: dict[tuple[str, str], Meta] = {
         default_text="off",
         metavar="PORT",
     ),
+    ("server", "metrics_tenants"): Meta(
+        "Tenants named in per-tenant metrics (those holding the most bytes); the rest are summed "
+        'under tenant="other", so the label set stays bounded. 0: every tenant is "other".',
+        metavar="N",
+    ),
     # l1
     ("l1", "size_bytes"): Meta(
         "Size of the shared-memory arena in GiB (decimals allowed, e.g. 0.5); allocated in /dev/shm "
@@ -104,6 +109,17 @@ META: dict[tuple[str, str], Meta] = {
     ),
     ("l1", "lease_ttl_s"): Meta(
         "Seconds an unreleased L1 read lease lives before it is dropped.", metavar="SECONDS"
+    ),
+    ("l1", "tenant_share"): Meta(
+        "Share of the arena each tenant (cache salt) may fill before its own objects are the first "
+        "evicted; a tenant under its share is never evicted for one over it. 1 turns quotas off.",
+        metavar="FRACTION",
+    ),
+    ("l1", "tenant_quotas"): Meta(
+        "Per-tenant shares overriding --l1-tenant-share: TENANT=SHARE,... with tenant ids from "
+        "`tiercache tenant-id SALT` (or default, for requests without a salt).",
+        default_text="none",
+        metavar="LIST",
     ),
     # disk
     ("disk", "path"): Meta(

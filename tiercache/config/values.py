@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, KeyFormatError
+from tiercache.keys.tenant import parse_tenant
 
 #: Tier names in the only order they can be stacked: fastest first.
 TIER_ORDER = ("l1", "disk", "s3")
@@ -65,3 +66,34 @@ def parse_tier_list(
     if tiers != ordered:
         raise ConfigError(f"{where} {shown} is out of order; tiers go fastest first: use {','.join(ordered)}")
     return tiers
+
+
+def parse_tenant_shares(text: str) -> dict[bytes, float]:
+    """``"3f2a…=0.5,default=0.2"`` → ``{tenant id: share}``: per-tenant overrides of the default
+    share, each a fraction in (0, 1] of a tier's budget, each tenant named once (by the id
+    ``tiercache tenant-id`` prints, or ``default``). Empty text: no overrides.
+
+    Raises :class:`ValueError` whose message completes the setting's name ("... has ...; use ...").
+    """
+    shares: dict[bytes, float] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"has {item!r}, which is not TENANT=SHARE; write e.g. 3f2a9c0d1e2b4a5f=0.5")
+        try:
+            tenant = parse_tenant(name)
+        except KeyFormatError as exc:
+            raise ValueError(f"names a bad tenant: {exc}") from None
+        try:
+            share = float(value)
+        except ValueError:
+            share = float("nan")
+        if not 0 < share <= 1:
+            raise ValueError(f"gives {name.strip()} the share {value!r}; give a fraction in (0, 1]")
+        if tenant in shares:
+            raise ValueError(f"names tenant {name.strip()} twice; name each once")
+        shares[tenant] = share
+    return shares

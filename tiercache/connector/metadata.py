@@ -63,6 +63,7 @@ class ChunkSave:
     chunk_index: int
     prefix_hash: bytes
     block_ids: list[list[int]]
+    tenant: bytes = b""  # the request's tenant id (tiercache.keys.tenant): whose quota it uses
 
 
 @dataclass

@@ -60,6 +60,7 @@ from tiercache.connector.metadata import (
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import TierCacheError
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
+from tiercache.keys.tenant import DEFAULT_TENANT, tenant_id
 from tiercache.wire import protocol as p
 from tiercache.wire.client import Client, LookupResult
 
@@ -79,6 +80,7 @@ class _Request:
     req_id: str
     prompt: list[int]
     extra: ExtraKeys
+    tenant: bytes = DEFAULT_TENANT  # the cache salt's tenant id: whose quota its objects use
     hasher: PrefixHasher | None = None
     state: LookupState = LookupState.NOT_SENT
     pending_id: int = 0  # the async request id while WAITING_REPLY
@@ -238,8 +240,12 @@ class SchedulerHalf:
         st = self._reqs.get(request.request_id)
         if st is None:
             prompt = request.prompt_token_ids
+            extra = _extra_keys(request)
             st = _Request(
-                request.request_id, list(prompt) if prompt is not None else [], _extra_keys(request)
+                request.request_id,
+                list(prompt) if prompt is not None else [],
+                extra,
+                tenant_id(extra.cache_salt),
             )
             self._reqs[request.request_id] = st
         st.local_tokens = num_computed_tokens
@@ -266,6 +272,7 @@ class SchedulerHalf:
                     prefetch=self._loads_enabled,  # a producer asks only how much is stored already
                     max_chunks=limit,
                     inflight_wait_s=self._settings.inflight_wait_s if self._loads_enabled else 0.0,
+                    tenant=st.tenant,
                 )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
@@ -521,7 +528,7 @@ class SchedulerHalf:
             state = st.states.pop(c + 1, {})
             for kv in recurrent:
                 ids[kv] = [state.get(kv, 0)]
-            meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids))
+            meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids, st.tenant))
             self.events.remember(st.request, c, chunk, hashes[c])
             st.saves_scheduled += 1
             st.saved_upto = c + 1

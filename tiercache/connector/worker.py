@@ -503,6 +503,7 @@ class WorkerHalf:
         if client is None or not self._groups:
             return _Reservation(skipped=bool(batch))
         items: list[tuple[ObjectKey, int]] = []
+        tenants: list[bytes] = []
         sources: list[tuple[GroupLayout, ChunkSave]] = []
         for save in batch:
             for g in self._groups:
@@ -514,11 +515,13 @@ class WorkerHalf:
                         g.object_bytes,
                     )
                 )
+                tenants.append(save.tenant)
                 sources.append((g, save))
         if not items:
             return _Reservation()
         try:
-            return _Reservation(client=client, slots=client.reserve(items), sources=sources)
+            slots = client.reserve(items, tenants=tenants)
+            return _Reservation(client=client, slots=slots, sources=sources)
         except TierCacheError as exc:
             if getattr(exc, "code", "") in ("tier_full", "busy"):
                 log.debug("tiercache: store skipped: %s", exc)

@@ -29,6 +29,7 @@ from tiercache.engine.writes import WriteBehind
 from tiercache.errors import TierCacheError, TierError
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import FrontTier, Tier, WriteHandle
 from tiercache.tier.latency import HistogramSnapshot
 
@@ -121,10 +122,11 @@ class TieredEngine:
         return None
 
     # -- write path ------------------------------------------------------------------------------
-    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle | None:
-        """Reserve an L1 slot for a new chunk; ``None`` (counted) when L1 has no room. Non-blocking."""
+    def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle | None:
+        """Reserve an L1 slot for a new chunk of ``tenant``; ``None`` (counted) when L1 has no room.
+        Non-blocking."""
         try:
-            return self.l1.reserve(key, nbytes)
+            return self.l1.reserve(key, nbytes, tenant=tenant)
         except TierError as exc:
             self.counters.add("stores_dropped")
             log.debug("store of %s dropped: %s", key, exc)
@@ -178,14 +180,16 @@ class TieredEngine:
         chunks: int,
         *,
         inflight_wait_s: float = 0.0,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> PrefetchTicket:
         """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
 
         Non-blocking: L1 hits are pinned at once; lower-tier objects are copied on the promotion
-        executor; objects being written into L1 are pinned once committed, if that happens within
-        ``inflight_wait_s``. Poll with :meth:`poll`; release with :meth:`release_ticket`.
+        executor (into L1 as objects of ``tenant``, the asker); objects being written into L1 are
+        pinned once committed, if that happens within ``inflight_wait_s``. Poll with :meth:`poll`;
+        release with :meth:`release_ticket`.
         """
-        return self._promoter.prefetch(hashes, groups, chunks, inflight_wait_s=inflight_wait_s)
+        return self._promoter.prefetch(hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant)
 
     def poll(self, ticket: PrefetchTicket) -> TicketState:
         """Where ``ticket`` stands. Non-blocking."""
@@ -239,9 +243,13 @@ class TieredEngine:
         return {tier.name: tier.stats.latency.snapshot() for tier in self.tiers}
 
     def stats(self) -> dict[str, object]:
-        """Engine counters, queue depths, and per-tier usage and counters."""
+        """Engine counters, queue depths, per-tier usage and counters, and per tenant what each
+        tier that accounts tenants holds for it (``{"tenants": {label: {"tiers": {tier: {...}}}}}``)."""
         tiers: dict[str, object] = {}
+        tenants: dict[str, dict[str, dict[str, object]]] = {}
         for tier in self.tiers:
+            for label, held in tier.tenants().items():
+                tenants.setdefault(label, {"tiers": {}})["tiers"][tier.name] = held
             usage = tier.usage()
             tiers[tier.name] = {
                 "bytes_used": usage.bytes_used,
@@ -249,4 +257,8 @@ class TieredEngine:
                 "objects": usage.objects,
                 **tier.stats.snapshot(),
             }
-        return {"engine": {**self.counters.snapshot(), **self._writes.depths()}, "tiers": tiers}
+        return {
+            "engine": {**self.counters.snapshot(), **self._writes.depths()},
+            "tiers": tiers,
+            "tenants": tenants,
+        }

@@ -30,6 +30,7 @@ from tiercache.engine.counters import EngineCounters, hold
 from tiercache.engine.groups import GroupSpec, needed_keys
 from tiercache.errors import TierError
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import FrontTier, ReadHandle, Tier, WriteHandle
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class PrefetchTicket:
     hashes: tuple[bytes, ...]
     groups: tuple[GroupSpec, ...]
     target: int
+    tenant: bytes = DEFAULT_TENANT  # whose quota the promoted copies count against
     state: TicketState = TicketState.PENDING
     chunks: int = 0
     handles: dict[ObjectKey, ReadHandle] = field(default_factory=dict)
@@ -82,10 +84,12 @@ class Promoter:
         chunks: int,
         *,
         inflight_wait_s: float = 0.0,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> PrefetchTicket:
-        """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones and waiting
-        up to ``inflight_wait_s`` for those being written into L1. Non-blocking."""
-        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks)
+        """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones (as objects
+        of ``tenant``) and waiting up to ``inflight_wait_s`` for those being written into L1.
+        Non-blocking."""
+        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant)
         absent: list[ObjectKey] = []
         for key in needed_keys(groups, hashes, chunks):
             if key in ticket.handles:
@@ -117,7 +121,7 @@ class Promoter:
             dst: list[WriteHandle] = []
 
             def alloc(nbytes: int, dst: list[WriteHandle] = dst) -> memoryview:
-                dst.append(l1.reserve(key, nbytes))  # TierFullError: L1 has no room
+                dst.append(l1.reserve(key, nbytes, tenant=ticket.tenant))  # TierFullError: no room
                 return dst[0].buffer
 
             try:

@@ -38,9 +38,11 @@ from tiercache.errors import (
     TierFullError,
 )
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT, tenant_label
 from tiercache.l1.allocator import SlotAllocator
 from tiercache.l1.arena import ArenaSlot, SharedArena, reclaim_stale_arenas
 from tiercache.l1.policy import EvictionPolicy, make_policy
+from tiercache.l1.tenants import TenantLedger
 from tiercache.tier.contract import FrontTier, ReadHandle, TierUsage, WriteHandle
 from tiercache.tier.stats import EvictionReason
 
@@ -54,6 +56,7 @@ class _Slot:
     key: ObjectKey
     offset: int
     nbytes: int
+    tenant: bytes = DEFAULT_TENANT
     pins: int = 0
     owed: bool = False
     visible: bool = False  # committed and currently the object readers get for ``key``
@@ -123,6 +126,7 @@ class L1Tier(FrontTier):
         self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
         self._lease_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
         self._policy: EvictionPolicy[ObjectKey] = make_policy(config.eviction_policy)
+        self._tenants = TenantLedger(config)  # bytes per tenant; quotas choose victims
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
         self._tokens = itertools.count(1)
         self._closed = False
@@ -177,29 +181,36 @@ class L1Tier(FrontTier):
             return self._allocator.largest_free()
 
     # -- writes --------------------------------------------------------------------------------
-    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
-        """Allocate a slot for ``key``, evicting by policy if needed. Request loop; never blocks.
+    def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
+        """Allocate a slot for ``key`` (an object of ``tenant``), evicting by policy and tenant
+        quotas (:mod:`tiercache.l1.tenants`) if needed. Request loop; never blocks.
 
         Cost: O(1) for a size freed before (quick lists), else O(log n), plus O(1) per eviction.
         Raises :class:`TierFullError` when the object is larger than the arena or everything
-        evictable is gone and it still does not fit.
+        evictable is gone (or, for a tenant over its quota, everything it may evict) and it still
+        does not fit.
         """
-        return self.reserve_many([(key, nbytes)])[0]
+        return self.reserve_many([(key, nbytes)], tenants=(tenant,))[0]
 
-    def reserve_many(self, items: Sequence[tuple[ObjectKey, int]]) -> list[WriteHandle]:
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
         """Reserve a slot for each ``(key, nbytes)`` under one lock acquisition, all or nothing.
 
-        What a store request of many chunks uses; raises :class:`TierFullError` (reserving none)
-        if any does not fit.
+        ``tenants`` names each item's tenant (empty: all the default tenant). What a store request
+        of many chunks uses; raises :class:`TierFullError` (reserving none) if any does not fit.
         """
+        if tenants and len(tenants) != len(items):
+            raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
         handles: list[WriteHandle] = []
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
             try:
-                for key, nbytes in items:
-                    handles.append(self._reserve_locked(key, nbytes, now))
+                for i, (key, nbytes) in enumerate(items):
+                    tenant = tenants[i] if tenants else DEFAULT_TENANT
+                    handles.append(self._reserve_locked(key, nbytes, now, tenant))
             except BaseException:
                 for handle in handles:
                     ticket = self._end_reservation(handle.token)
@@ -208,7 +219,7 @@ class L1Tier(FrontTier):
                 raise
         return handles
 
-    def _reserve_locked(self, key: ObjectKey, nbytes: int, now: float) -> WriteHandle:
+    def _reserve_locked(self, key: ObjectKey, nbytes: int, now: float, tenant: bytes) -> WriteHandle:
         if nbytes < 0:
             raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
         capacity = self._allocator.capacity
@@ -220,14 +231,17 @@ class L1Tier(FrontTier):
             )
         extent = self._allocator.allocate(nbytes)
         while extent is None:
-            victim = self._policy.evict_one(self._can_evict)
+            victim = self._tenants.choose_victim(
+                tenant, nbytes, self._policy, self._can_evict, self._tenant_of
+            )
             if victim is None:
                 self.stats.add("skipped")
-                raise TierFullError(self._full_message(key, nbytes))
+                raise TierFullError(self._full_message(key, nbytes, tenant))
             self._evict(victim)
             extent = self._allocator.allocate(nbytes)
-        slot = _Slot(key, extent.offset, nbytes)
+        slot = _Slot(key, extent.offset, nbytes, tenant)
         self._bytes_held += nbytes
+        self._tenants.charge(tenant, nbytes)
         token = next(self._tokens)
         expires_at = now + self._config.reservation_ttl_s
         self._reservations[token] = _Ticket(slot, expires_at)
@@ -276,9 +290,11 @@ class L1Tier(FrontTier):
         old = self._objects.get(slot.key)
         if old is not None:
             self._policy.on_remove(slot.key)
+            self._tenants.on_remove(slot.key, old.tenant)
             self._hide(old)
         self._objects[slot.key] = slot
         self._policy.on_insert(slot.key)
+        self._tenants.on_insert(slot.key, slot.tenant)
         return slot.nbytes
 
     def abort(self, handle: WriteHandle) -> None:
@@ -373,6 +389,7 @@ class L1Tier(FrontTier):
         heapq.heappush(self._lease_deadlines, (expires_at, token))
         if count:  # the engine's own holds are no use: S3-FIFO would take them for a second read
             self._policy.on_access(key)
+            self._tenants.on_access(key, slot.tenant)
             self.stats.hit(slot.nbytes)
         buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
         return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
@@ -403,6 +420,7 @@ class L1Tier(FrontTier):
             if slot is None:
                 return False
             self._policy.on_remove(key)
+            self._tenants.on_remove(key, slot.tenant)
             self._hide(slot)
             self.stats.evicted(EvictionReason.DELETED, keys=(key,))
             return True
@@ -424,6 +442,19 @@ class L1Tier(FrontTier):
                 bytes_budget=self._config.size_bytes,
                 objects=len(self._objects),
             )
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """Per tenant (labelled as :func:`~tiercache.keys.tenant.tenant_label` does): bytes held,
+        objects, quota in bytes, evictions for room, objects committed. O(tenants)."""
+        with self._lock:
+            if not self._closed:
+                self._sweep(self._clock())
+            return self._tenants.snapshot()
+
+    @property
+    def tenant_quotas(self) -> bool:
+        """Whether tenant quotas decide evictions (some share below the whole arena)."""
+        return self._tenants.enforcing
 
     def iter_keys(self) -> Iterator[ObjectKey]:
         """A snapshot of the committed keys. O(n) copy under the lock."""
@@ -447,6 +478,7 @@ class L1Tier(FrontTier):
             self._reservation_deadlines.clear()
             self._lease_deadlines.clear()
             self._bytes_held = 0
+            self._tenants.clear()
         self._arena.close()
         if self._owns_arena:
             self._arena.unlink()
@@ -495,9 +527,13 @@ class L1Tier(FrontTier):
         slot = self._objects.get(key)
         return slot is not None and slot.pins == 0 and not slot.owed
 
+    def _tenant_of(self, key: ObjectKey) -> bytes:
+        return self._objects[key].tenant
+
     def _evict(self, key: ObjectKey) -> None:
         slot = self._objects.pop(key)
         slot.visible = False
+        self._tenants.evicted(slot.tenant)
         self._free(slot)
         self.stats.evicted(EvictionReason.CAPACITY, keys=(key,))
 
@@ -515,6 +551,7 @@ class L1Tier(FrontTier):
     def _free(self, slot: _Slot) -> None:
         self._allocator.free(slot.offset)
         self._bytes_held -= slot.nbytes
+        self._tenants.refund(slot.tenant, slot.nbytes)
 
     def _reservation_gone(self, handle: WriteHandle) -> str:
         return (
@@ -522,9 +559,19 @@ class L1Tier(FrontTier):
             f"or expired after reservation_ttl_s={self._config.reservation_ttl_s}s; reserve again"
         )
 
-    def _full_message(self, key: ObjectKey, nbytes: int) -> str:
+    def _full_message(self, key: ObjectKey, nbytes: int, tenant: bytes) -> str:
         pinned = sum(1 for s in self._objects.values() if s.pins > 0)
         owed = sum(1 for s in self._objects.values() if s.owed and s.pins == 0)
+        held = self._tenants.usage(tenant).bytes
+        quota = self._tenants.quota(tenant)
+        if self._tenants.enforcing and held + nbytes > quota:
+            return (
+                f"L1 arena full for tenant {tenant_label(tenant)}: cannot fit {key} ({nbytes} bytes). "
+                f"It holds {held} bytes against a quota of {quota}, and every object it may evict "
+                "(its own, and those of tenants over their quotas) is pinned or owed to a lower tier; "
+                "other tenants within their quotas keep theirs. Raise its share (--l1-tenant-quotas) "
+                "or --l1-size-gb."
+            )
         return (
             f"L1 arena full: cannot fit {key} ({nbytes} bytes). Free {self._allocator.free_bytes()} "
             f"bytes, largest free extent {self._allocator.largest_free()}; nothing left to evict: "

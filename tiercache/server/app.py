@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -48,6 +48,7 @@ from tiercache.server.records import EvictionRecord
 from tiercache.server.replies import Handler, Refused, error_reply
 from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.sessions import Session, Sessions
+from tiercache.server.tenants import TenantLookups, merge, top
 from tiercache.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,22 @@ class Server:
             )
             tier.stats.arrival = self.residency.stored(tier.name)
         layouts = Layouts(engine, self.options)
+        #: Lookups per tenant (what each tenant holds, the tiers count).
+        self.tenant_lookups = TenantLookups()
+        self._metric_tenants: set[str] = set()  # tenants metrics name (metrics thread only)
         data = DataOps(
-            engine, self._l1, self.options, self._sessions, layouts, self._offload, lambda: self._received
+            engine,
+            self._l1,
+            self.options,
+            self._sessions,
+            layouts,
+            self._offload,
+            lambda: self._received,
+            self.tenant_lookups,
         )
-        management = ManagementOps(engine, layouts, self.evictions, self._offload, self._server_stats)
+        management = ManagementOps(
+            engine, layouts, self.evictions, self._offload, self._server_stats, self.tenant_lookups
+        )
         #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
         self.lookup_latency = data.lookup_latency
         self._handlers: dict[type, Handler] = {
@@ -398,7 +411,10 @@ class Server:
     def metrics_stats(self) -> dict[str, Any]:
         """What ``/metrics`` exports: :meth:`TieredEngine.stats` plus latency histograms (lookups by
         outcome, per-tier transfers). Thread-safe: called on the metrics server's thread."""
+        stats = self.engine.stats()
+        tenants = merge(cast("dict[str, Any]", stats["tenants"]), self.tenant_lookups.snapshot())
         return {
-            **self.engine.stats(),
+            **stats,
+            "tenants": top(tenants, self.options.metrics_tenants, self._metric_tenants),
             "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
         }

@@ -24,8 +24,9 @@ from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.tier import L1Tier
 from tiercache.server.layouts import Layouts, check_hashes
-from tiercache.server.replies import Handler, Offload, Refused, parse_key
+from tiercache.server.replies import Handler, Offload, Refused, parse_key, parse_tenant_id
 from tiercache.server.sessions import Session, Sessions
+from tiercache.server.tenants import TenantLookups
 from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.tier.latency import LatencySet
 from tiercache.wire import protocol as p
@@ -46,6 +47,7 @@ class DataOps:
         layouts: Layouts,
         offload: Offload,
         arrival: Callable[[], float],
+        tenants: TenantLookups,
     ) -> None:
         self._engine = engine
         self._l1 = l1
@@ -54,6 +56,7 @@ class DataOps:
         self._layouts = layouts
         self._offload = offload
         self._arrival = arrival  # perf_counter() when the request being handled arrived
+        self._tenants = tenants
         #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
         self.lookup_latency = LatencySet(LOOKUP_OUTCOMES)
 
@@ -97,6 +100,7 @@ class DataOps:
                 f"inflight_wait_s={msg.inflight_wait_s} is outside 0..{MAX_INFLIGHT_WAIT_S} seconds",
             )
         wait_s = msg.inflight_wait_s
+        tenant = parse_tenant_id(msg.tenant)
 
         def job() -> tuple[LookupResult, PrefetchTicket | None]:
             specs = self._layouts.resolve(msg.groups)
@@ -105,7 +109,7 @@ class DataOps:
             ticket = None
             if msg.prefetch and found.chunks > 0:
                 target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
-                ticket = engine.prefetch(msg.hashes, specs, target, inflight_wait_s=wait)
+                ticket = engine.prefetch(msg.hashes, specs, target, inflight_wait_s=wait, tenant=tenant)
             return found, ticket
 
         identity = session.identity
@@ -122,6 +126,7 @@ class DataOps:
 
         def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p._Msg | None:
             found, ticket = result
+            self._tenants.record(tenant, len(msg.hashes), found.chunks)
             owner = self._sessions.get(identity)
             if ticket is None:
                 return p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
@@ -161,6 +166,11 @@ class DataOps:
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------
     def reserve(self, session: Session, msg: p.Reserve) -> p._Msg:
+        if msg.tenants and len(msg.tenants) != len(msg.items):
+            raise Refused(
+                p.ErrorCode.INVALID, f"reserve has {len(msg.items)} items but {len(msg.tenants)} tenants"
+            )
+        tenants = [parse_tenant_id(raw) for raw in msg.tenants]
         items = []
         for raw, nbytes in msg.items:
             if not 0 <= nbytes <= self._l1.arena.size:
@@ -169,7 +179,7 @@ class DataOps:
                 )
             items.append((parse_key(raw), nbytes))
         try:
-            handles = self._l1.reserve_many(items)
+            handles = self._l1.reserve_many(items, tenants=tenants)
         except TierFullError:
             self._engine.counters.add("stores_dropped", len(items))
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
+from typing import Any, cast
 
 from tiercache.engine import TieredEngine
 from tiercache.errors import TierCacheError
@@ -23,6 +24,7 @@ from tiercache.server.replies import (
     parse_key,
 )
 from tiercache.server.sessions import Session
+from tiercache.server.tenants import TenantLookups, merge
 from tiercache.tier.contract import Tier
 from tiercache.wire import protocol as p
 
@@ -44,12 +46,14 @@ class ManagementOps:
         evictions: EvictionRecord,
         offload: Offload,
         server_stats: Callable[[], dict[str, int]],
+        tenant_lookups: TenantLookups,
     ) -> None:
         self._engine = engine
         self._layouts = layouts
         self._evictions = evictions
         self._offload = offload
         self._server_stats = server_stats
+        self._tenant_lookups = tenant_lookups
 
     def handlers(self) -> dict[type, Handler]:
         return {
@@ -67,9 +71,14 @@ class ManagementOps:
         self._offload(
             session,
             msg.req_id,
-            lambda: {**self._engine.stats(), "server": server},
+            lambda: self._stats_with(server),
             lambda s: p.StatsReply(stats=s),
         )
+
+    def _stats_with(self, server: dict[str, int]) -> dict[str, Any]:
+        stats = self._engine.stats()
+        held = cast("dict[str, Any]", stats["tenants"])
+        return {**stats, "tenants": merge(held, self._tenant_lookups.snapshot()), "server": server}
 
     # -- listing ---------------------------------------------------------------------------------
     def list_keys(self, session: Session, msg: p.ListKeys) -> None:

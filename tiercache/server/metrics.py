@@ -18,6 +18,17 @@ with the tier as a label)::
     tiercache_tier_transfer_duration_seconds{tier="disk",op="read"}
                                                          seconds per chunk object read/written
                                                          (histogram)
+    tiercache_tenant_bytes{tenant="…",tier="l1"}         and tenant_objects, tenant_quota_bytes
+                                                         (gauges), tenant_evictions_total,
+                                                         tenant_puts_total (counters)
+    tiercache_tenant_lookups_total{tenant="…"}           lookups by the tenant         (counter)
+    tiercache_tenant_lookup_chunks_total{tenant="…",outcome="hit"}
+                                                         chunks asked about, found (hit) or not
+                                                         (miss)                        (counter)
+
+Tenants are labelled by id (``tiercache tenant-id``), never by salt; the server names at most
+``--metrics-tenants`` of them and sums the rest under ``tenant="other"``
+(:func:`tiercache.server.tenants.top`).
 
 Histograms come from a ``"latency"`` section of the stats (:meth:`Server.metrics_stats
 <tiercache.server.app.Server.metrics_stats>`): plain bucket counts recorded by
@@ -90,6 +101,55 @@ def _latency(latency: Mapping[str, Any]) -> Iterator[Metric]:
     yield transfers
 
 
+def _tenants(tenants: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    gauges: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "bytes": GaugeMetricFamily(
+            "tiercache_tenant_bytes", "Payload bytes a tenant holds in a tier.", labels=["tenant", "tier"]
+        ),
+        "objects": GaugeMetricFamily(
+            "tiercache_tenant_objects", "Objects a tenant holds in a tier.", labels=["tenant", "tier"]
+        ),
+        "quota_bytes": GaugeMetricFamily(
+            "tiercache_tenant_quota_bytes",
+            "Bytes a tenant may hold in a tier before its own objects are evicted first.",
+            labels=["tenant", "tier"],
+        ),
+    }
+    counters: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "evictions": CounterMetricFamily(
+            "tiercache_tenant_evictions",
+            "Objects of a tenant evicted from a tier for room.",
+            labels=["tenant", "tier"],
+        ),
+        "puts": CounterMetricFamily(
+            "tiercache_tenant_puts",
+            "Objects of a tenant committed to a tier (stores and promotions).",
+            labels=["tenant", "tier"],
+        ),
+    }
+    lookups = CounterMetricFamily(
+        "tiercache_tenant_lookups", "Lookups asked for a tenant.", labels=["tenant"]
+    )
+    chunks = CounterMetricFamily(
+        "tiercache_tenant_lookup_chunks",
+        "Chunks a tenant's lookups asked about, by outcome: found (hit) or not (miss).",
+        labels=["tenant", "outcome"],
+    )
+    for tenant, record in sorted(tenants.items()):
+        for tier, held in sorted(record.get("tiers", {}).items()):
+            for field, family in (*gauges.items(), *counters.items()):
+                if field in held and not (field == "quota_bytes" and tenant == "other"):
+                    family.add_metric([tenant, tier], held[field])
+        asked, hit = int(record.get("lookup_chunks", 0)), int(record.get("hit_chunks", 0))
+        lookups.add_metric([tenant], record.get("lookups", 0))
+        chunks.add_metric([tenant, "hit"], hit)
+        chunks.add_metric([tenant, "miss"], max(0, asked - hit))
+    yield from gauges.values()
+    yield from counters.values()
+    yield lookups
+    yield chunks
+
+
 class EngineCollector(Collector):
     """Turns ``stats()`` (the shape of :meth:`TieredEngine.stats`) into Prometheus metrics.
 
@@ -141,6 +201,7 @@ class EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield evictions
+        yield from _tenants(stats.get("tenants", {}))
         latency = stats.get("latency")
         if latency is not None:
             yield from _latency(latency)

@@ -17,6 +17,7 @@ from tiercache.errors import (
 )
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import check_tenant
 from tiercache.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,14 @@ def parse_key(raw: bytes) -> ObjectKey:
     """The object key encoded in ``raw``, or :class:`Refused` (``invalid``)."""
     try:
         return ObjectKey.from_bytes(raw)
+    except KeyFormatError as exc:
+        raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
+
+
+def parse_tenant_id(raw: bytes) -> bytes:
+    """The tenant id in ``raw`` (empty or 8 bytes), or :class:`Refused` (``invalid``)."""
+    try:
+        return check_tenant(raw)
     except KeyFormatError as exc:
         raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
 

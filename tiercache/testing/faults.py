@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tiercache.errors import TierError, TierFullError
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import ReadHandle, Tier, WriteHandle
 from tiercache.tier.wrappers import WrapperTier
 
@@ -100,9 +101,9 @@ class FaultInjectingTier(WrapperTier):
         self.inner.stats.add("errors")
         return True
 
-    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
+    def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
         self._write_fault()
-        return super().reserve(key, nbytes)
+        return super().reserve(key, nbytes, tenant=tenant)
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         self._write_fault()

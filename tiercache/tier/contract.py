@@ -36,6 +36,7 @@ from typing import NamedTuple
 from tiercache.errors import TierError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.stats import TierStats
 
 #: ``listener(key, payload)``: handed each object a tier evicts for capacity (write-back uses it).
@@ -143,6 +144,11 @@ class Tier(ABC):
         """Every committed key (order unspecified)."""
 
     # -- defaults ------------------------------------------------------------------------------
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """Per tenant (by :func:`~tiercache.keys.tenant.tenant_label`), what it holds here: at least
+        ``bytes`` and ``objects``. Default: nothing, a tier that does not account tenants."""
+        return {}
+
     def iter_keys_by_use(self) -> Iterator[ObjectKey]:
         """Every committed key, most recently used first where the tier keeps a use order (the
         disk tier's LRU records, the S3 tier's index); :meth:`iter_keys` order otherwise. What
@@ -250,6 +256,11 @@ class FrontTier(Tier):
     @abstractmethod
     def settle(self, key: ObjectKey) -> None:
         """A lower tier now holds ``key`` (or will never get it): it may be evicted again."""
+
+    @abstractmethod
+    def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
+        """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
+        whose quota decides what may be evicted to make room."""
 
     def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import (
     EvictionListener,
     FrontTier,
@@ -44,8 +45,10 @@ class WrapperTier(FrontTier):
     def stats(self, value: TierStats) -> None:  # Tier.__init__ compatibility; inner owns stats
         pass
 
-    def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
-        return self.inner.reserve(key, nbytes)
+    def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
+        if isinstance(self.inner, FrontTier):
+            return self.inner.reserve(key, nbytes, tenant=tenant)
+        return self.inner.reserve(key, nbytes)  # only a front tier keeps tenant quotas
 
     def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
         if isinstance(self.inner, FrontTier):
@@ -76,6 +79,9 @@ class WrapperTier(FrontTier):
 
     def usage(self) -> TierUsage:
         return self.inner.usage()
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        return self.inner.tenants()
 
     def iter_keys(self) -> Iterator[ObjectKey]:
         return self.inner.iter_keys()

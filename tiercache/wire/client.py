@@ -108,6 +108,7 @@ def _lookup(
     prefetch: bool,
     max_chunks: int,
     inflight_wait_s: float,
+    tenant: bytes,
 ) -> p.Lookup:
     return p.Lookup(
         hashes=list(hashes),
@@ -115,6 +116,7 @@ def _lookup(
         prefetch=prefetch,
         max_chunks=max_chunks,
         inflight_wait_s=inflight_wait_s,
+        tenant=tenant,
     )
 
 
@@ -416,12 +418,14 @@ class Client:
         prefetch: bool = True,
         max_chunks: int = 0,
         inflight_wait_s: float = 0.0,
+        tenant: bytes = b"",
         timeout: float | None = None,
     ) -> LookupResult:
         """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
-        ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`).
-        One round trip."""
-        return self._call(_lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s), timeout=timeout)
+        ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`),
+        asked for ``tenant``. One round trip."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant)
+        return self._call(msg, timeout=timeout)
 
     def lookup_async(
         self,
@@ -431,10 +435,12 @@ class Client:
         prefetch: bool = True,
         max_chunks: int = 0,
         inflight_wait_s: float = 0.0,
+        tenant: bytes = b"",
     ) -> int:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
         :meth:`poll`."""
-        return self._submit(_lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s), lambda r: r)
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant)
+        return self._submit(msg, lambda r: r)
 
     def events(
         self,
@@ -536,10 +542,21 @@ class Client:
         self._call(p.ReleaseTicket(ticket=ticket), timeout=timeout)
 
     # -- two-phase store / pin -------------------------------------------------------------------
-    def reserve(self, items: Sequence[tuple[ObjectKey, int]], timeout: float | None = None) -> list[p.Slot]:
+    def reserve(
+        self,
+        items: Sequence[tuple[ObjectKey, int]],
+        timeout: float | None = None,
+        *,
+        tenants: Sequence[bytes] = (),
+    ) -> list[p.Slot]:
         """Reserve arena slots for ``(key, nbytes)``, all or nothing (``ServerError`` code
-        ``tier_full`` when L1 has no room)."""
-        msg = p.Reserve(items=[(k.to_bytes(), n) for k, n in items])
+        ``tier_full`` when L1 has no room). ``tenants``: each item's tenant id, or empty for the
+        default tenant's."""
+        if tenants and len(tenants) != len(items):
+            raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
+        # All the default tenant's: say nothing (an older server accepts the message too).
+        named = list(tenants) if any(tenants) else []
+        msg = p.Reserve(items=[(k.to_bytes(), n) for k, n in items], tenants=named)
         return self._call(msg, lambda r: r.slots, timeout)
 
     def commit(self, tokens: Sequence[int], timeout: float | None = None) -> int:
@@ -565,14 +582,20 @@ class Client:
             return self._arena
 
     def store_chunks(
-        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], timeout: float | None = None
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[Buffer],
+        timeout: float | None = None,
+        *,
+        tenant: bytes = b"",
     ) -> int:
-        """Store each buffer under its key: reserve → copy into the arena → commit. Two round trips
-        plus the copies; aborts the reservations if a copy fails."""
+        """Store each buffer under its key (as objects of ``tenant``): reserve → copy into the arena
+        → commit. Two round trips plus the copies; aborts the reservations if a copy fails."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
-        slots = self.reserve([(k, v.nbytes) for k, v in zip(keys, views)], timeout)
+        items = [(k, v.nbytes) for k, v in zip(keys, views)]
+        slots = self.reserve(items, timeout, tenants=[tenant] * len(items) if tenant else ())
         arena = self.arena()
         try:
             for slot, view in zip(slots, views):

@@ -166,6 +166,10 @@ class Lookup(_Msg, tag="lookup"):
     L1, not yet committed) count as found, and the ticket stays ``pending`` up to that many seconds
     for their commit; they are pinned only once committed, and one not committed in time ends the
     hit before its chunk.
+
+    ``tenant`` is the asking request's tenant id (:mod:`tiercache.keys.tenant`; empty: the default
+    tenant): the server counts the lookup's hits and misses for it, and promoted copies count
+    against its L1 quota.
     """
 
     hashes: list[bytes]
@@ -173,6 +177,7 @@ class Lookup(_Msg, tag="lookup"):
     prefetch: bool = True
     max_chunks: int = 0
     inflight_wait_s: float = 0.0
+    tenant: bytes = b""
 
 
 class PollTicket(_Msg, tag="poll_ticket"):
@@ -184,9 +189,14 @@ class ReleaseTicket(_Msg, tag="release_ticket"):
 
 
 class Reserve(_Msg, tag="reserve"):
-    """Reserve arena slots for ``(key bytes, nbytes)`` pairs, all or nothing."""
+    """Reserve arena slots for ``(key bytes, nbytes)`` pairs, all or nothing.
+
+    ``tenants`` is empty (every object is the default tenant's) or holds each item's tenant id, in
+    order: whose L1 quota the object counts against.
+    """
 
     items: list[tuple[bytes, int]]
+    tenants: list[bytes] = []
 
 
 class Commit(_Msg, tag="commit"):

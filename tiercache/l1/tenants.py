@@ -1,0 +1,183 @@
+"""Tenant quotas in L1: bytes per tenant, and who is evicted when the arena needs room.
+
+A tenant is the id of a request's cache salt (:mod:`tiercache.keys.tenant`). Each tenant has a
+*quota*: its share of the arena (``--l1-tenant-share``, or its override in ``--l1-tenant-quotas``).
+Quotas are soft: free space is used by whoever needs it, and they decide only *who leaves* when a
+reservation needs room:
+
+* a requester that would be over its quota evicts its own objects first (in the tier's policy
+  order), then objects of other tenants over theirs, and never an object of a tenant under its
+  quota: if nothing else may go, its store is refused (counted as skipped);
+* a requester within its quota evicts from the tenant furthest over its quota first; only when no
+  tenant is over does the tier's one global order choose.
+
+So a flood fills free space, then recycles its own bytes; the others keep theirs. With one tenant,
+or every share 1, this is the plain policy.
+
+With quotas on, each tenant has an eviction order of its own (the tier's policy kind), kept beside
+the global one; every hook is O(1) amortised, and choosing a victim scans only the tenants over
+their quota. Not thread-safe: :class:`~tiercache.l1.tier.L1Tier` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercache.config.parts import L1Config
+from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import tenant_label
+from tiercache.l1.policy import EvictionPolicy, make_policy
+
+#: Tenants remembered with nothing left in the arena (their counters kept for ``inspect``); beyond
+#: this many, a tenant whose last byte leaves is forgotten.
+MAX_IDLE_TENANTS = 4096
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant in one tier: what it holds now and what it lost."""
+
+    bytes: int = 0  # payload bytes of its live slots (reservations and pinned old versions too)
+    objects: int = 0  # its committed (visible) objects
+    evictions: int = 0  # of its objects, evicted for room
+    puts: int = 0  # its objects committed (stores and promotions)
+
+
+class TenantLedger:
+    """Per-tenant usage and quotas of one L1 arena of ``config.size_bytes`` bytes. See the module
+    docstring."""
+
+    def __init__(self, config: L1Config) -> None:
+        self._budget = config.size_bytes
+        self._share = config.tenant_share
+        self._overrides = config.tenant_overrides()
+        self._policy_name = config.eviction_policy
+        #: Whether quotas decide evictions (any share below 1); otherwise usage is only counted.
+        self.enforcing = config.tenant_quotas_enabled
+        self._usage: dict[bytes, TenantUsage] = {}
+        self._orders: dict[bytes, EvictionPolicy[ObjectKey]] = {}  # only while enforcing
+        self._over: set[bytes] = set()  # tenants holding more than their quota
+
+    def quota(self, tenant: bytes) -> int:
+        """Bytes ``tenant`` may hold before its own objects go first."""
+        return int(self._overrides.get(tenant, self._share) * self._budget)
+
+    def usage(self, tenant: bytes) -> TenantUsage:
+        """What ``tenant`` holds (a zero record for one never seen)."""
+        return self._usage.get(tenant) or TenantUsage()
+
+    # -- bytes (every slot allocated or freed) ----------------------------------------------------
+    def charge(self, tenant: bytes, nbytes: int) -> None:
+        u = self._usage.get(tenant)
+        if u is None:
+            u = self._usage[tenant] = TenantUsage()
+        u.bytes += nbytes
+        if self.enforcing and u.bytes > self.quota(tenant):
+            self._over.add(tenant)
+
+    def refund(self, tenant: bytes, nbytes: int) -> None:
+        u = self._usage[tenant]
+        u.bytes -= nbytes
+        if tenant in self._over and u.bytes <= self.quota(tenant):
+            self._over.discard(tenant)
+        if u.bytes == 0 and u.objects == 0 and len(self._usage) > MAX_IDLE_TENANTS:
+            del self._usage[tenant]
+            self._orders.pop(tenant, None)
+
+    # -- objects (commit, read, removal) ----------------------------------------------------------
+    def on_insert(self, key: ObjectKey, tenant: bytes) -> None:
+        u = self._usage[tenant]  # charged at reserve, so the record exists
+        u.objects += 1
+        u.puts += 1
+        if self.enforcing:
+            order = self._orders.get(tenant)
+            if order is None:
+                order = self._orders[tenant] = make_policy(self._policy_name)
+            order.on_insert(key)
+
+    def on_access(self, key: ObjectKey, tenant: bytes) -> None:
+        if self.enforcing:
+            order = self._orders.get(tenant)
+            if order is not None:
+                order.on_access(key)
+
+    def on_remove(self, key: ObjectKey, tenant: bytes) -> None:
+        """``key`` left for a reason other than :meth:`choose_victim` (an overwrite, a delete)."""
+        self._usage[tenant].objects -= 1
+        if self.enforcing:
+            order = self._orders.get(tenant)
+            if order is not None:
+                order.on_remove(key)
+
+    def evicted(self, tenant: bytes) -> None:
+        """An object of ``tenant`` that :meth:`choose_victim` (or the global order) chose is gone."""
+        u = self._usage[tenant]
+        u.objects -= 1
+        u.evictions += 1
+
+    # -- who leaves --------------------------------------------------------------------------------
+    def choose_victim(
+        self,
+        requester: bytes,
+        nbytes: int,
+        policy: EvictionPolicy[ObjectKey],
+        can_evict: Callable[[ObjectKey], bool],
+        tenant_of: Callable[[ObjectKey], bytes],
+    ) -> ObjectKey | None:
+        """The next object to evict so ``requester`` can reserve ``nbytes``, untracked in both the
+        global ``policy`` and its tenant's order; ``None`` when nothing may go for this requester."""
+        if not self.enforcing:
+            return policy.evict_one(can_evict)
+        own = self.usage(requester).bytes + nbytes > self.quota(requester)
+        if own:
+            key = self._evict_from(requester, policy, can_evict)
+            if key is not None:
+                return key
+        # The tenant furthest over its quota pays first.
+        for tenant in sorted(self._over, key=self._overage, reverse=True):
+            if tenant == requester:
+                continue
+            key = self._evict_from(tenant, policy, can_evict)
+            if key is not None:
+                return key
+        if own:
+            return None  # only tenants within their quota are left: they keep their objects
+        key = policy.evict_one(can_evict)
+        if key is not None:
+            order = self._orders.get(tenant_of(key))
+            if order is not None:
+                order.on_remove(key)
+        return key
+
+    def _overage(self, tenant: bytes) -> int:
+        return self._usage[tenant].bytes - self.quota(tenant)
+
+    def _evict_from(
+        self, tenant: bytes, policy: EvictionPolicy[ObjectKey], can_evict: Callable[[ObjectKey], bool]
+    ) -> ObjectKey | None:
+        order = self._orders.get(tenant)
+        key = order.evict_one(can_evict) if order is not None else None
+        if key is not None:
+            policy.on_remove(key)
+        return key
+
+    # -- observation -------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Per tenant (by :func:`~tiercache.keys.tenant.tenant_label`): bytes, objects, quota_bytes,
+        evictions, puts."""
+        return {
+            tenant_label(t): {
+                "bytes": u.bytes,
+                "objects": u.objects,
+                "quota_bytes": self.quota(t),
+                "evictions": u.evictions,
+                "puts": u.puts,
+            }
+            for t, u in self._usage.items()
+        }
+
+    def clear(self) -> None:
+        self._usage.clear()
+        self._orders.clear()
+        self._over.clear()
