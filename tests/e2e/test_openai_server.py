@@ -50,6 +50,7 @@ from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import EXTERNAL_HITS, EXTERNAL_QUERIES, Completion, OpenAIServer
 from tests.e2e.setup import MiB, cli_json, engine_stats, wait_for, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.keys.tenant import tenant_id, tenant_label
 from tiercache.testing.checkpoints import token_text
 from tiercache.testing.poll import wait_until
 
@@ -210,12 +211,18 @@ def cold(world: World) -> Answers:
     return answers
 
 
+#: A tenant's cache salt: its request after the restart shares nothing with the unsalted prompts.
+SALT = "tenant-acme"
+
+
 @dataclass
 class Restart:
     answers: Answers
     metrics: dict[str, float]
     summary: dict[str, Any]  # ``tiercache inspect summary --json`` afterwards
     chunk_hits: int  # the server's lookup_chunks_hit during the restart's requests
+    salted: Completion  # the first prompt again, with SALT
+    salted_summary: dict[str, Any]  # the summary once the salted request's chunks were stored
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +232,12 @@ def restart(world: World, cold: Answers) -> Restart:
     with world.vllm("restart") as vllm:
         answers = ask(vllm, world.prompts)
         metrics = vllm.metrics()
-    hits = engine_stats(world.server)["lookup_chunks_hit"] - before
-    return Restart(answers, metrics, inspect_summary(world.spec.listen), hits)
+        hits = engine_stats(world.server)["lookup_chunks_hit"] - before
+        summary = inspect_summary(world.spec.listen)
+        salted = vllm.complete(world.prompts[0], MAX_TOKENS, cache_salt=SALT)
+    stored = STORED_CHUNKS + LENGTHS[0] // CHUNK
+    assert wait_for_stores(world.server, stored) == stored
+    return Restart(answers, metrics, summary, hits, salted, inspect_summary(world.spec.listen))
 
 
 def inspect_summary(endpoint: str) -> dict[str, Any]:
@@ -290,6 +301,20 @@ def test_tiercache_inspect_summary_shows_the_hits(restart: Restart) -> None:
     assert l1["hits"] >= restart.chunk_hits > 0, restart.summary
     assert l1["objects"] == STORED_CHUNKS, restart.summary
     assert restart.summary["engine"]["stores"] == STORED_CHUNKS, restart.summary
+
+
+def test_a_salted_request_is_its_tenants_own_counted_by_id_and_never_shares_the_unsalted_chunks(
+    restart: Restart,
+) -> None:
+    assert restart.salted.cached_tokens == 0  # the unsalted chunks of the same prompt are not its
+    assert restart.salted.text == restart.answers.completions[0].text
+    tenants = restart.salted_summary["tenants"]
+    acme = tenants[tenant_label(tenant_id(SALT))]
+    print(f"\n[openai tenants] {sorted(tenants)}: {SALT!r} -> {acme}")
+    assert SALT not in json.dumps(restart.salted_summary)  # named by id only
+    assert acme["lookups"] == 1 and acme["hit_chunks"] == 0
+    assert acme["tiers"]["l1"]["objects"] == acme["tiers"]["l1"]["puts"] == LENGTHS[0] // CHUNK
+    assert tenants["default"]["tiers"]["l1"]["objects"] == STORED_CHUNKS
 
 
 @dataclass

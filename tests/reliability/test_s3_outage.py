@@ -224,7 +224,7 @@ def test_writes_skipped_by_an_open_breaker_are_counted_without_a_warning_each(ca
     from tiercache.tier.wrappers import WrapperTier
 
     class OpenBreaker(WrapperTier):
-        def put(self, key, data, *, owed=False):  # type: ignore[no-untyped-def]
+        def put(self, key, data, **how):  # type: ignore[no-untyped-def]
             raise CircuitOpenError("S3 failed 3 times in a row; PUT skipped")
 
     inner = L1Tier(L1Config(size_bytes=4 * MiB, name=f"tc-rel-s3-{random.getrandbits(40):x}"))

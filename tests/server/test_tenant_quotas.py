@@ -10,6 +10,7 @@ evictions are counted (in the ``stats`` reply, ``tiercache inspect summary --by-
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.tenant import tenant_id, tenant_label
 from tiercache.server.metrics import render
 from tiercache.server.tenants import top
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef
 
@@ -85,6 +87,31 @@ def test_a_tenant_flooding_ten_times_its_share_leaves_the_other_tenants_working_
     assert (
         f'tiercache_tenant_lookup_chunks_total{{outcome="miss",tenant="{tenant_label(ALICE)}"}} 0.0' in text
     )
+
+
+def test_the_disk_tier_keeps_quotas_too_and_each_object_keeps_its_tenant_on_the_way_down(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(
+        l1_bytes=1024 * OBJECT,  # L1 holds everything: only the disk is short of room
+        disk_path=str(tmp_path / "lmdb"),
+        disk_budget=ARENA_OBJECTS * OBJECT,
+        disk_options={"tenant_share": 0.5},
+    )
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        run_flood(client, group)
+
+        def written() -> bool:
+            puts = client.stats()["tenants"]
+            return sum(t["tiers"].get("disk", {}).get("puts", 0) for t in puts.values()) == 16 + FLOOD_OBJECTS
+
+        wait_until(written, timeout=60, what="the write-through of every object to disk")
+        disk = {label: t["tiers"]["disk"] for label, t in client.stats()["tenants"].items()}
+    alice, flood = disk[tenant_label(ALICE)], disk[tenant_label(FLOOD)]
+    assert alice["evictions"] == 0 and alice["objects"] == 16
+    assert flood["evictions"] > FLOOD_OBJECTS - ARENA_OBJECTS
+    assert flood["objects"] + flood["evictions"] == FLOOD_OBJECTS
 
 
 def test_without_quotas_the_same_flood_evicts_the_other_tenant(start_server: StartServer) -> None:

@@ -51,6 +51,13 @@ def _fraction(name: str, label: str, value: float) -> None:
         raise SettingError(name, label, f"must be in (0, 1], got {value!r}; give a fraction such as 0.9")
 
 
+def _tenant_overrides(text: str, flag: str) -> dict[bytes, float]:
+    try:
+        return parse_tenant_shares(text)
+    except ValueError as exc:
+        raise SettingError("tenant_quotas", flag, str(exc)) from None
+
+
 def _at_least_one(name: str, label: str, value: int, fix: str = "") -> None:
     if value < 1:
         raise SettingError(name, label, f"must be >= 1, got {value}{fix}")
@@ -107,15 +114,7 @@ class L1Config:
 
     def tenant_overrides(self) -> dict[bytes, float]:
         """``tenant_quotas`` parsed: tenant id → share of the arena."""
-        try:
-            return parse_tenant_shares(self.tenant_quotas)
-        except ValueError as exc:
-            raise SettingError("tenant_quotas", "--l1-tenant-quotas", str(exc)) from None
-
-    @property
-    def tenant_quotas_enabled(self) -> bool:
-        """Whether any tenant has a share below the whole arena."""
-        return self.tenant_share < 1 or any(s < 1 for s in self.tenant_overrides().values())
+        return _tenant_overrides(self.tenant_quotas, "--l1-tenant-quotas")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +127,9 @@ class DiskConfig:
     ``MDB_MAP_FULL`` does not happen in steady state. ``sync_interval_s`` is how far durability may lag
     (writes are ``sync=False`` and a background thread calls ``env.sync()``); LMDB stays consistent
     after a crash either way.
+
+    Tenant quotas work as L1's (:class:`L1Config`), on the byte budget: a tenant over
+    ``tenant_share`` (or its ``tenant_quotas`` override) loses its own objects first.
     """
 
     path: Path
@@ -139,10 +141,14 @@ class DiskConfig:
     compress: bool = False
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    tenant_share: float = 1.0
+    tenant_quotas: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
         _positive("budget_bytes", "--disk-size-gb", self.budget_bytes, " bytes")
+        _fraction("tenant_share", "--disk-tenant-share", self.tenant_share)
+        self.tenant_overrides()  # validates
         _fraction("high_watermark", "disk high watermark", self.high_watermark)
         _fraction("low_watermark", "disk low watermark", self.low_watermark)
         if self.low_watermark >= self.high_watermark:
@@ -159,6 +165,10 @@ class DiskConfig:
                 "(use 1.3 or more)",
             )
         _positive("sync_interval_s", "disk sync interval", self.sync_interval_s, " s")
+
+    def tenant_overrides(self) -> dict[bytes, float]:
+        """``tenant_quotas`` parsed: tenant id → share of the budget."""
+        return _tenant_overrides(self.tenant_quotas, "--disk-tenant-quotas")
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,17 @@ META: dict[tuple[str, str], Meta] = {
     ("disk", "compress"): Meta("Compress disk objects with zstd."),
     ("disk", "reservation_ttl_s"): Meta("Seconds an uncommitted disk reservation lives.", metavar="SECONDS"),
     ("disk", "lease_ttl_s"): Meta("Seconds an unreleased disk read lease lives.", metavar="SECONDS"),
+    ("disk", "tenant_share"): Meta(
+        "Share of the disk budget each tenant (cache salt) may fill before its own objects are the "
+        "first evicted; a tenant under its share is never evicted for one over it. 1 turns quotas off.",
+        metavar="FRACTION",
+    ),
+    ("disk", "tenant_quotas"): Meta(
+        "Per-tenant shares overriding --disk-tenant-share: TENANT=SHARE,... (ids from `tiercache "
+        "tenant-id SALT`, or default).",
+        default_text="none",
+        metavar="LIST",
+    ),
     # s3
     ("s3", "bucket"): Meta("S3 bucket (required with the s3 tier).", default_text="none", metavar="BUCKET"),
     ("s3", "prefix"): Meta("Key prefix of this deployment's objects.", metavar="PREFIX"),

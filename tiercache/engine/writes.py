@@ -168,7 +168,7 @@ class WriteBehind:
             return
         try:
             t0 = perf_counter()
-            l2.put(key, pinned.buffer)
+            l2.put(key, pinned.buffer, tenant=self._l1.tenant_of(key))
             l2.stats.latency.observe("write", perf_counter() - t0)
             self._counters.add("l2_writes")
         except CircuitOpenError as exc:  # tiers l1,s3: see _write_l3

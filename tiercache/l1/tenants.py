@@ -28,6 +28,7 @@ from tiercache.config.parts import L1Config
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import tenant_label
 from tiercache.l1.policy import EvictionPolicy, make_policy
+from tiercache.tier.quotas import TenantQuotas
 
 #: Tenants remembered with nothing left in the arena (their counters kept for ``inspect``); beyond
 #: this many, a tenant whose last byte leaves is forgotten.
@@ -49,19 +50,17 @@ class TenantLedger:
     docstring."""
 
     def __init__(self, config: L1Config) -> None:
-        self._budget = config.size_bytes
-        self._share = config.tenant_share
-        self._overrides = config.tenant_overrides()
+        self._quotas = TenantQuotas(config.size_bytes, config.tenant_share, config.tenant_overrides())
         self._policy_name = config.eviction_policy
         #: Whether quotas decide evictions (any share below 1); otherwise usage is only counted.
-        self.enforcing = config.tenant_quotas_enabled
+        self.enforcing = self._quotas.enforcing
         self._usage: dict[bytes, TenantUsage] = {}
         self._orders: dict[bytes, EvictionPolicy[ObjectKey]] = {}  # only while enforcing
         self._over: set[bytes] = set()  # tenants holding more than their quota
 
     def quota(self, tenant: bytes) -> int:
         """Bytes ``tenant`` may hold before its own objects go first."""
-        return int(self._overrides.get(tenant, self._share) * self._budget)
+        return self._quotas.quota(tenant)
 
     def usage(self, tenant: bytes) -> TenantUsage:
         """What ``tenant`` holds (a zero record for one never seen)."""

@@ -443,6 +443,12 @@ class L1Tier(FrontTier):
                 objects=len(self._objects),
             )
 
+    def tenant_of(self, key: ObjectKey) -> bytes:
+        """The tenant of the committed object ``key`` (the default tenant if there is none). O(1)."""
+        with self._lock:
+            slot = self._objects.get(key)
+            return DEFAULT_TENANT if slot is None else slot.tenant
+
     def tenants(self) -> dict[str, dict[str, int]]:
         """Per tenant (labelled as :func:`~tiercache.keys.tenant.tenant_label` does): bytes held,
         objects, quota in bytes, evictions for room, objects committed. O(tenants)."""

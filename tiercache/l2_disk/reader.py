@@ -30,6 +30,7 @@ from tiercache.l2_disk.records import (
     INFO_FORMAT,
     INFO_USED,
     MAX_READERS,
+    UPGRADABLE_FORMATS,
     scan_records,
     u64,
 )
@@ -78,7 +79,7 @@ class DiskReader:
             raise DiskTierError(
                 f"{self.path} is not a tiercache disk tier ({exc}); check --disk-path"
             ) from exc
-        if u64(found) != DISK_FORMAT_VERSION:
+        if u64(found) != DISK_FORMAT_VERSION and u64(found) not in UPGRADABLE_FORMATS:
             self._env.close()
             version = u64(found) if found is not None else "1 or older"
             raise DiskTierError(

@@ -1,16 +1,22 @@
 """The disk tier's on-disk format: its sub-databases, record keys and record layouts.
 
-Layout version 2: one LMDB environment with three named sub-databases::
+Layout version 3: one LMDB environment with three named sub-databases::
 
     data       object key (35 B)       -> stored payload (compressed when the frame says so)
     meta       object key (35 B)       -> frame header (75 B) | recency seq (u64 BE) | flags (u8, 0)
-               0xFF 'R' seq (u64 BE)   -> object key   (LRU order: the first record is the oldest)
+               0xFD 'T' object key     -> tenant id (8 B)   (only objects of a named tenant)
                0xFE 'I' name           -> u64 BE       (bytes_used, next_seq, format)
+               0xFE 'I' 't:' tenant id -> bytes u64 BE | objects u64 BE  (per named tenant)
+               0xFF 'R' seq (u64 BE)   -> object key   (LRU order: the first record is the oldest)
     manifests  fingerprint (16 B)      -> manifest JSON (LayoutManifest.canonical(), for `inspect`)
 
-Recency and info records share the meta B-tree under prefixes that sort after every object key
-(object keys start with their version byte, 0x01): a put then dirties two leaf pages instead of four
-(measured: four sub-databases cost ~20% of raw LMDB put throughput at 256 KiB, this layout ~5%).
+Recency, tenant and info records share the meta B-tree under prefixes that sort after every object
+key (object keys start with their version byte, 0x01): a put then dirties two leaf pages instead of
+four (measured: four sub-databases cost ~20% of raw LMDB put throughput at 256 KiB, this layout ~5%).
+Objects of the default tenant (no cache salt) have no tenant record, and its totals are what the
+named tenants' leave of ``bytes_used`` and the object count, so an unsalted put writes nothing more.
+Version 3 only added the tenant records: a version-2 environment is a valid one whose objects are
+all the default tenant's, and is upgraded in place when a server opens it.
 The flags byte is reserved (layout 2 once marked objects owed to a lower tier there; nothing reads
 it now). ``bytes_used`` counts the *stored* bytes in ``data``; the object count is the entry count
 of ``data``.
@@ -30,7 +36,9 @@ import xxhash
 from tiercache.tier.frames import HEADER_BYTES
 
 #: Version of the layout above. Bumped when it changes; a mismatch refuses to open.
-DISK_FORMAT_VERSION = 2
+DISK_FORMAT_VERSION = 3
+#: Older layouts this build opens as they are (and upgrades, when it may write).
+UPGRADABLE_FORMATS = (2,)
 #: The named sub-databases (recency and info records live in ``meta``).
 DB_NAMES = ("data", "meta", "manifests")
 
@@ -40,12 +48,14 @@ META_BYTES = HEADER_BYTES + SEQ_BYTES + 1
 #: The meta record's flags byte.
 META_FLAGS = b"\x00"
 REC = b"\xffR"  # REC + seq (u64 BE) -> object key: the LRU order, oldest first
+TEN = b"\xfdT"  # TEN + object key -> tenant id, for objects of a named tenant
 INFO = b"\xfeI"
 INFO_USED = INFO + b"bytes_used"
 INFO_SEQ = INFO + b"next_seq"
 INFO_FORMAT = INFO + b"format"
+INFO_TENANT = INFO + b"t:"  # INFO_TENANT + tenant id -> bytes | objects (u64 BE each)
 #: First byte of the prefixed records above; never an object key's.
-FIRST_RESERVED = 0xFE
+FIRST_RESERVED = 0xFD
 #: Records per read transaction while scanning.
 ITER_BATCH = 1024
 #: Reader slots of the environment (the tier's leases and the inspector share them).
@@ -115,3 +125,18 @@ def scan_records(env: lmdb.Environment, db: Any, *, objects_only: bool) -> Itera
             return
         yield from batch
         start = batch[-1][0]
+
+
+def tenant_totals(txn: Any, db: Any) -> dict[bytes, tuple[int, int]]:
+    """Bytes and objects of every named tenant, from its ``INFO_TENANT`` record, in ``txn``."""
+    out: dict[bytes, tuple[int, int]] = {}
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(INFO_TENANT)
+        while found:
+            k = bytes(cur.key())
+            if not k.startswith(INFO_TENANT):
+                break
+            v = bytes(cur.value())
+            out[k[len(INFO_TENANT) :]] = (u64(v[:8]), u64(v[8:16]))
+            found = cur.next()
+    return out

@@ -56,23 +56,28 @@ from tiercache.errors import (
 )
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT, tenant_label
 from tiercache.l2_disk import records
 from tiercache.l2_disk.records import (
     DB_NAMES,
     DISK_FORMAT_VERSION,
     INFO_FORMAT,
     INFO_SEQ,
+    INFO_TENANT,
     INFO_USED,
     MAX_READERS,
     META_BYTES,
     META_FLAGS,
     REC,
     SEQ_BYTES,
+    TEN,
+    UPGRADABLE_FORMATS,
     b64,
     meta_stored_len,
     recency_key,
     scan_records,
     stale_recency,
+    tenant_totals,
     u64,
 )
 from tiercache.tier.contract import (
@@ -92,6 +97,7 @@ from tiercache.tier.frames import (
     plain_header_fields,
     verify_payload,
 )
+from tiercache.tier.quotas import TenantQuotas
 from tiercache.tier.staging import StagedWrites
 from tiercache.tier.stats import EvictionReason
 
@@ -144,6 +150,10 @@ class DiskTier(Tier):
         self._write_lock = threading.Lock()  # guards: this process's write transactions
         self._state_lock = threading.Lock()  # guards: the three tables below and _next_token
         self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
+        self._quotas = TenantQuotas(config.budget_bytes, config.tenant_share, config.tenant_overrides())
+        # Per tenant, counters of this process (what each holds is persisted: tenant_totals).
+        self._tenant_puts: Counter[bytes] = Counter()  # guarded by _state_lock
+        self._tenant_evictions: Counter[bytes] = Counter()  # guarded by _state_lock
         self._leases: dict[int, _Lease] = {}
         self._pins: Counter[bytes] = Counter()
         self._touched: dict[bytes, None] = {}
@@ -202,7 +212,15 @@ class DiskTier(Tier):
             dbs["recency"] = dbs["info"] = dbs["meta"]  # prefixed records, see records.REC and records.INFO
             with env.begin(write=True, db=dbs["info"]) as txn:
                 found = txn.get(INFO_FORMAT, db=dbs["info"])
-                if found is None:
+                if found is None or u64(found) in UPGRADABLE_FORMATS:
+                    if found is not None:
+                        log.info(
+                            "disk tier at %s: layout %d upgraded to %d in place (its objects are the "
+                            "default tenant's)",
+                            path,
+                            u64(found),
+                            DISK_FORMAT_VERSION,
+                        )
                     txn.put(INFO_FORMAT, b64(DISK_FORMAT_VERSION), db=dbs["info"])
                 elif u64(found) != DISK_FORMAT_VERSION:
                     raise DiskTierError(
@@ -428,7 +446,31 @@ class DiskTier(Tier):
                 txn.delete(recency_key(seqb), db=rec_db)
         txn.delete(kb, db=data_db)
         txn.delete(kb, db=meta_db)
+        found = txn.get(TEN + kb, db=meta_db)
+        if found is not None:
+            tenant = bytes(found)  # copy first: a buffers=True view dies with the next write
+            txn.delete(TEN + kb, db=meta_db)
+            self._add_tenant(txn, tenant, -freed, -1)
         return freed
+
+    def _add_tenant(self, txn: lmdb.Transaction, tenant: bytes, nbytes: int, objects: int) -> None:
+        """Change a named tenant's persisted totals in ``txn`` (the default tenant's are derived)."""
+        if not tenant:
+            return
+        meta_db = self._meta_db
+        rkey = INFO_TENANT + tenant
+        found = txn.get(rkey, db=meta_db)
+        held = u64(bytes(found[:8])) if found is not None else 0
+        count = u64(bytes(found[8:16])) if found is not None else 0
+        held, count = max(0, held + nbytes), max(0, count + objects)
+        if count == 0:
+            txn.delete(rkey, db=meta_db)
+        else:
+            txn.put(rkey, b64(held) + b64(count), db=meta_db)
+
+    def _tenant_of(self, txn: lmdb.Transaction, kb: bytes) -> bytes:
+        found = txn.get(TEN + kb, db=self._meta_db)
+        return DEFAULT_TENANT if found is None else bytes(found)
 
     def _set_used(self, txn: lmdb.Transaction, used: int) -> None:
         txn.put(INFO_USED, b64(max(0, used)), db=self._dbs["info"])
@@ -467,8 +509,11 @@ class DiskTier(Tier):
         """Drop a reservation; a no-op if it is already gone. Cheap."""
         self._staged.drop(handle)
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
-        """Store ``data`` straight from the caller's buffer (one copy: LMDB's, into the map).
+    def put(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, tenant: bytes = DEFAULT_TENANT
+    ) -> None:
+        """Store ``data`` straight from the caller's buffer (one copy: LMDB's, into the map), as an
+        object of ``tenant`` (whose quota decides what is evicted for it: :meth:`_evict_in`).
 
         One object per transaction on purpose: LMDB commits one large value per transaction fastest
         (measured here: 6.3 GB/s for 256 KiB values, 1.7 GB/s with two per transaction). Blocks on
@@ -490,9 +535,11 @@ class DiskTier(Tier):
                 f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
             )
         self._sweep()
-        self._store(key, kb, head, stored, META_FLAGS)
+        self._store(key, kb, head, stored, META_FLAGS, tenant)
 
-    def _store(self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes) -> None:
+    def _store(
+        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes = DEFAULT_TENANT
+    ) -> None:
         nbytes = len(stored)
         extra = 0
         try:
@@ -500,9 +547,9 @@ class DiskTier(Tier):
                 for attempt in range(_MAP_FULL_RETRIES + 1):
                     try:
                         # Most puts fit below the high watermark: one transaction, no eviction.
-                        if extra or not self._insert(kb, head, stored, tail, limit=self._high):
-                            self._make_room(kb, nbytes, extra)
-                            self._insert(kb, head, stored, tail, limit=None)
+                        if extra or not self._insert(kb, head, stored, tail, tenant, limit=self._high):
+                            self._make_room(kb, nbytes, extra, tenant)
+                            self._insert(kb, head, stored, tail, tenant, limit=None)
                     except lmdb.MapFullError:
                         # The txn is dead and already aborted. Free another 10% of the budget in
                         # its own committed txn (pages are reusable only after that).
@@ -514,6 +561,8 @@ class DiskTier(Tier):
                         extra += self._budget // 10
                         continue
                     self.stats.put(nbytes, keys=(key,))
+                    with self._state_lock:
+                        self._tenant_puts[tenant] += 1
                     return
         except lmdb.MapFullError as exc:
             # Even the eviction txn found no page to copy-on-write into.
@@ -530,9 +579,11 @@ class DiskTier(Tier):
             f"{extra} extra bytes; raise the disk map headroom (fragmentation of mixed value sizes)"
         )
 
-    def _insert(self, kb: bytes, head: bytes, stored: Any, tail: bytes, *, limit: int | None) -> bool:
-        """Write ``kb``'s data and meta (``head`` + recency seq + ``tail``), its recency record and
-        the usage total in one transaction.
+    def _insert(
+        self, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes, *, limit: int | None
+    ) -> bool:
+        """Write ``kb``'s data and meta (``head`` + recency seq + ``tail``), its recency record, the
+        usage total and (for a named tenant) its tenant record and totals in one transaction.
 
         With ``limit`` set, writes nothing and returns ``False`` if usage afterwards would exceed
         it (the caller then evicts first). Caller holds ``_write_lock``.
@@ -556,13 +607,17 @@ class DiskTier(Tier):
             found = get(kb, db=meta_db)
             old: bytes | None = None
             seqb: bytes | None = None
+            old_len = 0
+            old_tenant = DEFAULT_TENANT
             if found is not None:
                 old = bytes(found)
+                old_tenant = self._tenant_of(txn, kb)
                 # The same header again (a re-put of the same bytes) needs no re-verification.
-                old_len = len(stored) if old[:HEADER_BYTES] == head else meta_stored_len(old)
-                if old_len is None:  # damaged header: measure the payload itself
+                claimed = len(stored) if old[:HEADER_BYTES] == head else meta_stored_len(old)
+                if claimed is None:  # damaged header: measure the payload itself
                     data = get(kb, db=self._data_db)
-                    old_len = 0 if data is None else len(data)
+                    claimed = 0 if data is None else len(data)
+                old_len = claimed
                 after -= old_len
                 if len(old) == META_BYTES:
                     old_seqb = old[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES]
@@ -583,6 +638,16 @@ class DiskTier(Tier):
                 put(kb, meta, db=meta_db)
             if after != used:
                 put(INFO_USED, b64(max(0, after)), db=meta_db)
+            if tenant != old_tenant or old is None:
+                if old is not None:
+                    self._add_tenant(txn, old_tenant, -old_len, -1)
+                self._add_tenant(txn, tenant, len(stored), 1)
+                if tenant:
+                    put(TEN + kb, tenant, db=meta_db)
+                elif old_tenant:
+                    txn.delete(TEN + kb, db=meta_db)
+            elif tenant and len(stored) != old_len:
+                self._add_tenant(txn, tenant, len(stored) - old_len, 0)
             txn.commit()
         except BaseException:
             txn.abort()
@@ -592,7 +657,7 @@ class DiskTier(Tier):
                 self._touched[kb] = None
         return True
 
-    def _make_room(self, kb: bytes, nbytes: int, extra: int) -> None:
+    def _make_room(self, kb: bytes, nbytes: int, extra: int, tenant: bytes = DEFAULT_TENANT) -> None:
         """Evict oldest-first in its own committed txn so that ``kb`` (``nbytes``) fits.
 
         Eviction starts when the insert would pass the high watermark (or when ``extra`` bytes more
@@ -609,9 +674,16 @@ class DiskTier(Tier):
             after = used - self._stored_len(txn, kb) + nbytes
             if after <= high and extra == 0:
                 return  # commits the touches, if any
-            freed, evicted = self._evict_in(txn, kb, after, max(0, low - extra))
+            freed, evicted, over_quota = self._evict_in(txn, kb, after, max(0, low - extra), tenant, nbytes)
             if after - freed > self._budget:
                 self.stats.add("skipped")
+                if over_quota:
+                    raise TierFullError(  # the `with` aborts: nothing was evicted
+                        f"no room for {nbytes} bytes of tenant {tenant_label(tenant)} in the disk tier "
+                        f"at {self.config.path}: it is over its quota of {self._quotas.quota(tenant)} "
+                        "bytes and the other tenants are within theirs; raise its share "
+                        "(--disk-tenant-quotas) or --disk-size-gb"
+                    )
                 raise TierFullError(  # the `with` aborts: nothing was evicted
                     f"no room for {nbytes} bytes in the disk tier at {self.config.path}: "
                     f"{after - freed - nbytes} bytes are pinned (budget {self._budget}); release "
@@ -621,59 +693,105 @@ class DiskTier(Tier):
         if evicted:
             self._nudge()
 
-    def _evict_in(self, txn: lmdb.Transaction, keep: bytes, after: int, target: int) -> tuple[int, int]:
+    def _evict_in(
+        self,
+        txn: lmdb.Transaction,
+        keep: bytes,
+        after: int,
+        target: int,
+        requester: bytes = DEFAULT_TENANT,
+        nbytes: int = 0,
+    ) -> tuple[int, int, bool]:
         """Delete LRU objects in ``txn`` until ``after`` (usage once the insert is done) is at most
-        ``target``; return (stored bytes freed, objects deleted). ``keep`` is never evicted."""
+        ``target``; return (stored bytes freed, objects deleted, whether ``requester`` was over its
+        quota). ``keep`` is never evicted.
+
+        With tenant quotas (some share below 1) the walk goes in two passes, as L1's
+        (:mod:`tiercache.l1.tenants`): first only objects of tenants over their quota (each down to
+        it) and, when the requester (the tenant of the object being put, ``nbytes``) would be over
+        its own, every object of the requester; then, only for a requester within its quota, the
+        plain LRU order. A requester over its quota never evicts a tenant within its quota. Each
+        pass is one walk of the recency records, oldest first: a batch evicts down to the low
+        watermark, so the walk is paid once per batch, not per put.
+        """
         before = after
         dbs = self._dbs
         with self._state_lock:
             pinned = set(self._pins)
         victims: list[tuple[bytes, int]] = []
-        stale: list[bytes] = []
+        chosen: set[bytes] = set()
+        stale: set[bytes] = set()
         corrupt: list[bytes] = []
-        with txn.cursor(db=dbs["recency"]) as cur:
-            found = cur.set_range(REC)
-            while found:
-                rkey, kb = bytes(cur.key()), bytes(cur.value())
-                found = cur.next()
-                if after <= target or not rkey.startswith(REC):
-                    break
-                seqb = rkey[len(REC) :]
-                meta = txn.get(kb, db=dbs["meta"])
-                if stale_recency(meta, seqb):
-                    stale.append(bytes(seqb))  # left behind by a touch or a lost meta: drop it
-                    continue
-                assert meta is not None  # a missing meta is stale
-                if kb == keep or kb in pinned:
-                    continue
-                key = ObjectKey.from_bytes(kb)
-                try:
-                    if len(meta) != META_BYTES:
-                        raise FrameError(f"meta record of {len(meta)} bytes")
-                    header = FrameHeader.decode(meta[:HEADER_BYTES], key)
-                    size = header.stored_len
-                    if self._on_evict is not None:  # only write-back needs the bytes read back
-                        data = txn.get(kb, db=dbs["data"])
-                        if data is None:
-                            raise FrameError("payload record missing")
-                        size = len(data)
-                        payload = verify_payload(header, data)
-                except FrameError:
-                    corrupt.append(kb)  # never hand corrupt bytes to the write-back
-                    after -= self._stored_len(txn, kb)
-                    continue
-                if self._on_evict is not None:
-                    try:
-                        self._on_evict(key, memoryview(payload))
-                    except Exception:
-                        self.stats.add("errors")
-                        log.exception("on_evict failed for %s; keeping it on disk", key)
+        evicted_of: Counter[bytes] = Counter()
+
+        def walk(may_go: Callable[[bytes, int], bool] | None) -> None:
+            nonlocal after
+            with txn.cursor(db=dbs["recency"]) as cur:
+                found = cur.set_range(REC)
+                while found:
+                    rkey, kb = bytes(cur.key()), bytes(cur.value())
+                    found = cur.next()
+                    if after <= target or not rkey.startswith(REC):
+                        break
+                    seqb = rkey[len(REC) :]
+                    meta = txn.get(kb, db=dbs["meta"])
+                    if stale_recency(meta, seqb):
+                        stale.add(bytes(seqb))  # left behind by a touch or a lost meta: drop it
                         continue
-                victims.append((kb, size))
-                after -= size
+                    assert meta is not None  # a missing meta is stale
+                    if kb == keep or kb in pinned or kb in chosen or kb in corrupt:
+                        continue
+                    key = ObjectKey.from_bytes(kb)
+                    try:
+                        if len(meta) != META_BYTES:
+                            raise FrameError(f"meta record of {len(meta)} bytes")
+                        header = FrameHeader.decode(meta[:HEADER_BYTES], key)
+                        size = header.stored_len
+                        if may_go is not None and not may_go(kb, size):
+                            continue
+                        if self._on_evict is not None:  # only write-back needs the bytes read back
+                            data = txn.get(kb, db=dbs["data"])
+                            if data is None:
+                                raise FrameError("payload record missing")
+                            size = len(data)
+                            payload = verify_payload(header, data)
+                    except FrameError:
+                        corrupt.append(kb)  # never hand corrupt bytes to the write-back
+                        after -= self._stored_len(txn, kb)
+                        continue
+                    if self._on_evict is not None:
+                        try:
+                            self._on_evict(key, memoryview(payload))
+                        except Exception:
+                            self.stats.add("errors")
+                            log.exception("on_evict failed for %s; keeping it on disk", key)
+                            continue
+                    victims.append((kb, size))
+                    chosen.add(kb)
+                    after -= size
+
+        over_quota = False
+        if self._quotas.enforcing:
+            held = self._held_by_tenant(txn)
+            quota = self._quotas.quota
+            over_quota = held.get(requester, 0) + nbytes > quota(requester)
+            over = {t for t, n in held.items() if n > quota(t)}
+            if over_quota or over:
+
+                def may_go(kb: bytes, size: int) -> bool:
+                    tenant = self._tenant_of(txn, kb)
+                    if not (tenant == requester and over_quota) and held.get(tenant, 0) <= quota(tenant):
+                        return False
+                    held[tenant] = held.get(tenant, 0) - size
+                    return True
+
+                walk(may_go)
+        if not over_quota and after > target:
+            walk(None)
         for seqb in stale:
             txn.delete(recency_key(seqb), db=dbs["recency"])
         for kb, size in victims:
+            evicted_of[self._tenant_of(txn, kb)] += 1
             self._delete_in(txn, kb, size)
         for kb in corrupt:
             self._delete_in(txn, kb)
@@ -683,12 +801,22 @@ class DiskTier(Tier):
                 len(victims),
                 keys=[ObjectKey.from_bytes(kb) for kb, _ in victims] if self.stats.listener else (),
             )
+            if evicted_of:
+                with self._state_lock:
+                    self._tenant_evictions.update(evicted_of)
         if corrupt:
             self.stats.add("verify_failures", len(corrupt))
             self.stats.evicted(
                 EvictionReason.CORRUPT, len(corrupt), keys=[ObjectKey.from_bytes(kb) for kb in corrupt]
             )
-        return before - after, len(victims) + len(corrupt)
+        return before - after, len(victims) + len(corrupt), over_quota
+
+    def _held_by_tenant(self, txn: lmdb.Transaction) -> dict[bytes, int]:
+        """Stored bytes per tenant in ``txn``: the named tenants' totals, the default tenant's the rest."""
+        totals = tenant_totals(txn, self._meta_db)
+        held = {t: n for t, (n, _) in totals.items()}
+        held[DEFAULT_TENANT] = max(0, self._used_in(txn) - sum(held.values()))
+        return held
 
     def _nudge(self) -> None:
         """Commit one tiny write so that pages freed by the previous txn become reusable."""
@@ -943,6 +1071,37 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             raise self._translate(exc, "stat") from exc
         return TierUsage(used, self._budget, objects)
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """Per tenant: stored bytes and objects (persisted, so they survive restarts), its quota,
+        and this process's evictions for room and puts. One short read txn, O(named tenants)."""
+        env = self._env_here()
+        try:
+            with env.begin() as txn:
+                totals = tenant_totals(txn, self._meta_db)
+                used = self._used_in(txn)
+                objects = txn.stat(self._dbs["data"])["entries"]
+        except lmdb.Error as exc:
+            raise self._translate(exc, "stat") from exc
+        totals[DEFAULT_TENANT] = (
+            max(0, used - sum(n for n, _ in totals.values())),
+            max(0, objects - sum(c for _, c in totals.values())),
+        )
+        with self._state_lock:
+            puts, evictions = dict(self._tenant_puts), dict(self._tenant_evictions)
+        out: dict[str, dict[str, int]] = {}
+        for tenant in {*totals, *puts, *evictions}:
+            held, count = totals.get(tenant, (0, 0))
+            if tenant == DEFAULT_TENANT and not (held or count or tenant in puts or tenant in evictions):
+                continue
+            out[tenant_label(tenant)] = {
+                "bytes": held,
+                "objects": count,
+                "quota_bytes": self._quotas.quota(tenant),
+                "evictions": evictions.get(tenant, 0),
+                "puts": puts.get(tenant, 0),
+            }
+        return out
 
     def _scan(self, db_name: str) -> Iterator[tuple[bytes, bytes]]:
         """(key, value) pairs of one sub-database; see :func:`scan_records`."""

@@ -40,6 +40,7 @@ from tiercache.errors import (
 )
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.l3_s3.breaker import BreakerState, CircuitBreaker
 from tiercache.l3_s3.client import (
     NO_BUCKET_CODES,
@@ -288,8 +289,11 @@ class S3Tier(Tier):
         """Drop a reservation (nothing was uploaded). Harmless if finished or expired."""
         self._staged.drop(handle)
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
-        """Frame ``data`` and upload it with one PUT, without the reservation's extra copy.
+    def put(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, tenant: bytes = DEFAULT_TENANT
+    ) -> None:
+        """Frame ``data`` and upload it with one PUT, without the reservation's extra copy. The
+        bucket keeps no tenant quotas (its capacity bound is shared): ``tenant`` is ignored.
 
         Blocks until uploaded; same errors and costs as :meth:`commit`.
         """

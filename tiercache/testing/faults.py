@@ -105,9 +105,16 @@ class FaultInjectingTier(WrapperTier):
         self._write_fault()
         return super().reserve(key, nbytes, tenant=tenant)
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+    def put(
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        owed: bool = False,
+        tenant: bytes = DEFAULT_TENANT,
+    ) -> None:
         self._write_fault()
-        super().put(key, data, owed=owed)
+        super().put(key, data, owed=owed, tenant=tenant)
 
     def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         if self._read_fault():

@@ -155,15 +155,21 @@ class Tier(ABC):
         ``tiercache warm`` promotes first under a byte budget."""
         return self.iter_keys()
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> None:
-        """Store ``data`` under ``key`` in one call (reserve, copy, commit)."""
+    def put(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, tenant: bytes = DEFAULT_TENANT
+    ) -> None:
+        """Store ``data`` under ``key`` in one call (reserve, copy, commit), as an object of
+        ``tenant`` (a :mod:`tiercache.keys.tenant` id) where the tier keeps tenant quotas; a tier
+        that does not ignores it."""
         self.commit(self._filled(key, data))
 
-    def _filled(self, key: ObjectKey, data: bytes | bytearray | memoryview) -> WriteHandle:
-        """A reservation for ``key`` holding a copy of ``data``, ready to commit (aborted if the
-        copy fails)."""
+    def _filled(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, handle: WriteHandle | None = None
+    ) -> WriteHandle:
+        """A reservation for ``key`` (``handle``, or a new one) holding a copy of ``data``, ready to
+        commit (aborted if the copy fails)."""
         view = memoryview(data).cast("B")
-        handle = self.reserve(key, view.nbytes)
+        handle = handle or self.reserve(key, view.nbytes)
         try:
             handle.buffer[:] = view
         except BaseException:
@@ -262,9 +268,23 @@ class FrontTier(Tier):
         """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
         whose quota decides what may be evicted to make room."""
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
-        """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked."""
-        self.commit(self._filled(key, data), owed=owed)
+    def put(
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        owed: bool = False,
+        tenant: bytes = DEFAULT_TENANT,
+    ) -> None:
+        """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked, as an
+        object of ``tenant``."""
+        handle = self.reserve(key, memoryview(data).nbytes, tenant=tenant)
+        self.commit(self._filled(key, data, handle), owed=owed)
+
+    def tenant_of(self, key: ObjectKey) -> bytes:
+        """The tenant whose object ``key`` is (what the engine passes on to the lower tiers it writes
+        ``key`` to); the default tenant when unknown. Default: always the default tenant."""
+        return DEFAULT_TENANT
 
     def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key has an open reservation: its bytes are being written and not yet

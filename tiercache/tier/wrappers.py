@@ -89,13 +89,25 @@ class WrapperTier(FrontTier):
     def iter_keys_by_use(self) -> Iterator[ObjectKey]:
         return self.inner.iter_keys_by_use()
 
-    def put(self, key: ObjectKey, data: bytes | bytearray | memoryview, *, owed: bool = False) -> None:
+    def put(
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        owed: bool = False,
+        tenant: bytes = DEFAULT_TENANT,
+    ) -> None:
         if isinstance(self.inner, FrontTier):
-            self.inner.put(key, data, owed=owed)
+            self.inner.put(key, data, owed=owed, tenant=tenant)
         elif owed:
             raise TypeError(f"the {self.name} tier is not a front tier: it cannot hold owed objects")
         else:
-            self.inner.put(key, data)
+            self.inner.put(key, data, tenant=tenant)
+
+    def tenant_of(self, key: ObjectKey) -> bytes:
+        if isinstance(self.inner, FrontTier):
+            return self.inner.tenant_of(key)
+        return DEFAULT_TENANT
 
     def get(self, key: ObjectKey) -> bytes | None:
         return self.inner.get(key)
