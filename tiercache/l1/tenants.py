@@ -28,11 +28,7 @@ from tiercache.config.parts import L1Config
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import tenant_label
 from tiercache.l1.policy import EvictionPolicy, make_policy
-from tiercache.tier.quotas import TenantQuotas
-
-#: Tenants remembered with nothing left in the arena (their counters kept for ``inspect``); beyond
-#: this many, a tenant whose last byte leaves is forgotten.
-MAX_IDLE_TENANTS = 4096
+from tiercache.tier.quotas import MAX_COUNTED_TENANTS, TenantQuotas
 
 
 @dataclass(slots=True)
@@ -80,7 +76,8 @@ class TenantLedger:
         u.bytes -= nbytes
         if tenant in self._over and u.bytes <= self.quota(tenant):
             self._over.discard(tenant)
-        if u.bytes == 0 and u.objects == 0 and len(self._usage) > MAX_IDLE_TENANTS:
+        # A tenant with nothing left keeps its counters for ``inspect``, up to a bound.
+        if u.bytes == 0 and u.objects == 0 and len(self._usage) > MAX_COUNTED_TENANTS:
             del self._usage[tenant]
             self._orders.pop(tenant, None)
 

@@ -97,7 +97,7 @@ from tiercache.tier.frames import (
     plain_header_fields,
     verify_payload,
 )
-from tiercache.tier.quotas import TenantQuotas
+from tiercache.tier.quotas import TenantQuotas, count_tenant
 from tiercache.tier.staging import StagedWrites
 from tiercache.tier.stats import EvictionReason
 
@@ -562,7 +562,7 @@ class DiskTier(Tier):
                         continue
                     self.stats.put(nbytes, keys=(key,))
                     with self._state_lock:
-                        self._tenant_puts[tenant] += 1
+                        count_tenant(self._tenant_puts, tenant)
                     return
         except lmdb.MapFullError as exc:
             # Even the eviction txn found no page to copy-on-write into.
@@ -803,7 +803,8 @@ class DiskTier(Tier):
             )
             if evicted_of:
                 with self._state_lock:
-                    self._tenant_evictions.update(evicted_of)
+                    for tenant, n in evicted_of.items():
+                        count_tenant(self._tenant_evictions, tenant, n)
         if corrupt:
             self.stats.add("verify_failures", len(corrupt))
             self.stats.evicted(

@@ -24,7 +24,7 @@ from tiercache.server.replies import (
     parse_key,
 )
 from tiercache.server.sessions import Session
-from tiercache.server.tenants import TenantLookups, merge
+from tiercache.server.tenants import MAX_TENANTS, TenantLookups, merge, top
 from tiercache.tier.contract import Tier
 from tiercache.wire import protocol as p
 
@@ -78,7 +78,9 @@ class ManagementOps:
     def _stats_with(self, server: dict[str, int]) -> dict[str, Any]:
         stats = self._engine.stats()
         held = cast("dict[str, Any]", stats["tenants"])
-        return {**stats, "tenants": merge(held, self._tenant_lookups.snapshot()), "server": server}
+        # Bounded: the tenants holding the most, the rest summed as "other" (a reply, not a dump).
+        tenants = top(merge(held, self._tenant_lookups.snapshot()), MAX_TENANTS)
+        return {**stats, "tenants": tenants, "server": server}
 
     # -- listing ---------------------------------------------------------------------------------
     def list_keys(self, session: Session, msg: p.ListKeys) -> None:

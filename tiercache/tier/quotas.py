@@ -8,8 +8,20 @@ much each tenant may hold.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+#: Tenants a tier keeps in-memory counters for (puts, evictions) beyond what they hold; a server with
+#: more distinct salts than this stops counting new ones rather than grow without bound.
+MAX_COUNTED_TENANTS = 4096
+
+
+def count_tenant(counter: Counter[bytes], tenant: bytes, n: int = 1) -> None:
+    """Add ``n`` to ``tenant``'s count in ``counter``, unless that would make it count more than
+    :data:`MAX_COUNTED_TENANTS` tenants."""
+    if tenant in counter or len(counter) < MAX_COUNTED_TENANTS:
+        counter[tenant] += n
 
 
 @dataclass(frozen=True, slots=True)
