@@ -97,3 +97,66 @@ def heartbeat_thread_is_moved(server: ServerProcess) -> None:
     assert name == "tiercache-client-heartbeat"
     parent = os.sched_getaffinity(os.getppid())
     assert cpus == parent - {min(parent)}
+
+
+def new_zmq_threads(before: set[int]) -> dict[int, set[int]]:
+    """This process's libzmq background threads (I/O, reaper) not in ``before``, with their CPUs."""
+    found: dict[int, set[int]] = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        if name.startswith("ZMQbg/") and tid not in before:
+            found[tid] = os.sched_getaffinity(tid)
+    return found
+
+
+def test_the_clients_zmq_io_thread_runs_on_the_cpus_it_is_given(tmp_path: Path) -> None:
+    """libzmq's I/O thread carries every request and reply. Started from the engine thread it would
+    inherit that thread's core, where a commit was measured waiting 5 s behind the spinning workers."""
+    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256}))
+    started: dict[int, set[int]] = {}
+
+    def connect() -> None:
+        before = set(map(int, os.listdir("/proc/self/task")))
+        client = Client(server.endpoint, timeout=5, heartbeat=False, io_cpus=background_cpus())
+        try:
+            client.ping()
+            started.update(new_zmq_threads(before))
+        finally:
+            client.close()
+
+    try:
+        server.wait_ready()
+        on_thread(pinned_to_one_cpu(connect))
+    finally:
+        server.stop()
+    parent = os.sched_getaffinity(os.getppid())
+    assert started
+    assert all(cpus == parent - {min(parent)} for cpus in started.values())
+
+
+def test_a_thread_started_from_an_already_moved_thread_gets_the_engine_threads_others_not_its_core() -> None:
+    """The reconnect thread (moved) may build the client, whose heartbeat thread inherits the moved
+    binding: relative to it the "other" CPUs are the engine thread's, so the CPUs are worked out
+    once, on the engine thread, and handed down."""
+
+    def body() -> tuple[set[int], set[int] | None, set[int] | None]:
+        others = background_cpus()  # on the engine thread
+
+        def reconnect_thread() -> tuple[set[int], set[int] | None]:
+            spread_current_thread(others)
+            relative = background_cpus()  # what a thread of its own would compute
+
+            def heartbeat_thread() -> set[int]:
+                spread_current_thread(others)
+                return os.sched_getaffinity(0)
+
+            return on_thread(heartbeat_thread), relative  # type: ignore[return-value]
+
+        child, relative = on_thread(reconnect_thread)  # type: ignore[misc]
+        return child, relative, others
+
+    child, relative, others = on_thread(pinned_to_one_cpu(body))  # type: ignore[misc]
+    parent = os.sched_getaffinity(os.getppid())
+    assert others == parent - {min(parent)}
+    assert child == others
+    assert relative == {min(parent)}  # the engine's own core: why the CPUs are handed down

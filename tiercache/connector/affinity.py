@@ -11,13 +11,16 @@ server dropped the worker's session and with it the reservations of the stores i
 So each connector thread first moves off the engine thread's cores, onto the rest of the CPU set of
 the worker's parent process (vLLM's engine core: the CPUs the user gave vLLM as a whole, ``taskset``
 or a cpuset; vLLM reserves some of them for its other processes). Where the parent's set is no
-wider (GPU hosts, unbound workers) this changes nothing.
+wider (GPU hosts, unbound workers) this changes nothing. The same goes for the client's libzmq
+I/O thread, which carries every request and reply: :class:`~tiercache.connector.link.ServerLink`
+starts it on these CPUs (``io_cpus``), or a commit could wait there for seconds (measured: 5 s).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,16 @@ def background_cpus() -> set[int] | None:
     return rest or None
 
 
-def spread_current_thread() -> None:
-    """Move the calling thread onto :func:`background_cpus`; a refusal (a cpuset that forbids those
-    CPUs) leaves it where it is."""
-    cpus = background_cpus()
+def spread_current_thread(cpus: Collection[int] | None = None) -> None:
+    """Move the calling thread onto ``cpus``, by default :func:`background_cpus`; a refusal (a cpuset
+    that forbids those CPUs) leaves it where it is.
+
+    Pass ``cpus`` worked out on the engine thread when the calling thread may itself have been moved
+    already (a thread started from a connector thread): relative to a moved thread, the "other"
+    CPUs are the engine thread's."""
     if cpus is None:
+        cpus = background_cpus()
+    if not cpus:
         return
     try:
         os.sched_setaffinity(0, cpus)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.affinity import spread_current_thread
+from tiercache.connector.affinity import background_cpus, spread_current_thread
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.wire.client import Client
 
@@ -60,6 +60,9 @@ class ServerLink:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.outages = 0  # times the link went down (for the connector's stats)
+        # Taken here, on the engine thread: the client's libzmq I/O thread carries every request
+        # and reply, so it must not share the engine thread's core either (see affinity).
+        self._io_cpus = background_cpus()
 
     @property
     def endpoint(self) -> str:
@@ -97,7 +100,10 @@ class ServerLink:
                     timeout=s.timeout_s,
                     auth_secret=s.auth_secret,
                     client_name=self._name,
-                    on_thread_start=spread_current_thread,
+                    # The client may be built on the reconnect thread, already moved: its
+                    # heartbeat thread goes where the engine thread's others go.
+                    on_thread_start=lambda: spread_current_thread(self._io_cpus or set()),
+                    io_cpus=self._io_cpus,
                 )
             client = self._client
         try:
@@ -111,7 +117,7 @@ class ServerLink:
         log.info("tiercache: connected to %s (chunk size %d)", self.endpoint, client.server.chunk_size)
 
     def _reconnect_loop(self) -> None:
-        spread_current_thread()
+        spread_current_thread(self._io_cpus or set())
         while not self._closed.is_set():
             self._wake.wait(self.settings.retry_s)
             self._wake.clear()
