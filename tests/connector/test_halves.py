@@ -330,6 +330,36 @@ def test_a_salted_request_asks_and_stores_as_its_tenant_named_by_id_not_salt() -
     assert [s.tenant for s in saves] == [tenant] * 3
 
 
+class _PendingClient(_LookupClient):
+    """Reports the lookup's ticket pending for ever (another engine's stores in flight)."""
+
+    def __init__(self) -> None:
+        from tiercache.wire.protocol import LookupReply, TicketStateName
+
+        super().__init__(LookupReply(chunks=2, per_tier={"l1": 2}, state=TicketStateName.PENDING, ticket=7))
+        self.polls = 0
+
+    def poll_ticket_async(self, ticket: int) -> int:
+        self.polls += 1
+        return 2
+
+
+def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step() -> None:
+    import time
+
+    pytest.importorskip("vllm")
+    client = _PendingClient()
+    sched = _recurrent_scheduler(client=client, recurrent=False)
+    steps = 0
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # vLLM asks about a waiting request at every step, this fast
+        assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (None, False)  # type: ignore[attr-defined]
+        steps += 1
+    # 1, 2, 4, 8, 16 ms, then every 20 ms: about 18 polls in 0.3 s, however many steps ran.
+    assert steps > 1000
+    assert 5 <= client.polls <= 25
+
+
 @pytest.mark.parametrize(
     ("role", "words"),
     [("kv_producer", "never loads"), ("kv_consumer", "never stores"), ("kv_both", "loads what")],

@@ -66,6 +66,11 @@ from tiercache.wire.client import Client, LookupResult
 
 log = logging.getLogger(__name__)
 
+#: Backoff between polls of a ticket the server reports pending (a promotion, or a wait for another
+#: engine's stores): the first poll soon, then doubling up to the cap.
+_FIRST_POLL_DELAY_S = 0.001
+_MAX_POLL_DELAY_S = 0.02
+
 
 class LookupState(enum.Enum):
     NOT_SENT = "not_sent"
@@ -83,7 +88,9 @@ class _Request:
     tenant: bytes = DEFAULT_TENANT  # the cache salt's tenant id: whose quota its objects use
     hasher: PrefixHasher | None = None
     state: LookupState = LookupState.NOT_SENT
-    pending_id: int = 0  # the async request id while WAITING_REPLY
+    pending_id: int = 0  # the async request id while WAITING_REPLY (0: a ticket poll not sent yet)
+    poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
+    poll_delay: float = 0.0  # the backoff between polls of a pending ticket
     sent_at: float = 0.0
     query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
     per_tier: dict[str, int] = field(default_factory=dict)  # the lookup's objects by tier (stats)
@@ -298,6 +305,10 @@ class SchedulerHalf:
     def _collect(self, client: Client, st: _Request) -> bool:
         """Advance an outstanding lookup without waiting; True once ``hit_chunks`` is final."""
         try:
+            if st.pending_id == 0:  # a pending ticket between polls (see below)
+                if time.monotonic() < st.poll_after:
+                    return False
+                st.pending_id = client.poll_ticket_async(st.ticket)
             # The client raises ServerUnavailableError once the reply is timeout_s late.
             result: LookupResult | None = client.poll(st.pending_id)
             if result is None:
@@ -313,7 +324,13 @@ class SchedulerHalf:
                     self._settle_miss(st)
                     self._record_lookup(st)
                     return True
-                st.pending_id = client.poll_ticket_async(st.ticket)
+                # Poll again after a backoff (1 ms, doubling to 20 ms): vLLM asks every step, and an
+                # in-flight wait can last seconds (a poll per step was measured at ~900/s).
+                st.poll_delay = (
+                    min(2 * st.poll_delay, _MAX_POLL_DELAY_S) if st.poll_delay else _FIRST_POLL_DELAY_S
+                )
+                st.poll_after = time.monotonic() + st.poll_delay
+                st.pending_id = 0
                 return False
         except TierCacheError as exc:
             self.link.failed("lookup", exc)
@@ -589,7 +606,7 @@ class SchedulerHalf:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.state is LookupState.WAITING_REPLY:
+        if st.state is LookupState.WAITING_REPLY and st.pending_id:
             self._orphans.append(st.pending_id)
         # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers
         # report it): released after the next step, which runs after the step carrying the load.
