@@ -23,6 +23,7 @@ from tiercache.config.parts import LogLevel
 from tiercache.config.server import ServerConfig
 from tiercache.config.table import options, options_by_key
 from tiercache.errors import ArenaError, ConfigError, DiskTierError, S3TierError
+from tiercache.keys.tenant import tenant_id, tenant_label
 from tiercache.server.build import build_engine
 
 SMALL_L1 = {"l1.size_gb": "0.01"}
@@ -271,6 +272,18 @@ def test_write_back_needs_a_disk_tier_to_evict_from() -> None:
             "TIERCACHE_S3_PATH_STYLE=maybe is not a boolean; use true or false",
         ),
         ({"server.metrics_port": "70000"}, {}, "--metrics-port 70000 is not a port number (0-65535)"),
+        ({"l1.tenant_share": "1.5"}, {}, "--l1-tenant-share must be in (0, 1], got 1.5"),
+        (
+            {},
+            {"TIERCACHE_DISK_TENANT_QUOTAS": "acme=0.5"},
+            "TIERCACHE_DISK_TENANT_QUOTAS names a bad tenant: 'acme' is not a tenant id; use its 16 hex "
+            "digits (`tiercache tenant-id SALT` prints them)",
+        ),
+        (
+            {"l1.tenant_quotas": "default=0"},
+            {},
+            "--l1-tenant-quotas gives default the share '0'; give a fraction in (0, 1]",
+        ),
         (
             {"server.listen": "http://x"},
             {},
@@ -285,6 +298,14 @@ def test_value_errors_name_the_source_the_value_and_the_fix(
         load(flags, env)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_tenant_quotas_come_from_flags_and_variables_like_every_setting() -> None:
+    acme = tenant_label(tenant_id("acme"))
+    config = load({"l1.tenant_share": "0.25"}, {"TIERCACHE_DISK_TENANT_QUOTAS": f"{acme}=0.5,default=1"})
+    assert config.l1.tenant_share == 0.25 and config.l1.tenant_overrides() == {}
+    assert config.disk is not None
+    assert config.disk.tenant_overrides() == {tenant_id("acme"): 0.5, b"": 1.0}
 
 
 def test_errors_raised_by_a_part_config_are_renamed_to_the_variable_that_set_the_value() -> None:

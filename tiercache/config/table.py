@@ -31,6 +31,24 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("engine", EngineConfig, ""),
 )
 
+
+def _tenant_metas(section: str, what: str) -> dict[tuple[str, str], Meta]:
+    """The two tenant-quota settings of a tier that keeps quotas (``what``: what its share is of)."""
+    return {
+        (section, "tenant_share"): Meta(
+            f"Share of {what} each tenant (cache salt) may fill before its own objects are the first "
+            "evicted; a tenant under its share is never evicted for one over it. 1 turns quotas off.",
+            metavar="FRACTION",
+        ),
+        (section, "tenant_quotas"): Meta(
+            f"Per-tenant shares overriding --{section}-tenant-share: TENANT=SHARE,... with tenant ids "
+            "from `tiercache tenant-id SALT` (or default, for requests without a salt).",
+            default_text="none",
+            metavar="LIST",
+        ),
+    }
+
+
 META: dict[tuple[str, str], Meta] = {
     # top level (GeneralOptions)
     ("", "tiers"): Meta(
@@ -110,17 +128,7 @@ META: dict[tuple[str, str], Meta] = {
     ("l1", "lease_ttl_s"): Meta(
         "Seconds an unreleased L1 read lease lives before it is dropped.", metavar="SECONDS"
     ),
-    ("l1", "tenant_share"): Meta(
-        "Share of the arena each tenant (cache salt) may fill before its own objects are the first "
-        "evicted; a tenant under its share is never evicted for one over it. 1 turns quotas off.",
-        metavar="FRACTION",
-    ),
-    ("l1", "tenant_quotas"): Meta(
-        "Per-tenant shares overriding --l1-tenant-share: TENANT=SHARE,... with tenant ids from "
-        "`tiercache tenant-id SALT` (or default, for requests without a salt).",
-        default_text="none",
-        metavar="LIST",
-    ),
+    **_tenant_metas("l1", "the arena"),
     # disk
     ("disk", "path"): Meta(
         "Directory of the LMDB environment (created owner-only).",
@@ -149,17 +157,7 @@ META: dict[tuple[str, str], Meta] = {
     ("disk", "compress"): Meta("Compress disk objects with zstd."),
     ("disk", "reservation_ttl_s"): Meta("Seconds an uncommitted disk reservation lives.", metavar="SECONDS"),
     ("disk", "lease_ttl_s"): Meta("Seconds an unreleased disk read lease lives.", metavar="SECONDS"),
-    ("disk", "tenant_share"): Meta(
-        "Share of the disk budget each tenant (cache salt) may fill before its own objects are the "
-        "first evicted; a tenant under its share is never evicted for one over it. 1 turns quotas off.",
-        metavar="FRACTION",
-    ),
-    ("disk", "tenant_quotas"): Meta(
-        "Per-tenant shares overriding --disk-tenant-share: TENANT=SHARE,... (ids from `tiercache "
-        "tenant-id SALT`, or default).",
-        default_text="none",
-        metavar="LIST",
-    ),
+    **_tenant_metas("disk", "the disk budget"),
     # s3
     ("s3", "bucket"): Meta("S3 bucket (required with the s3 tier).", default_text="none", metavar="BUCKET"),
     ("s3", "prefix"): Meta("Key prefix of this deployment's objects.", metavar="PREFIX"),
