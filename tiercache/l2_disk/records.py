@@ -3,7 +3,7 @@
 Layout version 3: one LMDB environment with three named sub-databases::
 
     data       object key (35 B)       -> stored payload (compressed when the frame says so)
-    meta       object key (35 B)       -> frame header (75 B) | recency seq (u64 BE) | flags (u8, 0)
+    meta       object key (35 B)       -> frame header (75 B) | recency seq (u64 BE) | flags (u8)
                0xFD 'T' object key     -> tenant id (8 B)   (only objects of a named tenant)
                0xFE 'I' name           -> u64 BE       (bytes_used, next_seq, format)
                0xFE 'I' 't:' tenant id -> bytes u64 BE | objects u64 BE  (per named tenant)
@@ -17,8 +17,9 @@ Objects of the default tenant (no cache salt) have no tenant record, and its tot
 named tenants' leave of ``bytes_used`` and the object count, so an unsalted put writes nothing more.
 Version 3 only added the tenant records: a version-2 environment is a valid one whose objects are
 all the default tenant's, and is upgraded in place when a server opens it.
-The flags byte is reserved (layout 2 once marked objects owed to a lower tier there; nothing reads
-it now). ``bytes_used`` counts the *stored* bytes in ``data``; the object count is the entry count
+The flags byte has one bit, :data:`TENANT_FLAG`: the object has a tenant record (layout 2 once
+marked objects owed to a lower tier there; layout 2 wrote 0, no tenant record, so its meta records
+read right in layout 3). ``bytes_used`` counts the *stored* bytes in ``data``; the object count is the entry count
 of ``data``.
 
 Shared by the tier (:mod:`tiercache.l2_disk.tier`), which writes this format, and the read-only
@@ -47,6 +48,9 @@ SEQ_BYTES = 8
 META_BYTES = HEADER_BYTES + SEQ_BYTES + 1
 #: The meta record's flags byte.
 META_FLAGS = b"\x00"
+#: The flags bit of an object that has a tenant record (so an unsalted object's overwrite or eviction
+#: need not look for one).
+TENANT_FLAG = 0x01
 REC = b"\xffR"  # REC + seq (u64 BE) -> object key: the LRU order, oldest first
 TEN = b"\xfdT"  # TEN + object key -> tenant id, for objects of a named tenant
 INFO = b"\xfeI"

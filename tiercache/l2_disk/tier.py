@@ -71,6 +71,7 @@ from tiercache.l2_disk.records import (
     REC,
     SEQ_BYTES,
     TEN,
+    TENANT_FLAG,
     UPGRADABLE_FORMATS,
     b64,
     meta_stored_len,
@@ -439,6 +440,7 @@ class DiskTier(Tier):
         data_db, meta_db, rec_db = self._dbs["data"], self._dbs["meta"], self._dbs["recency"]
         freed = self._stored_len(txn, kb) if size is None else size
         meta = txn.get(kb, db=meta_db)
+        tenant = self._tenant_of(txn, kb, meta)  # before any write: meta may be a buffers=True view
         if meta is not None and len(meta) >= HEADER_BYTES + SEQ_BYTES:
             seqb = bytes(meta[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES])
             # A corrupt meta record may name another key's seq: only delete our own.
@@ -446,9 +448,7 @@ class DiskTier(Tier):
                 txn.delete(recency_key(seqb), db=rec_db)
         txn.delete(kb, db=data_db)
         txn.delete(kb, db=meta_db)
-        found = txn.get(TEN + kb, db=meta_db)
-        if found is not None:
-            tenant = bytes(found)  # copy first: a buffers=True view dies with the next write
+        if tenant:
             txn.delete(TEN + kb, db=meta_db)
             self._add_tenant(txn, tenant, -freed, -1)
         return freed
@@ -468,7 +468,10 @@ class DiskTier(Tier):
         else:
             txn.put(rkey, b64(held) + b64(count), db=meta_db)
 
-    def _tenant_of(self, txn: lmdb.Transaction, kb: bytes) -> bytes:
+    def _tenant_of(self, txn: lmdb.Transaction, kb: bytes, meta: Any) -> bytes:
+        """The tenant of ``kb`` whose meta record is ``meta`` (its flags say whether to look)."""
+        if meta is None or len(meta) != META_BYTES or not meta[-1] & TENANT_FLAG:
+            return DEFAULT_TENANT
         found = txn.get(TEN + kb, db=self._meta_db)
         return DEFAULT_TENANT if found is None else bytes(found)
 
@@ -611,7 +614,7 @@ class DiskTier(Tier):
             old_tenant = DEFAULT_TENANT
             if found is not None:
                 old = bytes(found)
-                old_tenant = self._tenant_of(txn, kb)
+                old_tenant = self._tenant_of(txn, kb, old)
                 # The same header again (a re-put of the same bytes) needs no re-verification.
                 claimed = len(stored) if old[:HEADER_BYTES] == head else meta_stored_len(old)
                 if claimed is None:  # damaged header: measure the payload itself
@@ -633,7 +636,7 @@ class DiskTier(Tier):
                 put(REC + seqb, kb, db=meta_db)
                 put(INFO_SEQ, b64(seq + 1), db=meta_db)
             put(kb, stored, db=self._data_db)
-            meta = head + seqb + tail
+            meta = head + seqb + (bytes((tail[0] | TENANT_FLAG,)) if tenant else tail)
             if meta != old:  # rewriting identical index bytes would only dirty pages
                 put(kb, meta, db=meta_db)
             if after != used:
@@ -779,7 +782,7 @@ class DiskTier(Tier):
             if over_quota or over:
 
                 def may_go(kb: bytes, size: int) -> bool:
-                    tenant = self._tenant_of(txn, kb)
+                    tenant = self._tenant_of(txn, kb, txn.get(kb, db=dbs["meta"]))
                     if not (tenant == requester and over_quota) and held.get(tenant, 0) <= quota(tenant):
                         return False
                     held[tenant] = held.get(tenant, 0) - size
@@ -791,7 +794,7 @@ class DiskTier(Tier):
         for seqb in stale:
             txn.delete(recency_key(seqb), db=dbs["recency"])
         for kb, size in victims:
-            evicted_of[self._tenant_of(txn, kb)] += 1
+            evicted_of[self._tenant_of(txn, kb, txn.get(kb, db=dbs["meta"]))] += 1
             self._delete_in(txn, kb, size)
         for kb in corrupt:
             self._delete_in(txn, kb)
