@@ -469,8 +469,9 @@ class DiskTier(Tier):
             txn.put(rkey, b64(held) + b64(count), db=meta_db)
 
     def _tenant_of(self, txn: lmdb.Transaction, kb: bytes, meta: Any) -> bytes:
-        """The tenant of ``kb`` whose meta record is ``meta`` (its flags say whether to look)."""
-        if meta is None or len(meta) != META_BYTES or not meta[-1] & TENANT_FLAG:
+        """The tenant of ``kb`` whose meta record is ``meta``: its flags say whether to look, unless
+        the record is damaged (then the tenant record itself is asked)."""
+        if meta is None or (len(meta) == META_BYTES and not meta[-1] & TENANT_FLAG):
             return DEFAULT_TENANT
         found = txn.get(TEN + kb, db=self._meta_db)
         return DEFAULT_TENANT if found is None else bytes(found)
