@@ -25,7 +25,7 @@ from tiercache.cli.sources import KeyFilter, LiveSource, OfflineSource, explain_
 from tiercache.config.values import TIER_ORDER
 from tiercache.errors import ConfigError
 from tiercache.keys.fingerprint import Fingerprint
-from tiercache.server.tenants import held_bytes
+from tiercache.server.tenants import held_bytes, missed_chunks
 
 _TOKEN_SPLIT = re.compile(r"[\s,]+")
 
@@ -317,11 +317,6 @@ def _tenant_view(tenants: dict[str, Any]) -> Any:
         row += [str(record.get("lookups", 0)), "-" if rate is None else f"{100 * rate:.1f}%"]
         table.add_row(*row)
     return table
-
-
-def missed_chunks(record: dict[str, Any]) -> int:
-    """Chunks a tenant's lookups asked about and did not find."""
-    return max(0, int(record.get("lookup_chunks", 0)) - int(record.get("hit_chunks", 0)))
 
 
 def _summary(args: argparse.Namespace) -> int:

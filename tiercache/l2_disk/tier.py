@@ -722,13 +722,14 @@ class DiskTier(Tier):
         dbs = self._dbs
         with self._state_lock:
             pinned = set(self._pins)
-        victims: list[tuple[bytes, int]] = []
+        victims: list[tuple[bytes, int, bytes]] = []  # key, stored bytes, tenant
         chosen: set[bytes] = set()
         stale: set[bytes] = set()
         corrupt: list[bytes] = []
         evicted_of: Counter[bytes] = Counter()
 
         def walk(may_go: Callable[[bytes, int], bool] | None) -> None:
+            """One pass over the LRU order; ``may_go(tenant, size)`` filters the candidates."""
             nonlocal after
             with txn.cursor(db=dbs["recency"]) as cur:
                 found = cur.set_range(REC)
@@ -751,7 +752,8 @@ class DiskTier(Tier):
                             raise FrameError(f"meta record of {len(meta)} bytes")
                         header = FrameHeader.decode(meta[:HEADER_BYTES], key)
                         size = header.stored_len
-                        if may_go is not None and not may_go(kb, size):
+                        tenant = self._tenant_of(txn, kb, meta)
+                        if may_go is not None and not may_go(tenant, size):
                             continue
                         if self._on_evict is not None:  # only write-back needs the bytes read back
                             data = txn.get(kb, db=dbs["data"])
@@ -770,20 +772,19 @@ class DiskTier(Tier):
                             self.stats.add("errors")
                             log.exception("on_evict failed for %s; keeping it on disk", key)
                             continue
-                    victims.append((kb, size))
+                    victims.append((kb, size, tenant))
                     chosen.add(kb)
                     after -= size
 
         over_quota = False
         if self._quotas.enforcing:
-            held = self._held_by_tenant(txn)
+            held = {t: n for t, (n, _) in self._tenant_totals(txn).items()}
             quota = self._quotas.quota
             over_quota = held.get(requester, 0) + nbytes > quota(requester)
             over = {t for t, n in held.items() if n > quota(t)}
             if over_quota or over:
 
-                def may_go(kb: bytes, size: int) -> bool:
-                    tenant = self._tenant_of(txn, kb, txn.get(kb, db=dbs["meta"]))
+                def may_go(tenant: bytes, size: int) -> bool:
                     if not (tenant == requester and over_quota) and held.get(tenant, 0) <= quota(tenant):
                         return False
                     held[tenant] = held.get(tenant, 0) - size
@@ -794,8 +795,8 @@ class DiskTier(Tier):
             walk(None)
         for seqb in stale:
             txn.delete(recency_key(seqb), db=dbs["recency"])
-        for kb, size in victims:
-            evicted_of[self._tenant_of(txn, kb, txn.get(kb, db=dbs["meta"]))] += 1
+        for kb, size, tenant in victims:
+            evicted_of[tenant] += 1
             self._delete_in(txn, kb, size)
         for kb in corrupt:
             self._delete_in(txn, kb)
@@ -803,7 +804,7 @@ class DiskTier(Tier):
             self.stats.evicted(
                 EvictionReason.CAPACITY,
                 len(victims),
-                keys=[ObjectKey.from_bytes(kb) for kb, _ in victims] if self.stats.listener else (),
+                keys=[ObjectKey.from_bytes(kb) for kb, _, _ in victims] if self.stats.listener else (),
             )
             if evicted_of:
                 with self._state_lock:
@@ -816,12 +817,15 @@ class DiskTier(Tier):
             )
         return before - after, len(victims) + len(corrupt), over_quota
 
-    def _held_by_tenant(self, txn: lmdb.Transaction) -> dict[bytes, int]:
-        """Stored bytes per tenant in ``txn``: the named tenants' totals, the default tenant's the rest."""
+    def _tenant_totals(self, txn: lmdb.Transaction) -> dict[bytes, tuple[int, int]]:
+        """Stored bytes and objects per tenant in ``txn``: the named tenants' persisted totals, and
+        the default tenant's, what they leave of the usage total and the object count."""
         totals = tenant_totals(txn, self._meta_db)
-        held = {t: n for t, (n, _) in totals.items()}
-        held[DEFAULT_TENANT] = max(0, self._used_in(txn) - sum(held.values()))
-        return held
+        totals[DEFAULT_TENANT] = (
+            max(0, self._used_in(txn) - sum(n for n, _ in totals.values())),
+            max(0, txn.stat(self._dbs["data"])["entries"] - sum(c for _, c in totals.values())),
+        )
+        return totals
 
     def _nudge(self) -> None:
         """Commit one tiny write so that pages freed by the previous txn become reusable."""
@@ -1083,15 +1087,9 @@ class DiskTier(Tier):
         env = self._env_here()
         try:
             with env.begin() as txn:
-                totals = tenant_totals(txn, self._meta_db)
-                used = self._used_in(txn)
-                objects = txn.stat(self._dbs["data"])["entries"]
+                totals = self._tenant_totals(txn)
         except lmdb.Error as exc:
             raise self._translate(exc, "stat") from exc
-        totals[DEFAULT_TENANT] = (
-            max(0, used - sum(n for n, _ in totals.values())),
-            max(0, objects - sum(c for _, c in totals.values())),
-        )
         with self._state_lock:
             puts, evictions = dict(self._tenant_puts), dict(self._tenant_evictions)
         out: dict[str, dict[str, int]] = {}

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import zmq
@@ -48,7 +48,7 @@ from tiercache.server.records import EvictionRecord
 from tiercache.server.replies import Handler, Refused, error_reply
 from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.sessions import Session, Sessions
-from tiercache.server.tenants import TenantLookups, merge, top
+from tiercache.server.tenants import TenantLookups, with_tenants
 from tiercache.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -411,10 +411,10 @@ class Server:
     def metrics_stats(self) -> dict[str, Any]:
         """What ``/metrics`` exports: :meth:`TieredEngine.stats` plus latency histograms (lookups by
         outcome, per-tier transfers). Thread-safe: called on the metrics server's thread."""
-        stats = self.engine.stats()
-        tenants = merge(cast("dict[str, Any]", stats["tenants"]), self.tenant_lookups.snapshot())
+        stats = with_tenants(
+            self.engine.stats(), self.tenant_lookups, self.options.metrics_tenants, self._metric_tenants
+        )
         return {
             **stats,
-            "tenants": top(tenants, self.options.metrics_tenants, self._metric_tenants),
             "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
         }

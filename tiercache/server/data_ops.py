@@ -166,10 +166,6 @@ class DataOps:
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------
     def reserve(self, session: Session, msg: p.Reserve) -> p._Msg:
-        if msg.tenants and len(msg.tenants) != len(msg.items):
-            raise Refused(
-                p.ErrorCode.INVALID, f"reserve has {len(msg.items)} items but {len(msg.tenants)} tenants"
-            )
         tenants = [parse_tenant_id(raw) for raw in msg.tenants]
         items = []
         for raw, nbytes in msg.items:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, cast
+from typing import Any
 
 from tiercache.engine import TieredEngine
 from tiercache.errors import TierCacheError
@@ -24,7 +24,7 @@ from tiercache.server.replies import (
     parse_key,
 )
 from tiercache.server.sessions import Session
-from tiercache.server.tenants import MAX_TENANTS, TenantLookups, merge, top
+from tiercache.server.tenants import MAX_TENANTS, TenantLookups, with_tenants
 from tiercache.tier.contract import Tier
 from tiercache.wire import protocol as p
 
@@ -76,11 +76,9 @@ class ManagementOps:
         )
 
     def _stats_with(self, server: dict[str, int]) -> dict[str, Any]:
-        stats = self._engine.stats()
-        held = cast("dict[str, Any]", stats["tenants"])
         # Bounded: the tenants holding the most, the rest summed as "other" (a reply, not a dump).
-        tenants = top(merge(held, self._tenant_lookups.snapshot()), MAX_TENANTS)
-        return {**stats, "tenants": tenants, "server": server}
+        stats = with_tenants(self._engine.stats(), self._tenant_lookups, MAX_TENANTS)
+        return {**stats, "server": server}
 
     # -- listing ---------------------------------------------------------------------------------
     def list_keys(self, session: Session, msg: p.ListKeys) -> None:

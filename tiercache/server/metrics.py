@@ -55,6 +55,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from tiercache.server.tenants import missed_chunks
+
 StatsSource = Callable[[], Mapping[str, Any]]
 
 # prometheus_client leaves this helper unannotated: a float bound → its Go-style text ("+Inf", "1e+07").
@@ -140,10 +142,9 @@ def _tenants(tenants: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
             for field, family in (*gauges.items(), *counters.items()):
                 if field in held and not (field == "quota_bytes" and tenant == "other"):
                     family.add_metric([tenant, tier], held[field])
-        asked, hit = int(record.get("lookup_chunks", 0)), int(record.get("hit_chunks", 0))
         lookups.add_metric([tenant], record.get("lookups", 0))
-        chunks.add_metric([tenant, "hit"], hit)
-        chunks.add_metric([tenant, "miss"], max(0, asked - hit))
+        chunks.add_metric([tenant, "hit"], int(record.get("hit_chunks", 0)))
+        chunks.add_metric([tenant, "miss"], missed_chunks(record))
     yield from gauges.values()
     yield from counters.values()
     yield lookups

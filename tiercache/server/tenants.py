@@ -64,6 +64,20 @@ def merge(held: Mapping[str, Any], lookups: Mapping[str, Mapping[str, int]]) -> 
     return out
 
 
+def with_tenants(
+    stats: Mapping[str, Any], lookups: TenantLookups, n: int, named: set[str] | None = None
+) -> dict[str, Any]:
+    """``stats`` (an engine's ``stats()``) whose ``tenants`` hold the lookup counters too, bounded
+    to ``n`` named tenants and :data:`OTHER` (see :func:`top`; ``named`` makes it sticky)."""
+    tenants = merge(stats.get("tenants", {}), lookups.snapshot())
+    return {**stats, "tenants": top(tenants, n, named)}
+
+
+def missed_chunks(record: Mapping[str, Any]) -> int:
+    """Chunks a tenant's lookups asked about and did not find."""
+    return max(0, int(record.get("lookup_chunks", 0)) - int(record.get("hit_chunks", 0)))
+
+
 def held_bytes(record: Mapping[str, Any]) -> int:
     """Bytes a tenant record holds over all tiers."""
     return sum(int(t.get("bytes", 0)) for t in record.get("tiers", {}).values())
@@ -105,4 +119,14 @@ def top(
     return shown
 
 
-__all__ = ["LOOKUP_FIELDS", "MAX_TENANTS", "OTHER", "TenantLookups", "held_bytes", "merge", "top"]
+__all__ = [
+    "LOOKUP_FIELDS",
+    "MAX_TENANTS",
+    "OTHER",
+    "TenantLookups",
+    "held_bytes",
+    "merge",
+    "missed_chunks",
+    "top",
+    "with_tenants",
+]
