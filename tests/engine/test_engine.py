@@ -122,14 +122,18 @@ def test_prefetch_pins_exactly_what_the_boundary_needs(make_engine: EngineFactor
 
 
 # -- lower tiers ---------------------------------------------------------------------------------
-def test_a_restart_finds_chunks_on_disk_and_promotes_them(tmp_path: Path, make_engine: EngineFactory) -> None:
-    hashes = prompt(8)
+def restarted_on_disk(tmp_path: Path, make_engine: EngineFactory, hashes: list[bytes]) -> TieredEngine:
+    """A fresh engine (empty L1) on the disk of a first one that stored ``hashes`` and closed."""
     first = make_engine(l1_tier(), disk_tier(tmp_path))
     store(first, [FULL], hashes)
     assert first.flush(timeout=30)
     first.close()
+    return make_engine(l1_tier(), disk_tier(tmp_path))
 
-    second = make_engine(l1_tier(), disk_tier(tmp_path))
+
+def test_a_restart_finds_chunks_on_disk_and_promotes_them(tmp_path: Path, make_engine: EngineFactory) -> None:
+    hashes = prompt(8)
+    second = restarted_on_disk(tmp_path, make_engine, hashes)
     result = second.lookup(hashes, [FULL])
     assert result.chunks == 8
     assert result.per_tier == {"disk": 8}
@@ -144,12 +148,7 @@ def test_a_restart_finds_chunks_on_disk_and_promotes_them(tmp_path: Path, make_e
 
 def test_promoted_copies_count_against_the_asking_tenant(tmp_path: Path, make_engine: EngineFactory) -> None:
     hashes = prompt(4)
-    first = make_engine(l1_tier(), disk_tier(tmp_path))
-    store(first, [FULL], hashes)
-    assert first.flush(timeout=30)
-    first.close()
-
-    second = make_engine(l1_tier(), disk_tier(tmp_path))
+    second = restarted_on_disk(tmp_path, make_engine, hashes)
     tenant = tenant_id("acme")
     ticket = second.prefetch(hashes, [FULL], 4, tenant=tenant)
     assert second.wait(ticket, timeout=30) is TicketState.READY
