@@ -5,7 +5,10 @@ Keys (all optional)::
     server        ZMQ endpoint of the tiercache server (default: the server's default ipc socket)
     timeout_s     bound on every round trip to the server, seconds (default 2.0)
     auth_secret   shared secret of a server that requires one (default: $TIERCACHE_AUTH_SECRET)
-    retry_s       while the server is unreachable, how often to try again, seconds (default 5.0)
+    retry_s       the longest pause between reconnect attempts, seconds (default 5.0); pauses start
+                  at 0.5 s and double while the link keeps failing. A server that does not answer
+                  at all is listened for without pauses (a ping waits for it), so it is found as
+                  soon as it is back
     weights_id    override the weights identity put into the layout fingerprint (default: the
                   model revision, else a content fingerprint of the checkpoint files)
     overlap_loads write loaded pages layer by layer while the forward pass runs (default false;

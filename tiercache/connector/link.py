@@ -3,7 +3,11 @@
 :class:`ServerLink` owns one :class:`~tiercache.wire.client.Client`. While the server answers, callers get
 the client from :meth:`ServerLink.client`. When a call fails (server down, slow, restarted), the caller
 reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
-thread (``tiercache-connector-reconnect``) tries to reconnect every ``retry_s`` seconds. While down,
+thread (``tiercache-connector-reconnect``) reconnects. It keeps a ping outstanding, one
+``timeout_s`` after another: ZMQ queues the ping until the server's socket is back, so a returning
+server is noticed as soon as it answers, however long the outage. The first attempt after a failure,
+and any attempt after one that failed at once (the server refused), waits a pause first: from
+:data:`FIRST_RETRY_S`, doubling up to ``retry_s`` while the link keeps failing. While down,
 :meth:`client` returns ``None`` at once, so the engine sees misses and skipped stores instead of
 waiting on timeouts. On every (re)connect the ``on_connect`` callback runs (it re-registers the
 layout; a restarted server may have forgotten it).
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from tiercache.config.connector import ConnectorSettings
@@ -26,8 +31,21 @@ from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
 
+#: The first pause before reconnecting; each further failure within ``retry_s`` of the last doubles
+#: it, up to ``retry_s``.
+FIRST_RETRY_S = 0.5
+
 #: What a half runs on every (re)connect, with the connected client.
 OnConnect = Callable[[Client], None]
+
+
+def retry_delays(retry_s: float) -> Iterator[float]:
+    """Successive pauses before reconnect attempts: :data:`FIRST_RETRY_S`, doubling, then ``retry_s``
+    for ever (``retry_s`` from the start when it is shorter)."""
+    delay = min(FIRST_RETRY_S, retry_s)
+    while True:
+        yield delay
+        delay = min(2 * delay, retry_s)
 
 
 class Link(Protocol):
@@ -80,10 +98,9 @@ class ServerLink:
         except TierCacheError as exc:
             log.warning(
                 "tiercache: server at %s is not reachable (%s); running without the cache (all misses) "
-                "and retrying every %g s",
+                "and reconnecting in the background",
                 self.endpoint,
                 exc,
-                self.settings.retry_s,
             )
         self._thread = threading.Thread(
             target=self._reconnect_loop, name="tiercache-connector-reconnect", daemon=True
@@ -118,20 +135,32 @@ class ServerLink:
 
     def _reconnect_loop(self) -> None:
         spread_current_thread(self._io_cpus or set())
-        while not self._closed.is_set():
-            self._wake.wait(self.settings.retry_s)
-            self._wake.clear()
-            if self._closed.is_set() or self._disabled is not None:
-                return
+        pauses = retry_delays(self.settings.retry_s)
+        while not self._closed.is_set() and self._disabled is None:
             if self._up:
+                up_at = time.monotonic()
+                self._wake.wait()  # set by failed() and close()
+                self._wake.clear()
+                if time.monotonic() - up_at >= self.settings.retry_s:
+                    pauses = retry_delays(self.settings.retry_s)  # it was stable: back off afresh
+                # A pause before the first attempt: a server that answers pings but fails calls
+                # would otherwise take the link up and down (and warn) at every call.
+                if self._closed.wait(next(pauses)):
+                    return
                 continue
+            began = time.monotonic()
             try:
                 self._connect()
+                continue
             except ConfigError as exc:
                 log.error("tiercache: the connector is disabled: %s", exc)
                 return
             except TierCacheError as exc:
                 log.debug("tiercache: server at %s still unreachable: %s", self.endpoint, exc)
+            # A server that is down costs an attempt its whole timeout_s (the ping waited, queued, for
+            # it to come back): listen again at once. An attempt that failed sooner pauses first.
+            if time.monotonic() - began < self.settings.timeout_s and self._closed.wait(next(pauses)):
+                return
 
     def client(self) -> Client | None:
         """The client while the server is up; ``None`` (at once) while it is down."""
@@ -149,13 +178,13 @@ class ServerLink:
             self.outages += 1
             log.warning(
                 "tiercache: %s failed (%s: %s); treating the cache as unavailable (misses, no stores) "
-                "and reconnecting to %s every %g s",
+                "and reconnecting to %s in the background",
                 what,
                 type(exc).__name__,
                 exc,
                 self.endpoint,
-                self.settings.retry_s,
             )
+            self._wake.set()
 
     def close(self) -> None:
         self._closed.set()

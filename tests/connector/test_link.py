@@ -1,0 +1,112 @@
+"""Specification: the connector's link to the server goes down on a failure and comes back on its own.
+
+While the server is away the link keeps a ping outstanding (ZMQ queues it until the server's socket
+is back), so a restarted server is found as soon as it answers, not ``retry_s`` later. Failures that
+repeat while the server answers pings back off, so they cannot take the link up and down (and warn)
+at every call."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.config.connector import ConnectorSettings
+from tiercache.connector.link import FIRST_RETRY_S, ServerLink, retry_delays
+from tiercache.errors import ServerUnavailableError
+from tiercache.wire.client import Client
+
+
+def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
+    """Poll ``condition`` until it holds (True) or ``deadline_s`` passes (False)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_pauses_start_at_half_a_second_and_double_up_to_retry_s() -> None:
+    assert FIRST_RETRY_S == 0.5
+    assert list(itertools.islice(retry_delays(5.0), 6)) == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert list(itertools.islice(retry_delays(0.2), 3)) == [0.2, 0.2, 0.2]
+
+
+def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp_path: Path) -> None:
+    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
+    server = ServerProcess(spec)
+    server.wait_ready()
+    connects: list[Client] = []
+    # retry_s far beyond this test's deadline: a link that waited it out between attempts fails here.
+    settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
+    link = ServerLink(settings, "test-link", connects.append)
+    try:
+        assert link.start() and link.up and len(connects) == 1
+        server.stop()
+        client = link.client()
+        assert client is not None
+        try:
+            client.ping(timeout=0.5)
+        except ServerUnavailableError as exc:
+            link.failed("ping", exc)
+        assert not link.up and link.client() is None and link.outages == 1
+        # The server stays away for a few of the link's attempts (each listens timeout_s).
+        assert not wait_until(lambda: link.up, 3.0)
+        server = ServerProcess(spec)
+        server.wait_ready()
+        ready = time.monotonic()
+        assert wait_until(lambda: link.up, 30.0), "the link did not notice the restarted server"
+        print(f"link up {time.monotonic() - ready:.3f} s after the restarted server answered")
+        assert len(connects) == 2  # the layout is registered again on the new server
+        client = link.client()
+        assert client is not None
+        client.ping()
+    finally:
+        link.close()
+        server.stop()
+
+
+def test_failures_while_the_server_answers_back_off_instead_of_flapping(tmp_path: Path) -> None:
+    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
+    server = ServerProcess(spec)
+    server.wait_ready()
+    connects: list[float] = []
+    settings = ConnectorSettings(server=spec.listen, timeout_s=2.0, retry_s=5.0)
+    link = ServerLink(settings, "test-link", lambda _client: connects.append(time.monotonic()))
+    try:
+        assert link.start()
+        began = time.monotonic()
+        while time.monotonic() - began < 3.2:  # every call fails (say, a server error), at once
+            if link.up:
+                link.failed("lookup", ServerUnavailableError("refused"))
+            time.sleep(0.01)
+        # Pauses of 0.5, 1 and 2 s fit three reconnects into 3.2 s; a link that reconnected at once
+        # would have flapped hundreds of times.
+        reconnects = len(connects) - 1
+        assert 1 <= reconnects <= 3, reconnects
+        assert link.outages == reconnects + (0 if link.up else 1)
+    finally:
+        link.close()
+        server.stop()
+
+
+def test_a_server_down_at_start_is_found_once_it_starts(tmp_path: Path) -> None:
+    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
+    settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
+    connects: list[Client] = []
+    link = ServerLink(settings, f"test-link-{os.getpid()}", connects.append)
+    server: ServerProcess | None = None
+    try:
+        assert not link.start()  # the engine starts anyway, without the cache
+        server = ServerProcess(spec)
+        server.wait_ready()
+        assert wait_until(lambda: link.up, 30.0), "the link did not notice the server's start"
+        assert len(connects) == 1
+    finally:
+        link.close()
+        if server is not None:
+            server.stop()
