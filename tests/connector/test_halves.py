@@ -158,6 +158,7 @@ def _recurrent_scheduler(
     *,
     loads: bool = True,
     stores: bool = True,
+    settings: ConnectorSettings | None = None,
 ) -> object:
     """A SchedulerHalf with kv group 0 full attention and (``recurrent``) kv group 1 recurrent
     state, whose link is up with ``client`` (its planning methods only need a layout and a link);
@@ -169,7 +170,7 @@ def _recurrent_scheduler(
     sched = SchedulerHalf(
         None,
         None,
-        ConnectorSettings(),
+        settings or ConnectorSettings(),
         link=link_to(client if client is not None else object()),
         loads=loads,
         stores=stores,
@@ -331,12 +332,17 @@ def test_a_salted_request_asks_and_stores_as_its_tenant_named_by_id_not_salt() -
 
 
 class _PendingClient(_LookupClient):
-    """Reports the lookup's ticket pending for ever (another engine's stores in flight)."""
+    """Reports the lookup's ticket pending for ever: ``awaiting`` objects another engine is still
+    storing (0: only promotions from a lower tier)."""
 
-    def __init__(self) -> None:
+    def __init__(self, awaiting: int = 1) -> None:
         from tiercache.wire.protocol import LookupReply, TicketStateName
 
-        super().__init__(LookupReply(chunks=2, per_tier={"l1": 2}, state=TicketStateName.PENDING, ticket=7))
+        super().__init__(
+            LookupReply(
+                chunks=2, per_tier={"l1": 2}, state=TicketStateName.PENDING, ticket=7, awaiting=awaiting
+            )
+        )
         self.polls = 0
 
     def poll_ticket_async(self, ticket: int) -> int:
@@ -358,6 +364,41 @@ def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step()
     # 1, 2, 4, 8, 16 ms, then every 20 ms: about 18 polls in 0.3 s, however many steps ran.
     assert steps > 1000
     assert 5 <= client.polls <= 25
+
+
+def _settled_after(sched: object, deadline_s: float) -> tuple[float, object]:
+    """Ask about the request at every step until the lookup settles; (seconds, the answer)."""
+    import time
+
+    began = time.monotonic()
+    while time.monotonic() - began < deadline_s:
+        answer = sched.get_num_new_matched_tokens(_prompt_request(), 0)  # type: ignore[attr-defined]
+        if answer != (None, False):
+            return time.monotonic() - began, answer
+        time.sleep(0.001)
+    return time.monotonic() - began, None
+
+
+def test_a_slow_promotion_is_given_up_after_timeout_s_not_the_in_flight_wait_too() -> None:
+    pytest.importorskip("vllm")
+    client = _PendingClient(awaiting=0)  # the server is promoting from disk or S3
+    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=30.0)
+    took, answer = _settled_after(
+        _recurrent_scheduler(client=client, recurrent=False, settings=settings), 10.0
+    )
+    assert answer == (0, False), "a promotion slower than timeout_s is computed instead"
+    assert took >= 0.2
+
+
+def test_a_wait_for_another_engines_store_gets_inflight_wait_s_on_top_of_timeout_s() -> None:
+    pytest.importorskip("vllm")
+    client = _PendingClient(awaiting=2)  # a prefill engine's stores are still in flight
+    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=1.0)
+    sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
+    took, answer = _settled_after(sched, 0.5)
+    assert answer is None, f"gave up after {took:.2f} s, before timeout_s + inflight_wait_s"
+    took, answer = _settled_after(sched, 10.0)
+    assert answer == (0, False) and 0.5 + took >= 1.2
 
 
 @pytest.mark.parametrize(

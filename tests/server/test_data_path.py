@@ -87,6 +87,7 @@ def restart_and_load(
         assert found.chunks == len(hashes)
         assert found.per_tier == {tier: len(hashes)}
         assert found.state in (TicketStateName.PENDING, TicketStateName.READY)
+        assert found.awaiting == 0  # a promotion, not a wait for another client's store
         ready = client.wait_ticket(found.ticket) if found.pending else found
         assert ready.state is TicketStateName.READY and ready.ready_chunks == len(hashes)
         assert client.read_ticket(ready) == stored

@@ -32,14 +32,18 @@ def test_a_consumer_waits_for_a_producers_store_in_flight(start_server: StartSer
 
         found = consumer.lookup(hashes, [group], inflight_wait_s=30)
         assert (found.chunks, found.state) == (4, TicketStateName.PENDING)
-        assert consumer.poll_ticket(found.ticket).state is TicketStateName.PENDING
+        # The reply says the ticket waits for another client's store (the connector then allows
+        # inflight_wait_s on top of timeout_s), not for a promotion.
+        assert found.awaiting == 2
+        polled = consumer.poll_ticket(found.ticket)
+        assert (polled.state, polled.awaiting) == (TicketStateName.PENDING, 2)
 
         for slot, data in zip(slots, late.values(), strict=True):
             arena.view(slot.offset, slot.nbytes)[:] = data
         producer.commit([s.token for s in slots])
 
         ready = consumer.wait_ticket(found.ticket, timeout=30)
-        assert (ready.state, ready.ready_chunks) == (TicketStateName.READY, 4)
+        assert (ready.state, ready.ready_chunks, ready.awaiting) == (TicketStateName.READY, 4, 0)
         assert consumer.read_ticket(ready) == {**stored, **late}
         engine = consumer.stats()["engine"]
         assert (engine["inflight_waits"], engine["inflight_wait_misses"]) == (2, 0)

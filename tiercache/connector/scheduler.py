@@ -92,6 +92,7 @@ class _Request:
     poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
     poll_delay: float = 0.0  # the backoff between polls of a pending ticket
     sent_at: float = 0.0
+    awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
     query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
     per_tier: dict[str, int] = field(default_factory=dict)  # the lookup's objects by tier (stats)
     hit_chunks: int = 0
@@ -318,8 +319,13 @@ class SchedulerHalf:
             if result.per_tier:  # only the first reply has it; ticket polls do not
                 st.per_tier = dict(result.per_tier)
             if result.state is p.TicketStateName.PENDING:  # promotion or another engine's store running
-                if time.monotonic() - st.sent_at > self._settings.timeout_s + self._settings.inflight_wait_s:
-                    log.info("tiercache: promotion for %s too slow; computing instead", st.req_id)
+                # A promotion gets timeout_s, like any round trip; a wait for another engine's store
+                # is the server's to bound (inflight_wait_s), so it gets that on top.
+                st.awaited = st.awaited or result.awaiting > 0
+                bound = self._settings.timeout_s + (self._settings.inflight_wait_s if st.awaited else 0.0)
+                if time.monotonic() - st.sent_at > bound:
+                    what = "wait for another engine's store" if st.awaited else "promotion"
+                    log.info("tiercache: %s for %s too slow; computing instead", what, st.req_id)
                     self._drop_ticket(st)
                     self._settle_miss(st)
                     self._record_lookup(st)

@@ -65,6 +65,12 @@ class PrefetchTicket:
     _futures: list[Future[bool]] = field(default_factory=list)
     _writing: dict[ObjectKey, float] = field(default_factory=dict)  # key -> monotonic deadline
 
+    @property
+    def awaiting(self) -> int:
+        """Objects this ticket still waits for another client to commit (``inflight_wait_s``),
+        as opposed to promotions from a lower tier."""
+        return len(self._writing)
+
 
 class Promoter:
     """Moves objects from ``lower`` tiers (fastest first) into ``l1`` on ``workers`` threads."""

@@ -142,6 +142,8 @@ class DataOps:
         state = self._engine.poll(ticket)
         reply.ticket = ticket.ticket_id
         reply.state = p.TicketStateName(state.value)
+        if state is TicketState.PENDING:
+            reply.awaiting = ticket.awaiting
         if state is TicketState.READY:
             reply.ready_chunks = ticket.chunks
             slots = []

@@ -365,7 +365,12 @@ class RegisterReply(_Msg, tag="register_ok"):
 
 class LookupReply(_Msg, tag="lookup_ok"):
     """``chunks`` restorable, ``per_tier`` objects by the tier holding them; with a prefetch, the
-    ticket, its state and (when READY) the pinned slots of the first ``ready_chunks`` chunks."""
+    ticket, its state and (when READY) the pinned slots of the first ``ready_chunks`` chunks.
+
+    While PENDING, ``awaiting`` counts the objects the ticket waits for another client to commit
+    (an in-flight wait, bounded by the lookup's ``inflight_wait_s``); 0 means it waits only on
+    promotions from a lower tier.
+    """
 
     chunks: int
     per_tier: dict[str, int]
@@ -373,6 +378,7 @@ class LookupReply(_Msg, tag="lookup_ok"):
     ticket: int = 0
     ready_chunks: int = 0
     slots: list[Slot] = []
+    awaiting: int = 0
 
     @property
     def pending(self) -> bool:
