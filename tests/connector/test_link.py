@@ -30,6 +30,17 @@ def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
     return False
 
 
+def server_spec(tmp_path: Path) -> ServerSpec:
+    return ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
+
+
+def ready_server(spec: ServerSpec) -> ServerProcess:
+    """A server process started from ``spec`` that has answered a hello."""
+    server = ServerProcess(spec)
+    server.wait_ready()
+    return server
+
+
 def test_pauses_start_at_half_a_second_and_double_up_to_retry_s() -> None:
     assert FIRST_RETRY_S == 0.5
     assert list(itertools.islice(retry_delays(5.0), 6)) == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
@@ -37,9 +48,8 @@ def test_pauses_start_at_half_a_second_and_double_up_to_retry_s() -> None:
 
 
 def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp_path: Path) -> None:
-    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
-    server = ServerProcess(spec)
-    server.wait_ready()
+    spec = server_spec(tmp_path)
+    server = ready_server(spec)
     connects: list[Client] = []
     # retry_s far beyond this test's deadline: a link that waited it out between attempts fails here.
     settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
@@ -56,8 +66,7 @@ def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp
         assert not link.up and link.client() is None and link.outages == 1
         # The server stays away for a few of the link's attempts (each listens timeout_s).
         assert not wait_until(lambda: link.up, 3.0)
-        server = ServerProcess(spec)
-        server.wait_ready()
+        server = ready_server(spec)
         ready = time.monotonic()
         assert wait_until(lambda: link.up, 30.0), "the link did not notice the restarted server"
         print(f"link up {time.monotonic() - ready:.3f} s after the restarted server answered")
@@ -71,9 +80,8 @@ def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp
 
 
 def test_failures_while_the_server_answers_back_off_instead_of_flapping(tmp_path: Path) -> None:
-    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
-    server = ServerProcess(spec)
-    server.wait_ready()
+    spec = server_spec(tmp_path)
+    server = ready_server(spec)
     connects: list[float] = []
     settings = ConnectorSettings(server=spec.listen, timeout_s=2.0, retry_s=5.0)
     link = ServerLink(settings, "test-link", lambda _client: connects.append(time.monotonic()))
@@ -95,15 +103,14 @@ def test_failures_while_the_server_answers_back_off_instead_of_flapping(tmp_path
 
 
 def test_a_server_down_at_start_is_found_once_it_starts(tmp_path: Path) -> None:
-    spec = ServerSpec(listen=f"ipc://{tmp_path}/server.sock", options={"chunk_size": 256})
+    spec = server_spec(tmp_path)
     settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
     connects: list[Client] = []
     link = ServerLink(settings, f"test-link-{os.getpid()}", connects.append)
     server: ServerProcess | None = None
     try:
         assert not link.start()  # the engine starts anyway, without the cache
-        server = ServerProcess(spec)
-        server.wait_ready()
+        server = ready_server(spec)
         assert wait_until(lambda: link.up, 30.0), "the link did not notice the server's start"
         assert len(connects) == 1
     finally:
