@@ -804,14 +804,8 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
                     add(wl, f"third: restart tok/s ÷ LMCache best ({best.system})", v, "≥ 1.15", v >= 1.15)
                     v = tc.metrics["ttft_p50_ms"] / best.metrics["ttft_p50_ms"]
                     add(wl, f"third: restart TTFT p50 ÷ LMCache best ({best.system})", v, "≤ 0.80", v <= 0.8)
-                else:
-                    add(
-                        wl,
-                        f"third: cold tok/s ÷ LMCache best ({best.system})",
-                        v,
-                        "0.95–1.05",
-                        0.95 <= v <= 1.05,
-                    )
+                else:  # "no worse than LMCache's (±5%)": faster is no miss
+                    add(wl, f"third: cold tok/s ÷ LMCache best ({best.system})", v, "≥ 0.95", v >= 0.95)
         tc = find(wl, "tiercache", "third", "cold")
         if tc and none:
             v = tc.metrics["tok_per_s"] / none.metrics["tok_per_s"]
@@ -875,7 +869,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--docs", type=int, default=8, help="prefix: shared documents")
     w.add_argument("--doc-len", type=int, default=1024, help="prefix: tokens per document")
     w.add_argument(
-        "--questions", type=int, default=3, help="prefix: questions per document (requests = docs × this)"
+        "--questions", type=int, default=6, help="prefix: questions per document (requests = docs × this)"
     )
     w.add_argument(
         "--question-len", type=int, default=64, help="prefix: tokens per question (after the document)"
@@ -899,7 +893,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--head-dim", type=int, default=64, help="head size")
     m.add_argument("--vocab", type=int, default=1024, help="vocabulary (word-level tokenizer t3 … tN)")
     m.add_argument("--block-size", type=int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
-    m.add_argument("--chunk-size", type=int, default=256, help="tiercache and LMCache chunk size")
+    m.add_argument("--chunk-size", type=int, default=128, help="tiercache and LMCache chunk size")
     m.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len")
     m.add_argument(
         "--blocks",
