@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_settings_defaults_and_prefixed_keys() -> None:
     s = ConnectorSettings.from_extra_config({})
-    assert (s.server, s.timeout_s, s.retry_s) == (None, 2.0, 5.0)
+    assert (s.server, s.timeout_s, s.retry_s, s.lookup_wait_s) == (None, 2.0, 5.0, 0.005)
     s = ConnectorSettings.from_extra_config(
         {"tiercache.server": "ipc:///x.sock", "timeout_s": "0.5", "other": 1}
     )
@@ -37,6 +37,8 @@ def test_settings_defaults_and_prefixed_keys() -> None:
         ({"timeout_s": 0}, "timeout_s"),
         ({"tiercache.chunk_size": 256}, "unknown"),
         ({"overlap_loads": "sometimes"}, "overlap_loads"),
+        ({"lookup_wait_s": -0.001}, "lookup_wait_s"),
+        ({"lookup_wait_s": 3, "timeout_s": 2}, "lookup_wait_s=3.0 must be 0 to timeout_s"),
     ],
 )
 def test_settings_errors_name_the_key(extra: dict[str, object], words: str) -> None:
@@ -260,7 +262,7 @@ class _LookupClient:
         self.asked.append((len(hashes), how))
         return 1
 
-    def poll(self, req_id: int) -> object:
+    def poll(self, req_id: int, wait_s: float = 0.0) -> object:
         return self.reply
 
 
@@ -364,6 +366,80 @@ def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step()
     # 1, 2, 4, 8, 16 ms, then every 20 ms: about 18 polls in 0.3 s, however many steps ran.
     assert steps > 1000
     assert 5 <= client.polls <= 25
+
+
+class _LateClient(_LookupClient):
+    """Its lookup replies come ``delay_s`` after the request (``None``: never); records how long
+    each poll was allowed to wait."""
+
+    def __init__(self, reply: object, delay_s: float | None) -> None:
+        super().__init__(reply)
+        self.delay_s, self.waits, self.sent = delay_s, [], 0.0  # type: ignore[var-annotated]
+
+    def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
+        import time
+
+        self.sent = time.monotonic()
+        return super().lookup_async(hashes, refs, **how)
+
+    def poll(self, req_id: int, wait_s: float = 0.0) -> object:
+        import time
+
+        self.waits.append(wait_s)
+        if self.delay_s is None:
+            time.sleep(wait_s)
+            return None
+        left = self.sent + self.delay_s - time.monotonic()
+        if left > wait_s:
+            time.sleep(wait_s)
+            return None
+        time.sleep(max(left, 0.0))
+        return self.reply
+
+
+def _hit_reply() -> object:
+    from tiercache.wire.protocol import LookupReply
+
+    return LookupReply(chunks=0, per_tier={})
+
+
+def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() -> None:
+    pytest.importorskip("vllm")
+    client = _LateClient(_hit_reply(), delay_s=0.001)
+    sched = _recurrent_scheduler(client=client, recurrent=False)
+    # Not (None, False), "ask again next step": vLLM can schedule the request in this step.
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    assert client.waits == [ConnectorSettings().lookup_wait_s] and client.waits[0] > 0
+
+
+def test_with_lookup_wait_s_0_every_reply_is_collected_at_the_next_step() -> None:
+    pytest.importorskip("vllm")
+    client = _LateClient(_hit_reply(), delay_s=0.001)
+    sched = _recurrent_scheduler(client=client, recurrent=False, settings=ConnectorSettings(lookup_wait_s=0))
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (None, False)  # type: ignore[attr-defined]
+    assert client.waits == [0.0]
+
+
+def test_a_silent_server_costs_one_step_at_most_lookup_wait_s_however_many_requests_arrive() -> None:
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    client = _LateClient(_hit_reply(), delay_s=None)
+    settings = ConnectorSettings(lookup_wait_s=0.02)
+    sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
+    for i in range(10):
+        request = SimpleNamespace(
+            request_id=f"r{i}", prompt_token_ids=list(range(2400)), lora_request=None, cache_salt=None
+        )
+        assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # type: ignore[attr-defined]
+    assert client.waits[0] == 0.02 and sum(client.waits) <= 0.02 + 1e-9  # the step's budget, shared
+    sched.build_connector_meta(_scheduled())  # type: ignore[attr-defined]  # the next step
+    client.waits.clear()
+    late = SimpleNamespace(
+        request_id="late", prompt_token_ids=list(range(2400)), lora_request=None, cache_salt=None
+    )
+    sched.get_num_new_matched_tokens(late, 0)  # type: ignore[attr-defined]
+    assert client.waits == [0.02]  # a new step, a new budget
 
 
 def _settled_after(sched: object, deadline_s: float) -> tuple[float, object]:

@@ -71,6 +71,10 @@ def test_async_lookup_lets_the_scheduler_poll_without_waiting(start_server: Star
         while result is None:
             result = client.poll(req)
         assert result.chunks == 4
+        # Or wait for it, bounded: the reply is there well within 10 s, and poll returns then.
+        req = client.lookup_async(hashes, [group], prefetch=False)
+        result = client.poll(req, wait_s=10.0)
+        assert result is not None and result.chunks == 4
 
 
 def restart_and_load(

@@ -13,6 +13,10 @@ Keys (all optional)::
                   model revision, else a content fingerprint of the checkpoint files)
     overlap_loads write loaded pages layer by layer while the forward pass runs (default false;
                   on CUDA, true makes vLLM switch CUDA graphs to PIECEWISE mode)
+    lookup_wait_s how long the scheduler waits, on the engine thread, for a lookup's reply in the
+                  step that sends it; a reply that comes later is collected at the next step
+                  (vLLM then schedules the request one step later), seconds; 0 never waits
+                  (default 0.005)
     inflight_wait_s
                   how long a lookup waits for chunks another engine is still storing (reserved on
                   the server, not yet committed: a prefill engine's stores when its decode engine
@@ -47,6 +51,7 @@ _KEYS = (
     "weights_id",
     "overlap_loads",
     "inflight_wait_s",
+    "lookup_wait_s",
     "kv_events_interval_s",
     "kv_events_chunks",
 )
@@ -65,6 +70,7 @@ class ConnectorSettings:
     weights_id: str | None = None
     overlap_loads: bool = False
     inflight_wait_s: float = 2.0
+    lookup_wait_s: float = 0.005
     kv_events_interval_s: float = 0.5
     kv_events_chunks: int = 16384
 
@@ -77,6 +83,11 @@ class ConnectorSettings:
             raise ConfigError(
                 f"kv_connector_extra_config inflight_wait_s={self.inflight_wait_s!r} must be 0 to "
                 f"{MAX_INFLIGHT_WAIT_S:g} seconds (0: never wait for chunks still being stored)"
+            )
+        if not 0 <= self.lookup_wait_s <= self.timeout_s:
+            raise ConfigError(
+                f"kv_connector_extra_config lookup_wait_s={self.lookup_wait_s!r} must be 0 to timeout_s "
+                f"({self.timeout_s:g}) seconds (0: collect every lookup's reply at the next step)"
             )
         if not self.kv_events_interval_s >= 0:
             raise ConfigError(
@@ -114,6 +125,7 @@ class ConnectorSettings:
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
                 overlap_loads=_flag(raw.get("overlap_loads", False)),
                 inflight_wait_s=_seconds(raw, "inflight_wait_s", 2.0),
+                lookup_wait_s=_seconds(raw, "lookup_wait_s", 0.005),
                 kv_events_interval_s=_seconds(raw, "kv_events_interval_s", 0.5),
                 kv_events_chunks=_count(raw, "kv_events_chunks", 16384),
             )

@@ -153,6 +153,7 @@ class SchedulerHalf:
         self._reqs: dict[str, _Request] = {}
         self._loads: list[RequestLoad] = []  # built by update_state_after_alloc, sent next meta
         self._step = 0
+        self._lookup_wait_left = settings.lookup_wait_s  # this step's share left for lookup replies
         self._release_at: dict[int, list[int]] = {}  # step → tickets to release once it ran
         self._unfinished_steps: deque[int] = deque()
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
@@ -268,6 +269,7 @@ class SchedulerHalf:
             return 0, False
         chunk = layout.chunk_size
         limit = (len(st.prompt) - 1) // chunk  # always leave at least one token to compute
+        sent = False
         if st.state is LookupState.NOT_SENT:
             if limit * chunk <= num_computed_tokens:
                 # The engine has everything we could offer; what it has was stored when computed.
@@ -287,8 +289,9 @@ class SchedulerHalf:
                 self._settle_miss(st)
                 return 0, False
             st.state, st.sent_at = LookupState.WAITING_REPLY, time.monotonic()
+            sent = True
             st.query_chunks, st.per_tier = limit, {}
-        if st.state is LookupState.WAITING_REPLY and not self._collect(client, st):
+        if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
             return None, False  # "not known yet": vLLM skips the request this step and asks again
         hit_tokens = st.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
@@ -298,20 +301,33 @@ class SchedulerHalf:
         # the workers' finished_recving (see update_state_after_alloc, update_connector_output).
         return hit_tokens - num_computed_tokens, self._async_loads
 
+    def _lookup_wait(self, sent: bool) -> float:
+        """How long to wait for the reply of a lookup just ``sent``: it usually comes within a
+        millisecond, and waiting that long lets vLLM schedule the request in this step instead of
+        the next. The waits of one step share ``lookup_wait_s``, so a slow server costs a step at
+        most that, however many requests arrive in it."""
+        if not sent or self._lookup_wait_left <= 0:
+            return 0.0
+        return self._lookup_wait_left
+
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
         if st.saved_upto < 0:
             st.saved_upto = server_chunks
 
-    def _collect(self, client: Client, st: _Request) -> bool:
-        """Advance an outstanding lookup without waiting; True once ``hit_chunks`` is final."""
+    def _collect(self, client: Client, st: _Request, wait_s: float = 0.0) -> bool:
+        """Advance an outstanding lookup, waiting up to ``wait_s`` for its first reply; True once
+        ``hit_chunks`` is final."""
         try:
             if st.pending_id == 0:  # a pending ticket between polls (see below)
                 if time.monotonic() < st.poll_after:
                     return False
                 st.pending_id = client.poll_ticket_async(st.ticket)
             # The client raises ServerUnavailableError once the reply is timeout_s late.
-            result: LookupResult | None = client.poll(st.pending_id)
+            began = time.monotonic()
+            result: LookupResult | None = client.poll(st.pending_id, wait_s)
+            if wait_s:
+                self._lookup_wait_left -= time.monotonic() - began
             if result is None:
                 return False
             if result.ticket:
@@ -457,6 +473,7 @@ class SchedulerHalf:
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
 
     def build_connector_meta(self, scheduler_output: Any) -> TierCacheMetadata:
+        self._lookup_wait_left = self._settings.lookup_wait_s  # a new step: a new budget (_lookup_wait)
         self._step += 1
         self._unfinished_steps.append(self._step)
         meta = TierCacheMetadata(step=self._step, loads=self._loads)

@@ -490,8 +490,9 @@ class Client:
         self._say_hello(None)
         self._send(msg, entry.convert, None, req_id=req_id)  # not kept again: resent once at most
 
-    def poll(self, req_id: int) -> Any:
-        """The result of an ``*_async`` request, or ``None`` if it has not arrived. Never waits.
+    def poll(self, req_id: int, wait_s: float = 0.0) -> Any:
+        """The result of an ``*_async`` request, or ``None`` if it has not arrived; waits up to
+        ``wait_s`` for a reply to come (never, by default).
 
         Raises the request's error, or :class:`ServerUnavailableError` once its timeout passed; a
         lookup's late reply is then dropped, and its ticket released (the caller gave up on it).
@@ -506,6 +507,9 @@ class Client:
                 )
             if not entry.done:
                 self._drain(0)
+            deadline = time.monotonic() + wait_s
+            while not entry.done and (left := deadline - time.monotonic()) > 0:
+                self._drain(left)  # returns on the first reply, which may be another request's
             if (
                 entry.done
                 and entry.msg is not None
