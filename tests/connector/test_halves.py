@@ -266,11 +266,11 @@ class _LookupClient:
         return self.reply
 
 
-def _prompt_request(tokens: int = 2400, cache_salt: str | None = None) -> object:
+def _prompt_request(tokens: int = 2400, cache_salt: str | None = None, request_id: str = "r") -> object:
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        request_id="r", prompt_token_ids=list(range(tokens)), lora_request=None, cache_salt=cache_salt
+        request_id=request_id, prompt_token_ids=list(range(tokens)), lora_request=None, cache_salt=cache_salt
     )
 
 
@@ -421,24 +421,17 @@ def test_with_lookup_wait_s_0_every_reply_is_collected_at_the_next_step() -> Non
 
 
 def test_a_silent_server_costs_one_step_at_most_lookup_wait_s_however_many_requests_arrive() -> None:
-    from types import SimpleNamespace
-
     pytest.importorskip("vllm")
     client = _LateClient(_hit_reply(), delay_s=None)
     settings = ConnectorSettings(lookup_wait_s=0.02)
     sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
     for i in range(10):
-        request = SimpleNamespace(
-            request_id=f"r{i}", prompt_token_ids=list(range(2400)), lora_request=None, cache_salt=None
-        )
+        request = _prompt_request(request_id=f"r{i}")
         assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # type: ignore[attr-defined]
     assert client.waits[0] == 0.02 and sum(client.waits) <= 0.02 + 1e-9  # the step's budget, shared
     sched.build_connector_meta(_scheduled())  # type: ignore[attr-defined]  # the next step
     client.waits.clear()
-    late = SimpleNamespace(
-        request_id="late", prompt_token_ids=list(range(2400)), lora_request=None, cache_salt=None
-    )
-    sched.get_num_new_matched_tokens(late, 0)  # type: ignore[attr-defined]
+    sched.get_num_new_matched_tokens(_prompt_request(request_id="late"), 0)  # type: ignore[attr-defined]
     assert client.waits == [0.02]  # a new step, a new budget
 
 

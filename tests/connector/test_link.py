@@ -10,24 +10,16 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.link import FIRST_RETRY_S, ServerLink, retry_delays
 from tiercache.errors import ServerUnavailableError
+from tiercache.testing.poll import wait_until
 from tiercache.wire.client import Client
-
-
-def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
-    """Poll ``condition`` until it holds (True) or ``deadline_s`` passes (False)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def server_spec(tmp_path: Path) -> ServerSpec:
@@ -65,10 +57,11 @@ def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp
             link.failed("ping", exc)
         assert not link.up and link.client() is None and link.outages == 1
         # The server stays away for a few of the link's attempts (each listens timeout_s).
-        assert not wait_until(lambda: link.up, 3.0)
+        with pytest.raises(TimeoutError):
+            wait_until(lambda: link.up, timeout=3.0, what="the link to stay down while the server is away")
         server = ready_server(spec)
         ready = time.monotonic()
-        assert wait_until(lambda: link.up, 30.0), "the link did not notice the restarted server"
+        wait_until(lambda: link.up, timeout=30.0, what="the link to notice the restarted server")
         print(f"link up {time.monotonic() - ready:.3f} s after the restarted server answered")
         assert len(connects) == 2  # the layout is registered again on the new server
         client = link.client()
@@ -111,7 +104,7 @@ def test_a_server_down_at_start_is_found_once_it_starts(tmp_path: Path) -> None:
     try:
         assert not link.start()  # the engine starts anyway, without the cache
         server = ready_server(spec)
-        assert wait_until(lambda: link.up, 30.0), "the link did not notice the server's start"
+        wait_until(lambda: link.up, timeout=30.0, what="the link to notice the server's start")
         assert len(connects) == 1
     finally:
         link.close()
