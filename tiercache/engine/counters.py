@@ -23,7 +23,10 @@ class EngineCounters(Counters):
     inflight_waits: int = 0  # objects a prefetch waited for while another writer stored them
     inflight_wait_misses: int = 0  # of those, not committed in time (aborted, expired, too slow)
     l2_queue_drops: int = 0
-    l3_queue_drops: int = 0
+    l3_queue_drops: int = 0  # write-through only: the chunk is still on disk
+    # Write-back: chunks the disk evicted that never reached S3, so they are in no tier (lost).
+    writeback_lost_queue_full: int = 0
+    writeback_lost_write_failed: int = 0
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0

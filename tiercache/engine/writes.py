@@ -4,6 +4,11 @@ A chunk committed to L1 is queued for the first lower tier (L2, or S3 with tiers
 the ``through`` policy a chunk written to L2 is then queued for S3, with ``back`` the disk tier hands
 each chunk it evicts to S3. Queues are bounded: a full queue drops the write and counts it instead
 of blocking. Until the first lower tier holds it, the L1 copy is *owed* and L1 will not evict it.
+
+A write-through drop leaves the chunk in the tier above; a write-back drop (or failed S3 write) does
+not, since the disk has already let it go: that chunk is *lost*, counted apart and warned about
+(:class:`WriteBackLosses`). Blocking the eviction instead would hold the disk's write transaction on
+S3 and only move the loss to the newest chunks (see docs/caveats.md).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from time import monotonic, perf_counter
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from tiercache.config.parts import EngineConfig, L3WritePolicy
 from tiercache.engine.counters import EngineCounters, hold, timed_pin
@@ -24,6 +29,67 @@ from tiercache.tier.contract import FrontTier, ReadHandle, Tier
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Why a write-back chunk was lost: the S3 queue was full (or closed), or its S3 write failed.
+LossReason = Literal["queue_full", "write_failed"]
+#: At most one write-back loss warning per this many seconds; the next one carries the count since.
+LOSS_WARNING_INTERVAL_S = 30.0
+
+
+class WriteBackLosses:
+    """Counts chunks lost on write-back (``writeback_lost_<reason>``) and warns about them, at most
+    once per ``interval_s``, each warning with the count since the previous one. Thread-safe.
+
+    The first loss is warned about at once; losses within the interval after a warning wait for the
+    next loss after it, or for :meth:`close`, so every loss is reported exactly once.
+    """
+
+    def __init__(
+        self,
+        counters: EngineCounters,
+        *,
+        interval_s: float = LOSS_WARNING_INTERVAL_S,
+        clock: Callable[[], float] = monotonic,
+    ) -> None:
+        self._counters = counters
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[LossReason, int] = {"queue_full": 0, "write_failed": 0}  # guarded by _lock
+        self._last_warning: float | None = None  # guarded by _lock
+
+    def lost(self, reason: LossReason) -> None:
+        """One chunk the disk evicted never reached S3 for ``reason``: count it, maybe warn."""
+        self._counters.add(f"writeback_lost_{reason}")
+        with self._lock:
+            self._pending[reason] += 1
+            now = self._clock()
+            if self._last_warning is not None and now - self._last_warning < self._interval_s:
+                return
+            since = "start-up" if self._last_warning is None else f"{now - self._last_warning:.0f} s ago"
+            self._last_warning = now
+            self._warn(since)
+
+    def close(self) -> None:
+        """Warn about losses not yet reported (at shutdown)."""
+        with self._lock:
+            if any(self._pending.values()):
+                self._warn("the last warning")
+
+    def _warn(self, since: str) -> None:  # caller holds _lock
+        full, failed = self._pending["queue_full"], self._pending["write_failed"]
+        n = full + failed
+        log.warning(
+            "write-back lost %d chunk%s since %s (queue full %d, S3 write failed %d): evicted from "
+            "disk and never written to S3, so in no tier now "
+            "(tiercache_engine_writeback_lost_total; see docs/caveats.md on sizing --write-queue-depth)",
+            n,
+            "" if n == 1 else "s",
+            since,
+            full,
+            failed,
+        )
+        self._pending = {"queue_full": 0, "write_failed": 0}
 
 
 class WorkQueue(Generic[T]):
@@ -93,6 +159,7 @@ class WriteBehind:
         self._l3 = lower[1] if len(lower) > 1 else None
         self._config = config
         self._counters = counters
+        self._losses = WriteBackLosses(counters)
         self._l2_queue: WorkQueue[ObjectKey] = WorkQueue(config.write_queue_depth)
         # Write-through items are keys (read back from L2); write-back items carry their payload.
         self._l3_queue: WorkQueue[ObjectKey | tuple[ObjectKey, bytes]] = WorkQueue(config.write_queue_depth)
@@ -150,6 +217,7 @@ class WriteBehind:
         self._l3_queue.close()
         for t in self._writers:
             t.join(timeout=2.0)
+        self._losses.close()
 
     def depths(self) -> dict[str, int]:
         """Writes waiting per queue (``l2_queue_depth``, ``l3_queue_depth``), for stats."""
@@ -185,8 +253,9 @@ class WriteBehind:
         if self._l3 is not None and self._config.l3_write_policy is L3WritePolicy.THROUGH:
             self._enqueue_l3(key)
 
-    def _enqueue_l3(self, item: ObjectKey | tuple[ObjectKey, bytes]) -> None:
-        if not self._l3_queue.put_nowait(item):
+    def _enqueue_l3(self, key: ObjectKey) -> None:
+        """Write-through: queue a chunk now on disk for S3; if the queue is full it stays on disk."""
+        if not self._l3_queue.put_nowait(key):
             self._counters.add("l3_queue_drops")
 
     def _write_l3(self, item: ObjectKey | tuple[ObjectKey, bytes]) -> None:
@@ -194,6 +263,7 @@ class WriteBehind:
         assert l3 is not None
         pinned: ReadHandle | None = None
         payload: bytes | memoryview
+        write_back = isinstance(item, tuple)
         if isinstance(item, tuple):  # write-back: (key, payload bytes) handed over on L2 eviction
             key, payload = item
         else:
@@ -202,11 +272,13 @@ class WriteBehind:
             if pinned is None:  # evicted from L2 before its turn: nothing left to copy
                 return
             payload = pinned.buffer
+        written = False
         try:
             t0 = perf_counter()
             l3.put(key, payload)
             l3.stats.latency.observe("write", perf_counter() - t0)
             self._counters.add("l3_writes")
+            written = True
         except CircuitOpenError as exc:
             # Not attempted: the tier already failed and said so. Counted, but not one warning per
             # chunk, which during an outage would flood the log at the write rate.
@@ -218,10 +290,15 @@ class WriteBehind:
         finally:
             if pinned is not None and l2 is not None:
                 l2.release(pinned)
+            # In ``finally`` so that an unexpected error (counted by _drain) is a loss too.
+            if write_back and not written:  # the disk no longer holds it
+                self._losses.lost("write_failed")
 
     def _on_l2_evict(self, key: ObjectKey, payload: memoryview) -> None:
-        """Write-back: hand a chunk the disk tier is evicting to S3 (bounded queue, dropped if full).
+        """Write-back: hand a chunk the disk tier is evicting to S3 (bounded queue; if it is full the
+        chunk is lost, counted and warned about, rather than stalling the disk's write transaction).
 
         Copies the payload because the view dies with the eviction's transaction.
         """
-        self._enqueue_l3((key, bytes(payload)))
+        if not self._l3_queue.put_nowait((key, bytes(payload))):
+            self._losses.lost("queue_full")
