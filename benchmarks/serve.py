@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,16 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
+from benchmarks.serve_report import (  # noqa: E402  (pure: the table and targets, tested without vLLM)
+    LMCACHE_SYSTEMS,
+    WORKLOADS,
+    Phase,
+    WorkloadResult,
+    format_targets,
+    rows_of,
+    table,
+    targets,
+)
 from tests.e2e.openai_server import (  # noqa: E402
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
@@ -68,9 +77,7 @@ from tests.e2e.openai_server import (  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 SYSTEMS = ("none", "tiercache", "lmcache", "lmcache-fs", "example")
-WORKLOADS = ("prefix", "chat")
 BUDGETS = ("full", "third")
-LMCACHE_SYSTEMS = ("lmcache", "lmcache-fs")
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
 
@@ -281,42 +288,6 @@ class LMCacheServer:
 # -- workloads -------------------------------------------------------------------------------------
 
 
-@dataclass
-class WorkloadResult:
-    """One workload on one vLLM server: per-request TTFTs (s) and texts, and the totals."""
-
-    workload: str
-    duration_s: float
-    requests: int
-    failed: int
-    total_tokens: int
-    ttfts: list[float]
-    texts: list[str]
-    counters: dict[str, float] = field(default_factory=dict)  # vLLM /metrics deltas over the workload
-
-    def summary(self) -> dict[str, Any]:
-        """Requests/s, total tokens/s and TTFT percentiles in ms."""
-        ms = sorted(t * 1e3 for t in self.ttfts)
-        return {
-            "req_per_s": self.requests / self.duration_s,
-            "tok_per_s": self.total_tokens / self.duration_s,
-            "ttft_p50_ms": percentile(ms, 50),
-            "ttft_p90_ms": percentile(ms, 90),
-            "ttft_p99_ms": percentile(ms, 99),
-            "ttft_mean_ms": statistics.fmean(ms) if ms else float("nan"),
-        }
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of already sorted values."""
-    if not sorted_values:
-        return float("nan")
-    k = (len(sorted_values) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
-
-
 def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
     """Shared documents through ``vllm.benchmarks.serve`` (in this process; its report goes to stderr)."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -458,19 +429,6 @@ def run_chat(args: argparse.Namespace, server: OpenAIServer) -> WorkloadResult:
 # -- one vLLM server, one phase --------------------------------------------------------------------
 
 
-@dataclass
-class Phase:
-    """What one vLLM server did: per workload results, its start time and the cache server's stats."""
-
-    system: str
-    budget: str
-    phase: str
-    run: int
-    start_s: float
-    results: dict[str, WorkloadResult]
-    cache_stats: dict[str, Any] | None = None
-
-
 def vllm_argv(
     args: argparse.Namespace, model: Path, python: str, blocks: int, ktc: dict[str, Any] | None
 ) -> list[str]:
@@ -541,6 +499,7 @@ def serve_once(
                 r = run_prefix(args, server, model) if wl == "prefix" else run_chat(args, server)
                 after = counters(server)
                 r.counters = {k: after[k] - before.get(k, 0.0) for k in after}
+                r.external_hits = r.counters[EXTERNAL_HITS]
                 s = r.summary()
                 log(
                     f"{name}{f' pass {p + 1}' if passes > 1 else ''} {wl}: {r.requests} requests in "
@@ -650,171 +609,6 @@ def run_all(
 
             attempt(f"{system} ({budget})", one)
     return phases
-
-
-# -- report ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """Medians over runs of one (workload, system, budget, phase)."""
-
-    workload: str
-    system: str
-    budget: str
-    phase: str
-    metrics: dict[str, float]
-    ext_hits: float
-    same_as_none: str
-    samples: list[dict[str, Any]]
-
-
-def rows_of(args: argparse.Namespace, phases: list[Phase]) -> list[Row]:
-    """Aggregate phases into rows (medians over runs), with outputs compared with ``none``'s run."""
-    none_texts: dict[tuple[int, str], list[str]] = {
-        (p.run, wl): r.texts for p in phases if p.system == "none" for wl, r in p.results.items()
-    }
-    keys: dict[tuple[str, str, str, str], list[Phase]] = {}
-    for p in phases:
-        for wl in p.results:
-            keys.setdefault((wl, p.system, p.budget, p.phase), []).append(p)
-    rows = []
-    for (wl, system, budget, phase), ps in keys.items():
-        sums = [p.results[wl].summary() for p in ps]
-        med = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
-        equal, total = 0, 0
-        for p in ps:
-            ref = none_texts.get((p.run, wl))
-            if ref is not None:
-                texts = p.results[wl].texts
-                equal += sum(a == b for a, b in zip(texts, ref))
-                total += len(ref)
-        samples = [
-            {
-                "run": p.run,
-                "start_s": p.start_s,
-                **p.results[wl].summary(),
-                "requests": p.results[wl].requests,
-                "failed": p.results[wl].failed,
-                "duration_s": p.results[wl].duration_s,
-                "counters": p.results[wl].counters,
-                "ttfts_s": p.results[wl].ttfts,
-                "texts": p.results[wl].texts,
-                "cache_server_stats": p.cache_stats,
-            }
-            for p in ps
-        ]
-        ext = statistics.median(p.results[wl].counters.get(EXTERNAL_HITS, 0.0) for p in ps)
-        rows.append(Row(wl, system, budget, phase, med, ext, f"{equal}/{total}" if total else "–", samples))
-    return rows
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if v is None or v != v else f"{v:{spec}}{suffix}"
-
-
-def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
-    """The markdown table and its rows as dicts (ratios included) for the JSON."""
-
-    def find(wl: str, system: str, budget: str, phase: str) -> Row | None:
-        return next(
-            (r for r in rows if (r.workload, r.system, r.budget, r.phase) == (wl, system, budget, phase)),
-            None,
-        )
-
-    lines = [
-        "| workload | system | budget | phase | req/s | tok/s | TTFT p50 ms | p90 | p99 | mean | "
-        "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | external hit tokens | outputs = none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    out = []
-    for r in rows:
-        none = find(r.workload, "none", "–", "cold")
-        lmc = [x for s in LMCACHE_SYSTEMS if (x := find(r.workload, s, r.budget, r.phase)) is not None]
-        best = (
-            max(lmc, key=lambda x: x.metrics["tok_per_s"])
-            if lmc and r.system not in ("none", "floor")
-            else None
-        )
-        m = r.metrics
-        vs_none = ratio(m["tok_per_s"], none.metrics["tok_per_s"]) if none else None
-        vs_lmc = ratio(m["tok_per_s"], best.metrics["tok_per_s"]) if best else None
-        p50_lmc = ratio(m["ttft_p50_ms"], best.metrics["ttft_p50_ms"]) if best else None
-        lines.append(
-            f"| {r.workload} | {r.system} | {r.budget} | {r.phase} | {fmt(m['req_per_s'])} | {fmt(m['tok_per_s'], '.0f')} | "
-            f"{fmt(m['ttft_p50_ms'], '.0f')} | {fmt(m['ttft_p90_ms'], '.0f')} | {fmt(m['ttft_p99_ms'], '.0f')} | "
-            f"{fmt(m['ttft_mean_ms'], '.0f')} | {fmt(vs_none, '.2f', '×')} | "
-            f"{fmt(vs_lmc, '.2f', '×')}{f' ({best.system})' if best else ''} | {fmt(p50_lmc, '.2f', '×')} | "
-            f"{r.ext_hits:.0f} | {r.same_as_none} |"
-        )
-        out.append(
-            {
-                "workload": r.workload,
-                "system": r.system,
-                "budget": r.budget,
-                "phase": r.phase,
-                **m,
-                "tok_per_s_vs_none": vs_none,
-                "lmcache_best": best.system if best else None,
-                "tok_per_s_vs_lmcache_best": vs_lmc,
-                "ttft_p50_vs_lmcache_best": p50_lmc,
-                "external_hit_tokens": r.ext_hits,
-                "outputs_equal_none": r.same_as_none,
-                "samples": r.samples,
-            }
-        )
-    return "\n".join(lines), out
-
-
-def targets(rows: list[Row]) -> list[dict[str, Any]]:
-    """The issue's targets, each measured from the rows: what is compared, the value, the bound, met."""
-
-    def find(wl: str, system: str, budget: str, phase: str) -> Row | None:
-        return next(
-            (r for r in rows if (r.workload, r.system, r.budget, r.phase) == (wl, system, budget, phase)),
-            None,
-        )
-
-    def lmc_best(wl: str, budget: str, phase: str) -> Row | None:
-        lmc = [x for s in LMCACHE_SYSTEMS if (x := find(wl, s, budget, phase)) is not None]
-        return max(lmc, key=lambda x: x.metrics["tok_per_s"]) if lmc else None
-
-    out: list[dict[str, Any]] = []
-
-    def add(wl: str, what: str, value: float, bound: str, met: bool) -> None:
-        out.append({"workload": wl, "target": what, "value": value, "bound": bound, "met": met})
-
-    for wl in WORKLOADS:
-        p2, tcf = find(wl, "floor", "–", "pass 2"), find(wl, "floor", "full", "tiercache restart")
-        if p2 and tcf:
-            v = tcf.metrics["tok_per_s"] / p2.metrics["tok_per_s"]
-            add(wl, "floor: tiercache restart tok/s ÷ floor's second pass", v, "≥ 0.95", v >= 0.95)
-            v = tcf.metrics["ttft_mean_ms"] / p2.metrics["ttft_mean_ms"]
-            add(wl, "floor: tiercache restart mean TTFT ÷ floor's second pass", v, "≤ 1.00", v <= 1.0)
-        none = find(wl, "none", "–", "cold")
-        for phase in ("cold", "restart"):
-            tc, best = find(wl, "tiercache", "third", phase), lmc_best(wl, "third", phase)
-            if tc and best:
-                v = tc.metrics["tok_per_s"] / best.metrics["tok_per_s"]
-                if phase == "restart":
-                    add(wl, f"third: restart tok/s ÷ LMCache best ({best.system})", v, "≥ 1.15", v >= 1.15)
-                    v = tc.metrics["ttft_p50_ms"] / best.metrics["ttft_p50_ms"]
-                    add(wl, f"third: restart TTFT p50 ÷ LMCache best ({best.system})", v, "≤ 0.80", v <= 0.8)
-                else:  # "no worse than LMCache's (±5%)": faster is no miss
-                    add(wl, f"third: cold tok/s ÷ LMCache best ({best.system})", v, "≥ 0.95", v >= 0.95)
-        tc = find(wl, "tiercache", "third", "cold")
-        if tc and none:
-            v = tc.metrics["tok_per_s"] / none.metrics["tok_per_s"]
-            add(wl, "third: cold tok/s ÷ none", v, "≥ 3", v >= 3)
-        third, full = find(wl, "tiercache", "third", "restart"), find(wl, "tiercache", "full", "restart")
-        if third and full:
-            v = third.metrics["tok_per_s"] / full.metrics["tok_per_s"]
-            add(wl, "restart tok/s, third ÷ full budget", v, "≥ 0.95", v >= 0.95)
-    return out
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -988,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"run {run + 1}/{args.runs}")
         phases += run_all(args, work, run, skipped, failures)
         load.append(os.getloadavg()[0])
-    rows = rows_of(args, phases)
+    rows = rows_of(phases)
     text, out_rows = table(rows)
     print(
         f"Serving benchmark: {args.runs} run(s), medians; tiny Llama hidden {args.hidden}, {args.layers} layers, "
@@ -997,13 +791,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - t0:.0f} s\n"
     )
     print(text)
-    goals = targets(rows)
+    goals = targets(phases)
     if goals:
-        print("\nTargets:\n")
-        for g in goals:
-            print(
-                f"- {g['workload']}: {g['target']} = {g['value']:.2f} ({g['bound']}): {'met' if g['met'] else 'MISSED'}"
-            )
+        print("\nTargets (each a ratio within every run; the value is the median of the runs' ratios):\n")
+        print(format_targets(goals))
+    failed_rows = [f"{r.workload} {r.system} {r.budget} {r.phase}" for r in rows if r.failed]
+    failures += [f"failed requests in {name}" for name in failed_rows]
     for line in skipped + [f"FAILED: {f}" for f in failures]:
         print(f"\n{line}")
     if args.json is not None:
@@ -1016,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                     "floor_blocks": floor_blocks(args),
                     "load_average_after_each_run": load,
                     "rows": out_rows,
-                    "targets": goals,
+                    "targets": [g.as_dict() for g in goals],
                     "skipped": skipped,
                     "failures": failures,
                     "phases": [

@@ -1,0 +1,425 @@
+"""The serving benchmark's report: rows (medians over runs), the table and the targets.
+
+Pure: no vLLM, no HTTP, no processes. ``benchmarks/serve.py`` runs the servers and feeds these
+functions the :class:`Phase` of every vLLM server it ran; ``tests/benchmarks/test_serve_report.py``
+feeds them made-up phases.
+
+Each target (:data:`TARGETS`, the one table of bounds) is a ratio of one phase's figure to another's,
+computed **within each run** (both phases from the same run, so the machine's drift between runs
+cancels); its value is the median of the runs' ratios, and its verdict, printed by
+:func:`format_targets`, is ``MET`` or ``MISSED`` by that median, or ``FAILED`` when a run lacks one
+of the phases or one of them had a failed request (its figures then mean nothing).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKLOADS = ("prefix", "chat")
+LMCACHE_SYSTEMS = ("lmcache", "lmcache-fs")
+#: The system of a :class:`Side` that stands for the faster (by tok/s) LMCache system of that run.
+LMCACHE_BEST = "lmcache best"
+
+
+@dataclass
+class WorkloadResult:
+    """One workload on one vLLM server: per-request TTFTs (s) and texts, and the totals."""
+
+    workload: str
+    duration_s: float
+    requests: int
+    failed: int
+    total_tokens: int
+    ttfts: list[float]
+    texts: list[str]
+    counters: dict[str, float] = field(default_factory=dict)  # vLLM /metrics deltas over the workload
+    external_hits: float = 0.0  # prompt tokens a KV connector served (vLLM's external prefix cache hits)
+
+    def summary(self) -> dict[str, float]:
+        """Requests/s, total tokens/s and TTFT percentiles in ms."""
+        ms = sorted(t * 1e3 for t in self.ttfts)
+        return {
+            "req_per_s": self.requests / self.duration_s,
+            "tok_per_s": self.total_tokens / self.duration_s,
+            "ttft_p50_ms": percentile(ms, 50),
+            "ttft_p90_ms": percentile(ms, 90),
+            "ttft_p99_ms": percentile(ms, 99),
+            "ttft_mean_ms": statistics.fmean(ms) if ms else float("nan"),
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of already sorted values."""
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+@dataclass
+class Phase:
+    """What one vLLM server did: per workload results, its start time and the cache server's stats."""
+
+    system: str
+    budget: str
+    phase: str
+    run: int
+    start_s: float
+    results: dict[str, WorkloadResult]
+    cache_stats: dict[str, Any] | None = None
+
+
+# -- rows and the table ----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Medians over runs of one (workload, system, budget, phase); ``failed`` sums failed requests."""
+
+    workload: str
+    system: str
+    budget: str
+    phase: str
+    metrics: dict[str, float]
+    ext_hits: float
+    same_as_none: str
+    failed: int
+    samples: list[dict[str, Any]]
+
+
+def rows_of(phases: list[Phase]) -> list[Row]:
+    """Aggregate phases into rows (medians over runs), with outputs compared with ``none``'s run."""
+    none_texts: dict[tuple[int, str], list[str]] = {
+        (p.run, wl): r.texts for p in phases if p.system == "none" for wl, r in p.results.items()
+    }
+    keys: dict[tuple[str, str, str, str], list[Phase]] = {}
+    for p in phases:
+        for wl in p.results:
+            keys.setdefault((wl, p.system, p.budget, p.phase), []).append(p)
+    rows = []
+    for (wl, system, budget, phase), ps in keys.items():
+        sums = [p.results[wl].summary() for p in ps]
+        med = {k: statistics.median(s[k] for s in sums) for k in sums[0]}
+        equal, total = 0, 0
+        for p in ps:
+            ref = none_texts.get((p.run, wl))
+            if ref is not None:
+                texts = p.results[wl].texts
+                equal += sum(a == b for a, b in zip(texts, ref))
+                total += len(ref)
+        samples = [
+            {
+                "run": p.run,
+                "start_s": p.start_s,
+                **p.results[wl].summary(),
+                "requests": p.results[wl].requests,
+                "failed": p.results[wl].failed,
+                "duration_s": p.results[wl].duration_s,
+                "counters": p.results[wl].counters,
+                "ttfts_s": p.results[wl].ttfts,
+                "texts": p.results[wl].texts,
+                "cache_server_stats": p.cache_stats,
+            }
+            for p in ps
+        ]
+        ext = statistics.median(p.results[wl].external_hits for p in ps)
+        failed = sum(p.results[wl].failed for p in ps)
+        rows.append(
+            Row(wl, system, budget, phase, med, ext, f"{equal}/{total}" if total else "–", failed, samples)
+        )
+    return rows
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or ``None`` when either is missing or ``b`` is 0."""
+    return a / b if a is not None and b else None
+
+
+def fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A figure for the table: ``–`` for a missing or NaN value."""
+    return "–" if v is None or v != v else f"{v:{spec}}{suffix}"
+
+
+def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown table and its rows as dicts (ratios included) for the JSON.
+
+    The ratio columns divide this row's medians by the other row's medians; the targets
+    (:func:`targets`) divide within each run instead."""
+
+    def find(wl: str, system: str, budget: str, phase: str) -> Row | None:
+        return next(
+            (r for r in rows if (r.workload, r.system, r.budget, r.phase) == (wl, system, budget, phase)),
+            None,
+        )
+
+    lines = [
+        "| workload | system | budget | phase | req/s | tok/s | TTFT p50 ms | p90 | p99 | mean | "
+        "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | external hit tokens | outputs = none "
+        "| failed requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    out = []
+    for r in rows:
+        none = find(r.workload, "none", "–", "cold")
+        lmc = [x for s in LMCACHE_SYSTEMS if (x := find(r.workload, s, r.budget, r.phase)) is not None]
+        best = (
+            max(lmc, key=lambda x: x.metrics["tok_per_s"])
+            if lmc and r.system not in ("none", "floor")
+            else None
+        )
+        m = r.metrics
+        vs_none = ratio(m["tok_per_s"], none.metrics["tok_per_s"]) if none else None
+        vs_lmc = ratio(m["tok_per_s"], best.metrics["tok_per_s"]) if best else None
+        p50_lmc = ratio(m["ttft_p50_ms"], best.metrics["ttft_p50_ms"]) if best else None
+        lines.append(
+            f"| {r.workload} | {r.system} | {r.budget} | {r.phase} | {fmt(m['req_per_s'])} | {fmt(m['tok_per_s'], '.0f')} | "
+            f"{fmt(m['ttft_p50_ms'], '.0f')} | {fmt(m['ttft_p90_ms'], '.0f')} | {fmt(m['ttft_p99_ms'], '.0f')} | "
+            f"{fmt(m['ttft_mean_ms'], '.0f')} | {fmt(vs_none, '.2f', '×')} | "
+            f"{fmt(vs_lmc, '.2f', '×')}{f' ({best.system})' if best else ''} | {fmt(p50_lmc, '.2f', '×')} | "
+            f"{r.ext_hits:.0f} | {r.same_as_none} | {f'{r.failed} FAILED' if r.failed else '0'} |"
+        )
+        out.append(
+            {
+                "workload": r.workload,
+                "system": r.system,
+                "budget": r.budget,
+                "phase": r.phase,
+                **m,
+                "tok_per_s_vs_none": vs_none,
+                "lmcache_best": best.system if best else None,
+                "tok_per_s_vs_lmcache_best": vs_lmc,
+                "ttft_p50_vs_lmcache_best": p50_lmc,
+                "external_hit_tokens": r.ext_hits,
+                "outputs_equal_none": r.same_as_none,
+                "failed_requests": r.failed,
+                "samples": r.samples,
+            }
+        )
+    return "\n".join(lines), out
+
+
+# -- targets ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    """One phase a target reads: ``system`` may be :data:`LMCACHE_BEST`."""
+
+    system: str
+    budget: str
+    phase: str
+
+    def __str__(self) -> str:
+        return f"{self.system} {self.budget} {self.phase}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """``metric`` of ``num`` ÷ the same metric of ``den``, within one run, against ``bound``."""
+
+    name: str
+    metric: str  # a key of WorkloadResult.summary()
+    num: Side
+    den: Side
+    bound: float
+    at_least: bool  # True: the ratio must be >= bound; False: <= bound
+
+    @property
+    def bound_text(self) -> str:
+        """``≥ 0.95`` or ``≤ 1.00``."""
+        return f"{'≥' if self.at_least else '≤'} {self.bound:.2f}"
+
+    def met(self, value: float) -> bool:
+        """Whether one ratio meets the bound."""
+        return value >= self.bound if self.at_least else value <= self.bound
+
+
+_FLOOR_PASS2 = Side("floor", "–", "pass 2")
+_FLOOR_TC = Side("floor", "full", "tiercache restart")
+_TC_THIRD_RESTART = Side("tiercache", "third", "restart")
+_TC_THIRD_COLD = Side("tiercache", "third", "cold")
+
+#: The serving targets, for each workload: the one table of their bounds.
+TARGETS: tuple[Target, ...] = (
+    Target(
+        name="floor: tiercache restart tok/s ÷ floor's second pass",
+        metric="tok_per_s",
+        num=_FLOOR_TC,
+        den=_FLOOR_PASS2,
+        bound=0.95,
+        at_least=True,
+    ),
+    Target(
+        name="floor: tiercache restart mean TTFT ÷ floor's second pass",
+        metric="ttft_mean_ms",
+        num=_FLOOR_TC,
+        den=_FLOOR_PASS2,
+        bound=1.00,
+        at_least=False,
+    ),
+    Target(
+        name="third: restart tok/s ÷ LMCache best",
+        metric="tok_per_s",
+        num=_TC_THIRD_RESTART,
+        den=Side(LMCACHE_BEST, "third", "restart"),
+        bound=1.15,
+        at_least=True,
+    ),
+    Target(
+        name="third: restart TTFT p50 ÷ LMCache best",
+        metric="ttft_p50_ms",
+        num=_TC_THIRD_RESTART,
+        den=Side(LMCACHE_BEST, "third", "restart"),
+        bound=0.80,
+        at_least=False,
+    ),
+    Target(  # "no worse than LMCache's (±5%)": faster is no miss
+        name="third: cold tok/s ÷ LMCache best",
+        metric="tok_per_s",
+        num=_TC_THIRD_COLD,
+        den=Side(LMCACHE_BEST, "third", "cold"),
+        bound=0.95,
+        at_least=True,
+    ),
+    Target(
+        name="third: cold tok/s ÷ none",
+        metric="tok_per_s",
+        num=_TC_THIRD_COLD,
+        den=Side("none", "–", "cold"),
+        bound=3.0,
+        at_least=True,
+    ),
+    Target(
+        name="restart tok/s, third ÷ full budget",
+        metric="tok_per_s",
+        num=_TC_THIRD_RESTART,
+        den=Side("tiercache", "full", "restart"),
+        bound=0.95,
+        at_least=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class RunValue:
+    """A target's ratio in one run; ``value`` is ``None`` and ``failed`` says why when it has none."""
+
+    run: int
+    value: float | None
+    versus: str  # the denominator's system (which LMCache system was the best in this run)
+    failed: str | None = None
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """One target on one workload: every run's ratio, their median and the verdict."""
+
+    workload: str
+    target: Target
+    runs: tuple[RunValue, ...]
+
+    @property
+    def median(self) -> float | None:
+        """The median of the runs' ratios; ``None`` when any run has none."""
+        if not self.runs or any(r.value is None for r in self.runs):
+            return None
+        return statistics.median(r.value for r in self.runs if r.value is not None)
+
+    @property
+    def verdict(self) -> str:
+        """``MET`` or ``MISSED`` by the median, ``FAILED`` when a run has no ratio."""
+        m = self.median
+        if m is None:
+            return "FAILED"
+        return "MET" if self.target.met(m) else "MISSED"
+
+    @property
+    def met_runs(self) -> int:
+        """How many runs' own ratio meets the bound."""
+        return sum(r.value is not None and self.target.met(r.value) for r in self.runs)
+
+    def line(self) -> str:
+        """The printed line: median, every run's value, the bound and the verdict."""
+        per_run = ", ".join(
+            f"FAILED ({r.failed})"
+            if r.value is None
+            else f"{r.value:.2f}" + (f" ({r.versus})" if self.target.den.system == LMCACHE_BEST else "")
+            for r in self.runs
+        )
+        return (
+            f"- {self.workload}: {self.target.name} = {fmt(self.median)} (median of runs: {per_run}; bound "
+            f"{self.target.bound_text}): {self.verdict} (met in {self.met_runs} of {len(self.runs)} runs)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON record."""
+        return {
+            "workload": self.workload,
+            "target": self.target.name,
+            "metric": self.target.metric,
+            "numerator": str(self.target.num),
+            "denominator": str(self.target.den),
+            "bound": self.target.bound_text,
+            "value": self.median,
+            "verdict": self.verdict,
+            "met_runs": self.met_runs,
+            "runs": [
+                {"run": r.run, "value": r.value, "versus": r.versus, "failed": r.failed} for r in self.runs
+            ],
+        }
+
+
+def _candidates(phases: list[Phase], wl: str, side: Side, run: int) -> list[Phase]:
+    systems = LMCACHE_SYSTEMS if side.system == LMCACHE_BEST else (side.system,)
+    return [
+        p
+        for p in phases
+        if p.run == run
+        and p.system in systems
+        and (p.budget, p.phase) == (side.budget, side.phase)
+        and wl in p.results
+    ]
+
+
+def _run_value(phases: list[Phase], wl: str, target: Target, run: int) -> RunValue:
+    """The target's ratio within one run, or why it has none."""
+    picked: list[Phase] = []
+    for side in (target.num, target.den):
+        cands = _candidates(phases, wl, side, run)
+        if not cands:
+            return RunValue(run, None, side.system, f"no {side} phase in run {run + 1}")
+        for p in cands:  # LMCache best compares both LMCache systems: a failure in either fails it
+            if p.results[wl].failed:
+                return RunValue(
+                    run,
+                    None,
+                    p.system,
+                    f"{p.results[wl].failed} failed requests in {p.system} {side.budget} {side.phase}",
+                )
+        picked.append(max(cands, key=lambda p: p.results[wl].summary()["tok_per_s"]))
+    num, den = (p.results[wl].summary()[target.metric] for p in picked)
+    value = ratio(num, den)
+    if value is None or value != value:
+        return RunValue(run, None, picked[1].system, f"no {target.metric} to divide in run {run + 1}")
+    return RunValue(run, value, picked[1].system)
+
+
+def targets(phases: list[Phase]) -> list[TargetResult]:
+    """Every target whose two phases ran (in any run), on every workload, ratio within each run."""
+    runs = sorted({p.run for p in phases})
+    out = []
+    for wl in WORKLOADS:
+        for t in TARGETS:
+            if not any(_candidates(phases, wl, t.num, r) and _candidates(phases, wl, t.den, r) for r in runs):
+                continue  # not part of this benchmark's selection
+            out.append(TargetResult(wl, t, tuple(_run_value(phases, wl, t, r) for r in runs)))
+    return out
+
+
+def format_targets(results: list[TargetResult]) -> str:
+    """The ``Targets:`` section the benchmark prints, one line a target."""
+    return "\n".join(r.line() for r in results)

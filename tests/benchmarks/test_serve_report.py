@@ -1,0 +1,222 @@
+"""The serving benchmark's table and targets (``benchmarks/serve_report.py``) on made-up phases.
+
+No vLLM and no server: each test builds the :class:`Phase` records ``benchmarks/serve.py`` would
+collect from its runs, with figures chosen so that a ratio of medians and a median of within-run
+ratios differ, and checks what the report computes from them. ``benchmarks/serve.py --quick`` (real
+servers) is a command in docs/benchmarks.md; what it exercises end to end is
+tests/e2e/test_openai_server.py's.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from benchmarks.serve_report import (
+    LMCACHE_BEST,
+    TARGETS,
+    Phase,
+    TargetResult,
+    WorkloadResult,
+    format_targets,
+    rows_of,
+    table,
+    targets,
+)
+
+DURATION_S = 10.0
+
+
+def result(tok_per_s: float, ttft_ms: float = 100.0, failed: int = 0, text: str = "a b") -> WorkloadResult:
+    """A prefix workload whose tok/s is ``tok_per_s`` and whose every TTFT (so p50 and mean) is ``ttft_ms``."""
+    return WorkloadResult(
+        workload="prefix",
+        duration_s=DURATION_S,
+        requests=4,
+        failed=failed,
+        total_tokens=round(tok_per_s * DURATION_S),
+        ttfts=[ttft_ms / 1e3] * 4,
+        texts=[text] * 4,
+        external_hits=128.0,
+    )
+
+
+def phase(system: str, budget: str, name: str, run: int, r: WorkloadResult) -> Phase:
+    return Phase(system, budget, name, run, 1.0, {"prefix": r})
+
+
+#: Per run: (floor pass 2, floor tiercache restart, tiercache third restart, tiercache full restart,
+#: lmcache third restart, lmcache-fs third restart), tok/s. Chosen so that the median of the within-run
+#: ratios (floor: 1.10, 0.90, 0.93 -> 0.93, missed) is not the ratio of the medians (1100 / 1100, met).
+TOK_PER_S = (
+    (1000.0, 1100.0, 1200.0, 1000.0, 1000.0, 900.0),
+    (1100.0, 990.0, 1000.0, 1000.0, 800.0, 1000.0),
+    (1200.0, 1116.0, 1100.0, 1000.0, 1000.0, 1000.0),
+)
+
+
+def all_phases(failed_run: int | None = None) -> list[Phase]:
+    """Three runs of everything the targets read; ``failed_run``: tiercache third restart fails a request there."""
+    out = []
+    for run, (p2, tcf, third, full, lmc, lmc_fs) in enumerate(TOK_PER_S):
+        out += [
+            phase("none", "–", "cold", run, result(400.0)),
+            phase("floor", "–", "pass 2", run, result(p2, ttft_ms=100.0)),
+            phase("floor", "full", "tiercache restart", run, result(tcf, ttft_ms=100.0 + 5 * run)),
+            phase("tiercache", "third", "cold", run, result(1000.0)),
+            phase(
+                "tiercache",
+                "third",
+                "restart",
+                run,
+                result(third, ttft_ms=80.0, failed=int(run == failed_run)),
+            ),
+            phase("tiercache", "full", "restart", run, result(full)),
+            phase("lmcache", "third", "cold", run, result(1000.0)),
+            phase("lmcache-fs", "third", "cold", run, result(1000.0)),
+            phase("lmcache", "third", "restart", run, result(lmc, ttft_ms=100.0)),
+            phase("lmcache-fs", "third", "restart", run, result(lmc_fs, ttft_ms=120.0)),
+        ]
+    return out
+
+
+def by_name(results: list[TargetResult]) -> dict[str, TargetResult]:
+    assert {r.workload for r in results} == {"prefix"}
+    return {r.target.name: r for r in results}
+
+
+def test_the_bounds_are_the_documented_ones() -> None:
+    assert {t.name: t.bound_text for t in TARGETS} == {
+        "floor: tiercache restart tok/s ÷ floor's second pass": "≥ 0.95",
+        "floor: tiercache restart mean TTFT ÷ floor's second pass": "≤ 1.00",
+        "third: restart tok/s ÷ LMCache best": "≥ 1.15",
+        "third: restart TTFT p50 ÷ LMCache best": "≤ 0.80",
+        "third: cold tok/s ÷ LMCache best": "≥ 0.95",
+        "third: cold tok/s ÷ none": "≥ 3.00",
+        "restart tok/s, third ÷ full budget": "≥ 0.95",
+    }
+
+
+def test_each_target_is_the_median_of_its_within_run_ratios() -> None:
+    got = by_name(targets(all_phases()))
+    assert set(got) == {t.name for t in TARGETS}
+    floor = got["floor: tiercache restart tok/s ÷ floor's second pass"]
+    assert [r.value for r in floor.runs] == pytest.approx([1.1, 0.9, 0.93])
+    assert floor.median == pytest.approx(0.93)
+    medians_ratio = statistics.median(t[1] for t in TOK_PER_S) / statistics.median(t[0] for t in TOK_PER_S)
+    assert medians_ratio == pytest.approx(1.0)  # a ratio of medians would have said met
+    assert floor.verdict == "MISSED" and floor.met_runs == 1
+
+    ttft = got["floor: tiercache restart mean TTFT ÷ floor's second pass"]
+    assert [r.value for r in ttft.runs] == pytest.approx([1.00, 1.05, 1.10])
+    assert ttft.verdict == "MISSED" and ttft.met_runs == 1  # exactly at the bound is met
+
+    none = got["third: cold tok/s ÷ none"]
+    assert none.median == pytest.approx(2.5) and none.verdict == "MISSED" and none.met_runs == 0
+
+
+def test_lmcache_best_is_chosen_within_each_run() -> None:
+    got = by_name(targets(all_phases()))
+    restart = got["third: restart tok/s ÷ LMCache best"]
+    assert [r.versus for r in restart.runs] == ["lmcache", "lmcache-fs", "lmcache"]
+    assert [r.value for r in restart.runs] == pytest.approx([1.2, 1.0, 1.1])
+    assert restart.median == pytest.approx(1.1)
+    assert restart.verdict == "MISSED" and restart.met_runs == 1
+    # The p50 target divides by the same (fastest) LMCache system's p50: 80 / 100 or 80 / 120.
+    p50 = got["third: restart TTFT p50 ÷ LMCache best"]
+    assert [r.value for r in p50.runs] == pytest.approx([0.8, 80 / 120, 0.8])
+    assert p50.verdict == "MET" and p50.met_runs == 3
+    assert restart.target.den.system == LMCACHE_BEST
+
+
+def test_the_printed_line_carries_every_run_and_the_verdict() -> None:
+    got = by_name(targets(all_phases()))
+    line = got["third: restart tok/s ÷ LMCache best"].line()
+    assert line == (
+        "- prefix: third: restart tok/s ÷ LMCache best = 1.10 (median of runs: 1.20 (lmcache), 1.00 "
+        "(lmcache-fs), 1.10 (lmcache); bound ≥ 1.15): MISSED (met in 1 of 3 runs)"
+    )
+    text = format_targets(targets(all_phases()))
+    assert text.count("\n") == len(TARGETS) - 1
+    assert "= 0.93 (median of runs: 1.10, 0.90, 0.93; bound ≥ 0.95): MISSED (met in 1 of 3 runs)" in text
+
+
+def test_a_failed_request_fails_its_row_and_every_target_that_reads_it() -> None:
+    phases = all_phases(failed_run=1)
+    rows = {(r.system, r.budget, r.phase): r for r in rows_of(phases)}
+    assert rows["tiercache", "third", "restart"].failed == 1
+    assert all(r.failed == 0 for key, r in rows.items() if key != ("tiercache", "third", "restart"))
+    text, out = table(list(rows.values()))
+    [line] = [ln for ln in text.splitlines() if "| prefix | tiercache | third | restart |" in ln]
+    assert line.endswith("| 1 FAILED |")
+    assert {(d["system"], d["phase"], d["failed_requests"]) for d in out if d["failed_requests"]} == {
+        ("tiercache", "restart", 1)
+    }
+
+    got = by_name(targets(phases))
+    reads_it = {
+        t.name
+        for t in TARGETS
+        if ("tiercache", "third", "restart") in {(s.system, s.budget, s.phase) for s in (t.num, t.den)}
+    }
+    assert len(reads_it) == 3
+    for name, r in got.items():
+        if name in reads_it:
+            assert r.verdict == "FAILED" and r.median is None, name
+            assert r.runs[1].value is None and "1 failed requests in tiercache third restart" in (
+                r.runs[1].failed or ""
+            )
+            line = r.line()
+            assert "FAILED (1 failed requests in tiercache third restart)" in line, line
+            assert "): FAILED (met in " in line, line
+        else:
+            assert r.verdict in ("MET", "MISSED"), name
+
+
+def test_a_failed_request_on_either_lmcache_system_fails_the_lmcache_best_targets() -> None:
+    phases = [
+        Phase(p.system, p.budget, p.phase, p.run, p.start_s, {"prefix": result(1.0, failed=1)})
+        if (p.system, p.phase, p.run) == ("lmcache-fs", "cold", 0)  # the slower one in every run
+        else p
+        for p in all_phases()
+    ]
+    got = by_name(targets(phases))
+    assert got["third: cold tok/s ÷ LMCache best"].verdict == "FAILED"
+    assert got["third: restart tok/s ÷ LMCache best"].verdict == "MISSED"
+
+
+def test_a_phase_missing_from_one_run_fails_its_targets() -> None:
+    phases = [p for p in all_phases() if (p.system, p.phase, p.run) != ("none", "cold", 2)]
+    r = by_name(targets(phases))["third: cold tok/s ÷ none"]
+    assert r.verdict == "FAILED" and r.runs[2].failed == "no none – cold phase in run 3"
+    assert [x.value for x in r.runs[:2]] == pytest.approx([2.5, 2.5])
+
+
+def test_targets_whose_phases_did_not_run_are_left_out() -> None:
+    quick = [  # what --quick runs: none and tiercache, the full budget, no floor
+        phase("none", "–", "cold", 0, result(400.0)),
+        phase("tiercache", "full", "cold", 0, result(500.0)),
+        phase("tiercache", "full", "restart", 0, result(900.0)),
+    ]
+    assert targets(quick) == []
+    text, out = table(rows_of(quick))
+    assert [(d["system"], d["phase"], d["outputs_equal_none"]) for d in out] == [
+        ("none", "cold", "4/4"),
+        ("tiercache", "cold", "4/4"),
+        ("tiercache", "restart", "4/4"),
+    ]
+    assert [d["tok_per_s_vs_none"] for d in out] == pytest.approx([1.0, 1.25, 2.25])
+    assert len(text.splitlines()) == 2 + len(out)
+
+
+def test_outputs_are_compared_with_none_request_by_request_within_each_run() -> None:
+    phases = [
+        phase("none", "–", "cold", 0, result(400.0, text="x")),
+        phase("none", "–", "cold", 1, result(400.0, text="y")),
+        phase("tiercache", "full", "restart", 0, result(900.0, text="x")),
+        phase("tiercache", "full", "restart", 1, result(900.0, text="x")),  # run 2's none said "y"
+    ]
+    rows = {(r.system, r.phase): r for r in rows_of(phases)}
+    assert rows["tiercache", "restart"].same_as_none == "4/8"
+    assert rows["tiercache", "restart"].ext_hits == 128.0
