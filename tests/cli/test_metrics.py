@@ -102,3 +102,17 @@ def test_latency_histograms_are_exported_with_cumulative_buckets_in_seconds() ->
     assert sample(text, f"{transfer}_bucket", tier="disk", op="write", le="0.00025") == 1
     assert sample(text, f"{transfer}_bucket", tier="disk", op="write", le="0.0001") == 0
     assert sample(text, f"{transfer}_count", tier="disk", op="read") == 0
+
+
+def test_chunks_lost_on_write_back_are_one_counter_by_reason_exported_from_zero(engine: TieredEngine) -> None:
+    """Exported before the first loss, so that an alert on it can be written ahead of time."""
+    with MetricsServer(engine.stats) as metrics:
+        text = scrape(metrics.url)
+    lost = "tiercache_engine_writeback_lost_total"
+    assert "# TYPE tiercache_engine_writeback_lost_total counter" in text
+    assert sample(text, lost, reason="queue_full") == sample(text, lost, reason="write_failed") == 0
+
+    text = render({"engine": {"writeback_lost_queue_full": 7, "writeback_lost_write_failed": 2}})
+    assert sample(text, lost, reason="queue_full") == 7
+    assert sample(text, lost, reason="write_failed") == 2
+    assert "writeback_lost_queue_full_total" not in text  # not also as a counter of its own

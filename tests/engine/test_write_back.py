@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.cli.test_metrics import sample
 from tests.conftest import FakeClock, S3Endpoint, payload_for
 from tests.engine.conftest import EngineFactory, disk_tier, l1_tier, s3_tier
 from tests.engine.test_engine import CHUNK_BYTES, FULL, prompt
@@ -24,6 +25,7 @@ from tiercache.engine import TieredEngine
 from tiercache.engine.counters import EngineCounters
 from tiercache.engine.writes import WriteBackLosses
 from tiercache.keys.object_key import ObjectKey
+from tiercache.server.metrics import render
 from tiercache.testing.faults import FaultInjectingTier, FaultPlan
 from tiercache.testing.poll import wait_until
 from tiercache.tier import Tier
@@ -35,9 +37,13 @@ REPORTED = re.compile(r"write-back lost (\d+) chunks?")
 def store_one_at_a_time(engine: TieredEngine, keys: list[ObjectKey]) -> None:
     """Store each chunk and wait until it is on disk before the next, so that no write-through to
     the disk is dropped and every chunk missing later went missing on write-back."""
+
+    def on_disk(n: int) -> Callable[[], bool]:
+        return lambda: engine.counters.snapshot()["l2_writes"] == n
+
     for n, key in enumerate(keys, start=1):
         assert engine.put(key, payload_for(key, CHUNK_BYTES))
-        wait_until(lambda n=n: engine.counters.snapshot()["l2_writes"] == n, what=f"chunk {n} on disk")
+        wait_until(on_disk(n), what=f"chunk {n} on disk")
 
 
 def in_no_tier(keys: list[ObjectKey], tiers: list[Tier]) -> list[ObjectKey]:
@@ -92,6 +98,8 @@ def test_a_chunk_evicted_from_disk_while_the_s3_queue_is_full_is_counted_and_war
     # Not a write-through drop (the chunk would still be on disk), nor a failed write.
     assert counted["l3_queue_drops"] == counted["l2_queue_drops"] == counted["write_failures"] == 0
     assert counted["stores_dropped"] == 0
+    scraped = render(engine.stats())
+    assert sample(scraped, "tiercache_engine_writeback_lost_total", reason="queue_full") == len(lost)
 
     engine.close()  # reports what the last rate-limited warning did not
     reported = reported_losses(caplog)

@@ -13,6 +13,10 @@ with the tier as a label)::
     tiercache_tier_evictions_total{tier="l1",reason="capacity"}                    (counter)
     tiercache_engine_lookups_total                       one per engine counter    (counters)
     tiercache_engine_queue_depth{queue="l2"}             write-through backlog     (gauge)
+    tiercache_engine_writeback_lost_total{reason="queue_full"}
+                                                         chunks the disk evicted that never
+                                                         reached S3 (write-back), so in no tier;
+                                                         reason queue_full/write_failed (counter)
     tiercache_lookup_duration_seconds{outcome="hit"}     lookup arrival to reply sent, by
                                                          outcome hit/miss/error    (histogram)
     tiercache_tier_transfer_duration_seconds{tier="disk",op="read"}
@@ -61,6 +65,9 @@ StatsSource = Callable[[], Mapping[str, Any]]
 
 # prometheus_client leaves this helper unannotated: a float bound → its Go-style text ("+Inf", "1e+07").
 _go_float = cast("Callable[[float], str]", floatToGoString)
+
+# Engine counters ``writeback_lost_<reason>``: one family with the reason as a label.
+_WRITEBACK_LOST = "writeback_lost_"
 
 # Tier counters whose name is not already a Prometheus name (bytes go last: ``*_bytes_total``).
 _TIER_RENAMES = {"bytes_written": "written_bytes", "bytes_read": "read_bytes"}
@@ -168,12 +175,21 @@ class EngineCollector(Collector):
         depth = GaugeMetricFamily(
             "tiercache_engine_queue_depth", "Writes waiting in a write-through queue.", labels=["queue"]
         )
+        lost = CounterMetricFamily(
+            "tiercache_engine_writeback_lost",
+            "Chunks the disk evicted for write-back that never reached S3 (so in no tier), by reason: "
+            "the S3 queue was full, or the S3 write failed.",
+            labels=["reason"],
+        )
         for name, value in sorted(engine.items()):
             if name.endswith("_queue_depth"):
                 depth.add_metric([name.removesuffix("_queue_depth")], value)
+            elif name.startswith(_WRITEBACK_LOST):
+                lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
             else:
                 yield CounterMetricFamily(f"tiercache_engine_{name}", f"Engine counter {name}.", value=value)
         yield depth
+        yield lost
 
         tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
         gauges = {
