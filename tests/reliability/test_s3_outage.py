@@ -186,8 +186,10 @@ def test_s3_outage_brownout_and_5xx_keep_serving_and_recover(
                 assert d.wrong == 0
                 assert warm_hits == 6 * 2 * CHUNKS  # L1/L2 kept serving every chunk they hold
                 assert cold_hits == 0
-                assert row["s3_errors"] > 0  # the fault was seen and counted
-                assert during["tiers"]["s3"]["errors"] >= s3b["errors"]
+                # The fault was seen and counted while it lasted (an operator watching the metrics
+                # during the outage sees it), not only once S3 answered again.
+                assert during["tiers"]["s3"]["errors"] > s3b["errors"], label
+                assert row["s3_errors"] > 0
 
             # No write-through is lost silently: every chunk that reached the disk either reached S3
             # or is counted as a failed (or skipped) write or a queue drop.
