@@ -59,6 +59,8 @@ _JOBS_PER_WORKER = 64
 #: Frames above max_message_bytes but below this multiple get an error reply; above it libzmq drops
 #: the connection before the bytes are buffered (``MAXMSGSIZE``), so a huge frame cannot exhaust memory.
 _HARD_LIMIT_FACTOR = 2
+#: ZMTP heartbeats on tcp: a peer silent for 3 of these loses its connection (and so its routing id).
+_ZMTP_HEARTBEAT_MS = 2000
 
 
 @dataclass(slots=True)
@@ -217,7 +219,13 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes * _HARD_LIMIT_FACTOR + 4096)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client with the same id takes over
+        # No ROUTER_HANDOVER: a second connection with a routing id already connected is turned
+        # away, so copying a client's id (it travels in the clear without CURVE) cannot take over
+        # its connection. A client whose connection died reconnects once the server sees it gone
+        # (at once on ipc; on tcp by the ZMTP heartbeats below) or comes back with a new id.
+        if opts.listen.startswith("tcp://"):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_MS * 3)
         try:
             if opts.listen.startswith("tcp://"):
                 self._auth = setup_curve(ctx, sock, opts)
@@ -282,44 +290,55 @@ class Server:
             if len(frames) < 2:
                 continue
             identity = frames[0]
-            reply = self._handle(identity, frames[1:])
+            reply, signed = self._handle(identity, frames[1:])
             if reply is not None:
-                self._send(sock, identity, reply)
+                self._send(sock, identity, reply, signed)
 
-    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p._Msg) -> None:
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p._Msg, signed: bool = True) -> None:
+        """Send ``reply``; on a shared-secret session (and ``signed``) with its tag frame. Replies to
+        requests that did not prove the session are never signed: the client does not believe them,
+        save the errors that tell it to say hello again."""
         if isinstance(reply, p.ErrorReply):
             self._counters["errors"] += 1
+        body = self._codec.encode(reply)
+        session = self._sessions.get(identity) if signed else None
+        msg = (
+            [identity, body]
+            if session is None or session.seal is None
+            else [identity, body, session.seal.seal(body)]
+        )
         try:
-            sock.send_multipart([identity, self._codec.encode(reply)], zmq.NOBLOCK)
+            sock.send_multipart(msg, zmq.NOBLOCK)
         except zmq.Again:
             log.debug("reply to a client dropped: its queue is full")
         except zmq.ZMQError as exc:
             log.debug("reply to a client dropped: %s", exc)
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> p._Msg | None:
-        """Decode and dispatch one request; every failure becomes an error reply."""
+    def _handle(self, identity: bytes, frames: list[bytes]) -> tuple[p._Msg | None, bool]:
+        """Decode and dispatch one request; every failure becomes an error reply. Also says whether
+        the reply may be signed: only when the request proved the session (or opened it)."""
         self._received = time.perf_counter()
         self._counters["requests"] += 1
         now = time.monotonic()
-        session = self._sessions.get(identity)
-        if session is not None:
-            session.last_seen = now
-        frame = frames[0]
-        if len(frames) != 1:
+        if len(frames) not in (1, 2):
             return p.ErrorReply(
-                code=p.ErrorCode.MALFORMED, message=f"a request is one frame, got {len(frames)}"
-            )
+                code=p.ErrorCode.MALFORMED,
+                message=f"a request is one frame (and its tag on a shared-secret server), got {len(frames)}",
+            ), False
+        frame = frames[0]
+        tag = frames[1] if len(frames) == 2 else None
         if len(frame) > self.options.max_message_bytes:
             return p.ErrorReply(
                 code=p.ErrorCode.TOO_LARGE,
                 message=f"message of {len(frame)} bytes exceeds the server's max_message_bytes "
                 f"{self.options.max_message_bytes}; store large chunks through the arena",
-            )
+            ), False
         try:
             msg = self._codec.requests.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             req_id, code, message = self._codec.classify_bad_request(frame)
-            return p.ErrorReply(req_id=req_id, code=code, message=message)
+            return p.ErrorReply(req_id=req_id, code=code, message=message), False
+        signed = False
         try:
             if self._stop_requested.is_set():
                 raise Refused(
@@ -329,20 +348,31 @@ class Server:
                 reply: p._Msg | None = self._sessions.challenge(identity)
             elif isinstance(msg, p.Hello):
                 reply = self._sessions.hello(identity, msg, now)
-            elif session is None:
-                raise Refused(
-                    p.ErrorCode.HELLO_REQUIRED,
-                    "send hello first (new connection, or the server restarted)",
-                )
+                signed = True  # with the key this hello just proved: the client checks the server
             else:
+                session = self._sessions.get(identity)
+                if session is None:
+                    raise Refused(
+                        p.ErrorCode.HELLO_REQUIRED,
+                        "send hello first (new connection, or the server restarted)",
+                    )
+                if not self._sessions.verify(session, frame, tag):
+                    raise Refused(
+                        p.ErrorCode.AUTH_FAILED,
+                        "this request does not carry its session's signature (signed by another "
+                        "session, replayed, or sent by a client of another tiercache version); the "
+                        "session is untouched: say hello again with the shared secret",
+                    )
+                session.last_seen = now
+                signed = True
                 reply = self._handlers[type(msg)](session, msg)
         except Refused as exc:
-            return p.ErrorReply(req_id=msg.req_id, code=exc.code, message=exc.message)
+            return p.ErrorReply(req_id=msg.req_id, code=exc.code, message=exc.message), signed
         except Exception as exc:  # never crash the loop on client input
-            return error_reply(msg.req_id, exc)
+            return error_reply(msg.req_id, exc), signed
         if reply is not None:
             reply.req_id = msg.req_id
-        return reply
+        return reply, signed
 
     # -- offloading to the I/O executor ----------------------------------------------------------
     def _offload(
@@ -403,6 +433,7 @@ class Server:
         return {
             **self._counters,
             "clients_expired": self._sessions.expired,
+            "refused_unsigned": self._sessions.refused_unsigned,
             **self._sessions.counts(),
             "in_flight": self._inflight,
             "eviction_records": len(self.evictions),

@@ -1,5 +1,9 @@
 """Who holds what: one session per connected client (ROUTER identity), and the handshake.
 
+On a server with a shared secret a session is also its :class:`~tiercache.wire.auth.SessionSeal`:
+the key proved at hello signs every later request and reply, so a connection that copies a client's
+routing id, or replays its recorded requests, gets nothing of its session (:meth:`Sessions.verify`).
+
 A session owns the client's open reservations, read leases and promotion tickets; the tokens of all
 sessions are indexed so that a client naming another's token is told ``not_owner`` rather than
 ``unknown_token``. A client silent for the heartbeat timeout loses its session and everything it
@@ -22,7 +26,7 @@ from tiercache.l1.tier import L1Tier
 from tiercache.server.replies import Refused
 from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.wire import protocol as p
-from tiercache.wire.auth import check_proof
+from tiercache.wire.auth import SessionSeal, check_proof, session_key
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class Session:
     reservations: dict[int, WriteHandle] = field(default_factory=dict)
     leases: dict[int, ReadHandle] = field(default_factory=dict)
     tickets: dict[int, PrefetchTicket] = field(default_factory=dict)
+    #: The session key's seal (shared-secret servers only): requests must carry its tag.
+    seal: SessionSeal | None = None
 
 
 class Sessions:
@@ -54,6 +60,7 @@ class Sessions:
         self._ticket_owner: dict[int, bytes] = {}
         self._nonces: OrderedDict[bytes, bytes] = OrderedDict()
         self.expired = 0  # sessions dropped for missed heartbeats
+        self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
 
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)
@@ -77,6 +84,7 @@ class Sessions:
                 f"(tiercache {SERVER_VERSION}); install matching tiercache versions",
             )
         secret = self._options.auth_secret
+        seal = None
         if secret:
             nonce = self._nonces.pop(identity, None)
             if nonce is None or not check_proof(secret, nonce, msg.auth):
@@ -85,11 +93,20 @@ class Sessions:
                     "this server requires the shared secret: give the client the same auth secret "
                     "as the server (--auth-secret / TIERCACHE_AUTH_SECRET)",
                 )
+            if len(msg.client_nonce) < 16:
+                raise Refused(
+                    p.ErrorCode.AUTH_FAILED,
+                    "a hello to a shared-secret server needs a client nonce of at least 16 bytes; "
+                    "install the same tiercache version on the client",
+                )
+            seal = SessionSeal(session_key(secret, nonce, msg.client_nonce), to_server=False)
         session = self.by_identity.get(identity)
         if session is None:
-            self.by_identity[identity] = Session(identity, msg.client_name[:128], now)
+            session = self.by_identity[identity] = Session(identity, msg.client_name[:128], now)
         else:
             session.last_seen = now
+        # A new proof is a new key: what the old key signed (or a copy of it) is not taken again.
+        session.seal = seal
         opts = self._options
         return p.HelloReply(
             protocol_version=p.PROTOCOL_VERSION,
@@ -101,6 +118,16 @@ class Sessions:
             heartbeat_timeout_s=opts.heartbeat_timeout_s,
             max_message_bytes=opts.max_message_bytes,
         )
+
+    def verify(self, session: Session, frame: bytes, tag: bytes | None) -> bool:
+        """Whether a request may use ``session``: on a shared-secret server only with the session
+        key's tag, fresh (a replay or a copied routing id fails here and is counted)."""
+        if session.seal is None:
+            return tag is None
+        if tag is not None and session.seal.open(frame, tag):
+            return True
+        self.refused_unsigned += 1
+        return False
 
     # -- what sessions hold --------------------------------------------------------------------
     def hold_reservation(self, session: Session, handle: WriteHandle) -> None:

@@ -45,7 +45,7 @@ from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import SharedArena
 from tiercache.wire import protocol as p
-from tiercache.wire.auth import auth_proof
+from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -92,10 +92,18 @@ class _State:
     #: Async requests given up on (their timeout passed) whose late reply may still come: a ticket
     #: it carries is released at once, so nothing stays pinned for a caller that gave up.
     abandoned: set[int] = field(default_factory=set)
+    #: The session key's seal, from the hello of a client with a shared secret: signs every request
+    #: after the handshake and checks every reply (:mod:`tiercache.wire.auth`).
+    seal: SessionSeal | None = None
+    #: Replies dropped because the server did not sign them (forged, or from another session).
+    unsigned_replies: int = 0
 
 
 #: Timed-out async requests remembered for their late replies; beyond this many, none will come.
 _MAX_ABANDONED = 4096
+#: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
+#: believed unsigned: the worst a forged one does is make the client say hello again or give up.
+_UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
 
 
 def _events(since: int, fingerprints: Sequence[Fingerprint], limit: int) -> p.Events:
@@ -210,6 +218,7 @@ class Client:
         st.hello = None
         st.pending.clear()
         st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
+        st.seal = None
         if not self._closed.is_set():
             self._connect()
 
@@ -269,7 +278,7 @@ class Client:
             self._connect()
         assert st.sock is not None
         try:
-            st.sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+            self._write(st.sock, msg)
         except zmq.Again as exc:
             raise ServerUnavailableError(
                 f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
@@ -281,6 +290,15 @@ class Client:
         )
         return req_id
 
+    def _write(self, sock: zmq.Socket[bytes], msg: p._Msg) -> None:
+        """Encode and send ``msg``, with its tag after the handshake of a shared-secret session."""
+        body = self._codec.encode(msg)
+        seal = self._state.seal
+        if seal is None or isinstance(msg, (p.Hello, p.Challenge)):
+            sock.send(body, zmq.NOBLOCK)
+        else:
+            sock.send_multipart([body, seal.seal(body)], zmq.NOBLOCK)
+
     def _drain(self, wait_s: float) -> None:
         """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
         sock = self._state.sock
@@ -289,9 +307,10 @@ class Client:
             return
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            frame = frames[0]
             try:
                 reply = self._codec.replies.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -300,6 +319,9 @@ class Client:
                     "for the server and its clients",
                     "malformed",
                 ) from exc
+            if not self._believe(reply, frame, frames[1] if len(frames) == 2 else None):
+                self._state.unsigned_replies += 1
+                continue
             entry = self._state.pending.get(reply.req_id)
             if entry is not None:
                 entry.reply, entry.done = reply, True
@@ -307,6 +329,16 @@ class Client:
                 self._state.abandoned.discard(reply.req_id)
                 if isinstance(reply, p.LookupReply) and reply.ticket:
                     self._release_late_ticket(reply.ticket)
+
+    def _believe(self, reply: p._Msg, frame: bytes, tag: bytes | None) -> bool:
+        """Whether a reply comes from the server this session proved the secret to: with a shared
+        secret every reply carries the session's fresh tag, save the refusals it cannot sign."""
+        seal = self._state.seal
+        if seal is None:
+            return tag is None
+        if tag is not None:
+            return seal.open(frame, tag)
+        return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
 
     def _release_late_ticket(self, ticket: int) -> None:
         """Release a ticket that came in a late reply; fire and forget (its reply is dropped)."""
@@ -316,7 +348,7 @@ class Client:
         msg = p.ReleaseTicket(ticket=ticket)
         msg.req_id = next(self._ids)
         try:
-            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+            self._write(sock, msg)
         except zmq.ZMQError:
             pass  # the session's tickets go when the server drops the session
 
@@ -374,13 +406,31 @@ class Client:
         raise AssertionError("unreachable")
 
     def _say_hello(self, timeout: float | None) -> ServerInfo:
-        auth = b""
+        st = self._state
+        st.seal = None  # a new handshake: the challenge's reply comes unsigned
+        dropped = st.unsigned_replies
+        auth = client_nonce = b""
         if self._secret:
             nonce = self._call(p.Challenge(), lambda r: r.nonce, timeout)
             auth = auth_proof(self._secret, nonce)
-        msg = p.Hello(protocol_version=p.PROTOCOL_VERSION, client_name=self._name, auth=auth)
-        info: ServerInfo = self._call(msg, timeout=timeout)
-        self._state.hello = info
+            client_nonce = secrets.token_bytes(16)
+            # Before the hello is sent: its reply must already carry the new session's tag.
+            st.seal = SessionSeal(session_key(self._secret, nonce, client_nonce), to_server=True)
+        msg = p.Hello(
+            protocol_version=p.PROTOCOL_VERSION, client_name=self._name, auth=auth, client_nonce=client_nonce
+        )
+        try:
+            info: ServerInfo = self._call(msg, timeout=timeout)
+        except ServerUnavailableError as exc:
+            if self._secret and st.unsigned_replies > dropped:
+                raise AuthenticationError(
+                    f"the server at {self.endpoint} answered the hello without proving the shared secret "
+                    "(it runs without --auth-secret, with another secret, or something between rewrote its "
+                    "reply); give the server and this client the same secret",
+                    p.ErrorCode.AUTH_FAILED.value,
+                ) from exc
+            raise
+        st.hello = info
         if self._arena is not None and self._arena.name != info.arena_name:
             self._arena.close()  # the server restarted with a new arena
             self._arena = None

@@ -1,7 +1,8 @@
 """The wire protocol between the tiercache server and its clients (connector halves, CLI, tools).
 
 Transport: ZeroMQ, the client a ``DEALER``, the server a ``ROUTER``. Every message is **one frame**
-holding one msgpack-encoded :class:`msgspec.Struct`. Requests and replies are tagged unions: the
+holding one msgpack-encoded :class:`msgspec.Struct`; on a server with a shared secret every message
+after the handshake, both ways, is followed by a second frame, its tag (:mod:`tiercache.wire.auth`). Requests and replies are tagged unions: the
 ``op`` field names the message (``{"op": "lookup", ...}``), so a decoder never guesses and nothing is
 ever pickled. Each request carries a client-chosen ``req_id`` that its reply echoes, so a client may
 have many requests in flight (the scheduler's non-blocking lookups) and match replies as they come.
@@ -26,8 +27,9 @@ from typing import Any
 
 import msgspec
 
-#: Bumped on any change that an older peer could misread (see the module docstring).
-PROTOCOL_VERSION = 1
+#: Bumped on any change that an older peer could misread (see the module docstring). 2: messages of
+#: a shared-secret session carry a tag frame, and :class:`Hello` a client nonce.
+PROTOCOL_VERSION = 2
 
 
 class ErrorCode(enum.StrEnum):
@@ -136,11 +138,13 @@ class ExplainEntry(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class Hello(_Msg, tag="hello"):
     """First message of every connection. ``auth`` is HMAC-SHA256(secret, nonce) with the nonce
-    from :class:`Challenge` when the server requires a shared secret."""
+    from :class:`Challenge` when the server requires a shared secret; ``client_nonce`` (random, the
+    client's own) goes into the session key that signs every later message both ways."""
 
     protocol_version: int
     client_name: str = ""
     auth: bytes = b""
+    client_nonce: bytes = b""
 
 
 class Challenge(_Msg, tag="challenge"):
