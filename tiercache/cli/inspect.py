@@ -272,6 +272,8 @@ def _summary_view(data: dict[str, Any]) -> Any:
             f"l3 {e.get('l3_queue_depth', 0)}, write failures {e.get('write_failures', 0)}, "
             f"promotions {e.get('promotions', 0)}"
         )
+        if "writeback_lost_queue_full" in e:  # absent from a server older than the counter
+            parts.append(_writeback_lost_line(e))
         parts.append(
             f"server: clients {srv.get('clients', 0)}, requests {srv.get('requests', 0)}, "
             f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
@@ -279,6 +281,18 @@ def _summary_view(data: dict[str, Any]) -> Any:
     else:
         parts.append("offline: stored data only; hit rates, evictions and errors live in a server's memory")
     return Group(*parts)
+
+
+def _writeback_lost_line(engine: dict[str, Any]) -> str:
+    """Chunks lost on write-back: evicted from disk, never written to S3, in no tier now."""
+    full, failed = (
+        int(engine.get("writeback_lost_queue_full", 0)),
+        int(engine.get("writeback_lost_write_failed", 0)),
+    )
+    line = f"lost on write-back: {full + failed} chunks in no tier (S3 queue full {full}, S3 write failed {failed})"
+    if full:
+        line += "; raise --write-queue-depth (docs/caveats.md)"
+    return line
 
 
 _TIER_RANK = {name: i for i, name in enumerate(TIER_ORDER)}
