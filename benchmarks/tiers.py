@@ -5,6 +5,11 @@ baseline), then prints the table that docs/benchmarks.md reproduces. Usage::
 
     python benchmarks/tiers.py [--total-mb 256] [--rounds 5] [--json out.json] [--no-s3]
                                [--sizes 256K,2M] [--tiers l1,disk,s3]
+    python benchmarks/tiers.py --profile 2000 --sizes 256K    # where a disk put's time goes
+
+``--profile N`` runs no table: it puts N unsalted objects of the first size into a fresh disk tier
+(each key twice, the second an overwrite as in the timed rounds) under cProfile and prints the LMDB
+calls per overwrite and the functions that take the most time.
 
 Against a real S3 endpoint use ``tiercache bench --tiers s3 --s3-bucket ... --s3-endpoint-url ...``.
 """
@@ -48,6 +53,52 @@ def parse_size(text: str) -> int:
     return int(text[:-1] if scale != 1 else text) * scale
 
 
+def profile_disk_puts(count: int, size: int) -> None:
+    """Print where ``count`` overwriting ``DiskTier.put`` calls of ``size`` bytes spend their time."""
+    import cProfile
+    import pstats
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from tiercache.config import DiskConfig
+    from tiercache.keys import Fingerprint, ObjectKey
+    from tiercache.l2_disk import DiskTier
+
+    fp = Fingerprint(b"bench-profile-fp")
+    keys = [ObjectKey(fp, 0, i.to_bytes(16, "big")) for i in range(count)]
+    src = memoryview(np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes())
+    with tempfile.TemporaryDirectory(prefix="tiercache-profile-") as root:
+        tier = DiskTier(DiskConfig(path=Path(root) / "disk", budget_bytes=4 * count * size))
+        try:
+            for key in keys:  # first inserts, not profiled: the timed rounds overwrite
+                tier.put(key, src)
+            prof = cProfile.Profile()
+            prof.enable()
+            for key in keys:
+                tier.put(key, src)
+            prof.disable()
+        finally:
+            tier.close()
+    stats = pstats.Stats(prof)
+    total_s = sum(row[2] for row in stats.stats.values())
+    print(
+        f"# {count} overwriting DiskTier.put of {size} bytes: {total_s / count * 1e6:.1f} µs a put under cProfile"
+    )
+    calls: dict[str, int] = {}
+    for (_file, _line, name), row in stats.stats.items():
+        if "lmdb" in name or (
+            name.startswith("<method '")
+            and any(m in name for m in ("'get'", "'put'", "'commit'", "'delete'", "'begin'"))
+        ):
+            calls[name] = calls.get(name, 0) + int(row[1])
+    print("# LMDB and mapping calls per put (primitive calls / puts):")
+    for name, n in sorted(calls.items(), key=lambda kv: -kv[1]):
+        print(f"#   {n / count:5.2f}  {name}")
+    stats.sort_stats("tottime").print_stats(12)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mb", type=int, default=256, help="bytes per case for L1/L2 (MiB)")
@@ -64,7 +115,17 @@ def main() -> int:
     parser.add_argument(
         "--tiers", default="l1,disk,s3", help="which tiers to run, comma-separated (l1,disk,s3)"
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the table: profile N overwriting disk puts of the first --sizes",
+    )
     args = parser.parse_args()
+    if args.profile:
+        profile_disk_puts(args.profile, args.sizes[0])
+        return 0
 
     sizes: list[int] = args.sizes
     tiers = {t.strip() for t in args.tiers.split(",")}
