@@ -253,17 +253,23 @@ def test_a_hit_loads_the_state_into_the_block_at_the_boundary() -> None:
 
 
 class _LookupClient:
-    """Answers every lookup with ``reply`` and records how each was asked."""
+    """Answers every lookup with ``reply`` (or, if it is callable, with ``reply(hashes asked)``),
+    records how each was asked and the tickets released."""
 
     def __init__(self, reply: object) -> None:
-        self.reply, self.asked = reply, []  # type: ignore[var-annotated]
+        self.reply, self.asked, self.released = reply, [], []  # type: ignore[var-annotated]
+        self.hashes: list[bytes] = []
 
     def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
         self.asked.append((len(hashes), how))
+        self.hashes = list(hashes)
         return 1
 
     def poll(self, req_id: int, wait_s: float = 0.0) -> object:
-        return self.reply
+        return self.reply(self.hashes) if callable(self.reply) else self.reply
+
+    def release_ticket(self, ticket: int) -> None:
+        self.released.append(ticket)
 
 
 def _prompt_request(tokens: int = 2400, cache_salt: str | None = None, request_id: str = "r") -> object:
@@ -394,22 +400,59 @@ class _LateClient(_LookupClient):
             time.sleep(wait_s)
             return None
         time.sleep(max(left, 0.0))
-        return self.reply
+        return super().poll(req_id)
 
 
-def _hit_reply() -> object:
-    from tiercache.wire.protocol import LookupReply
+HIT_TICKET, HIT_BYTES = 9, 196608  # the ticket pinning the hit; one chunk's object (_recurrent_scheduler)
 
-    return LookupReply(chunks=0, per_tier={})
+
+def _hit_reply(chunks: int = 2) -> object:
+    """What a server answers a prefetching lookup whose first ``chunks`` chunks it holds in L1: READY,
+    pinned under ticket ``HIT_TICKET``, one slot per chunk (object group 0) of the hashes asked."""
+    from tiercache.keys import ObjectKey
+    from tiercache.keys.fingerprint import Fingerprint
+    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
+
+    def reply(hashes: list[bytes]) -> object:
+        fp = Fingerprint(bytes(16))
+        slots = [
+            Slot(ObjectKey(fp, 0, h).to_bytes(), offset=i * HIT_BYTES, nbytes=HIT_BYTES, token=100 + i)
+            for i, h in enumerate(hashes[:chunks])
+        ]
+        return LookupReply(
+            chunks=chunks,
+            per_tier={"l1": chunks},
+            state=TicketStateName.READY,
+            ticket=HIT_TICKET,
+            ready_chunks=chunks,
+            slots=slots,
+        )
+
+    return reply
 
 
 def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() -> None:
+    """A hit answered within ``lookup_wait_s`` is a hit in this step: its tokens, the ticket that pins
+    it and its slots; the load goes out with the step and the ticket is released once it ran."""
     pytest.importorskip("vllm")
-    client = _LateClient(_hit_reply(), delay_s=0.001)
+    from types import SimpleNamespace
+
+    client = _LateClient(_hit_reply(chunks=2), delay_s=0.001)
     sched = _recurrent_scheduler(client=client, recurrent=False)
     # Not (None, False), "ask again next step": vLLM can schedule the request in this step.
-    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (2 * 768, False)  # type: ignore[attr-defined]
     assert client.waits == [ConnectorSettings().lookup_wait_s] and client.waits[0] > 0
+    st = sched._reqs["r"]  # type: ignore[attr-defined]
+    assert st.ticket == HIT_TICKET
+    assert st.slots == {0: {0: (0, HIT_BYTES)}, 1: {0: (HIT_BYTES, HIT_BYTES)}}
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(1, 8)),))
+    sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 2 * 768)  # type: ignore[attr-defined]
+    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
+    assert [c.prefix_hash for c in load.chunks] == client.hashes[:2]
+    assert [c.block_ids for c in load.chunks] == [[[1, 2]], [[3, 4]]]
+    assert client.released == []  # never while a worker may copy from the slots
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, failed_recving=set()))  # type: ignore[attr-defined]
+    assert client.released == [HIT_TICKET]
 
 
 def test_with_lookup_wait_s_0_every_reply_is_collected_at_the_next_step() -> None:
