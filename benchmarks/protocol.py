@@ -3,11 +3,16 @@
 * lookup p50/p99 of a 128k-token prompt (512 chunks of 256 tokens) when every chunk is in L1, in L2
   (LMDB, after a server restart) and in L3 (moto's S3 server on 127.0.0.1, after a restart);
 * store and load throughput through the arena (this process → server process: reserve, copy, commit;
-  pin, copy, release) against a raw shared-memory copy of the same bytes in the same run.
+  pin, copy, release) against a raw shared-memory copy of the same bytes in the same run;
+* what the shared secret costs on the hot path: the L1 lookup of 512 chunks and a store of 16 chunks
+  (reserve, copy, commit) on a server with ``auth_secret`` (every message signed and checked both
+  ways) against one without, both running, measured in alternation in the same run (ipc for both,
+  so only the signing differs).
 
 The server runs in its own process over an ipc socket, as in production. Usage::
 
     python benchmarks/protocol.py [--chunk-kb 2048] [--chunks 64] [--rounds 5] [--lookups 200]
+                                  [--no-s3] [--only-auth]
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,6 +44,7 @@ from tiercache.wire.protocol import GroupRef
 
 MiB = 1 << 20
 CHUNK_TOKENS = 256
+Row = tuple[str, str, str, str]
 MANIFEST = LayoutManifest(
     model_id="bench",
     model_revision="r1",
@@ -80,6 +88,46 @@ def store_small(client: Client, group: GroupRef, hashes: list[bytes], nbytes: in
             time.sleep(0.01)
 
 
+def auth_cost(start: Callable[..., ServerProcess], hashes: list[bytes], n: int) -> list[Row]:
+    """Lookup and store p50 with and without the shared secret, alternating between the servers."""
+    secret = "bench-secret"
+    plain = start(l1_bytes=64 * MiB)
+    signed = start(l1_bytes=64 * MiB, options={"auth_secret": secret})
+    samples: dict[str, dict[bool, list[float]]] = {
+        "lookup": {False: [], True: []},
+        "store": {False: [], True: []},
+    }
+    with plain.client(timeout=60) as a, signed.client(timeout=60, auth_secret=secret) as b:
+        clients = {False: a, True: b}
+        groups = {k: c.register([(0, MANIFEST)])[0] for k, c in clients.items()}
+        for k, c in clients.items():
+            store_small(c, groups[k], hashes, 16 * 1024)
+            c.lookup(hashes, [groups[k]], prefetch=False)
+        payloads = [os.urandom(16 * 1024)] * 16
+        for i in range(n):
+            for k in (i % 2 == 0, i % 2 == 1):  # alternate which goes first
+                c, group = clients[k], groups[k]
+                t0 = time.perf_counter()
+                c.lookup(hashes, [group], prefetch=False)
+                samples["lookup"][k].append(time.perf_counter() - t0)
+                keys = [
+                    ObjectKey(Fingerprint(group.fingerprint), 0, h)
+                    for h in chunk_hashes([i, *range(16 * 16)], 16)
+                ]
+                t0 = time.perf_counter()
+                c.store_chunks(keys[:16], payloads)
+                samples["store"][k].append(time.perf_counter() - t0)
+    plain.stop()
+    signed.stop()
+    rows: list[Row] = []
+    for name, label in (("lookup", "lookup 512 chunks, L1 hits"), ("store", "store 16 x 16 KiB via arena")):
+        off, on = pct(samples[name][False], 0.5) * 1e3, pct(samples[name][True], 0.5) * 1e3
+        rows.append(
+            (f"{label}, shared secret", f"{on:.3f} ms", f"no secret {off:.3f} ms", f"ratio {on / off:.2f}x")
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-kb", type=int, default=2048, help="chunk size for the throughput rows")
@@ -87,24 +135,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lookups", type=int, default=200)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--only-auth", action="store_true", help="only the shared secret's cost (about 30 s)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tc-bench-"))
     hashes = chunk_hashes(list(range(512 * CHUNK_TOKENS)), CHUNK_TOKENS)
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[Row] = []
     procs: list[ServerProcess] = []
 
-    def start(**kw: object) -> ServerProcess:
-        spec = ServerSpec(
-            listen=f"ipc://{tmp}/s{len(procs)}/server.sock", options={"chunk_size": CHUNK_TOKENS}, **kw
-        )  # type: ignore[arg-type]
+    def start(**kw: Any) -> ServerProcess:
+        options = {"chunk_size": CHUNK_TOKENS, **kw.pop("options", {})}
+        spec = ServerSpec(listen=f"ipc://{tmp}/s{len(procs)}/server.sock", options=options, **kw)
         proc = ServerProcess(spec)
         procs.append(proc)
-        proc.wait_ready()
+        proc.wait_ready(auth_secret=options.get("auth_secret"))
         return proc
 
     moto = None
     try:
+        rows += auth_cost(start, hashes, args.lookups)
+        if args.only_auth:
+            return report(rows)
         # -- lookup latency: L1, then L2 after a restart ------------------------------------------
         disk = str(tmp / "lmdb")
         srv = start(disk_path=disk, l1_bytes=64 * MiB, disk_budget=256 * MiB)
@@ -204,6 +255,10 @@ def main() -> int:
         if moto is not None:
             moto.stop()
 
+    return report(rows)
+
+
+def report(rows: list[Row]) -> int:
     print(f"# cpus={os.cpu_count()} python={sys.version.split()[0]}")
     print(f"| {'case':<52} | {'p50 / ours':>12} | {'p99 / baseline':>20} | {'note':>14} |")
     print(f"|{'-' * 54}|{'-' * 14}|{'-' * 22}|{'-' * 16}|")
