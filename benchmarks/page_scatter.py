@@ -18,24 +18,11 @@ Needs torch (the vLLM venv)::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def median_us(fn: Callable[[], object], iters: int) -> float:
-    """Median wall time of ``fn`` in µs over ``iters`` calls, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("page_scatter: needs torch (run it with .venv-vllm/bin/python)", file=sys.stderr)
         return 2
+    from benchmarks.hashing import timed_us  # median µs over repeats, after one untimed call
     from tiercache.connector.pages import page_view
 
     torch.set_num_threads(1)
@@ -74,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         ("slice copy_ (baseline)", lambda: u8[first : first + args.pages].copy_(src)),
         ("PageView.scatter (as shipped)", lambda: view.scatter(ids, src)),
     ]
-    results = [(name, median_us(fn, args.iters)) for name, fn in cases]
+    results = [(name, timed_us(fn, args.iters)) for name, fn in cases]
     base = dict(results)["slice copy_ (baseline)"]
     print(
         f"{args.pages} pages of {args.page_kib} KiB into a {args.blocks}-block float32 tensor, torch "
