@@ -31,9 +31,10 @@ import httpx
 from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import ROOT, Completion, OpenAIServer, api_server_argv, tiny_model_flags
 from tests.e2e.pd_proxy import PDProxy
-from tests.e2e.setup import engine_stats, wait_for
+from tests.e2e.setup import engine_stats
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.testing.checkpoints import token_text
+from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -160,13 +161,28 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
     assert worst < LOGPROB_TOLERANCE, worst
 
 
+def settled_stores(server: ServerProcess) -> int:
+    """The server's ``stores`` once no store is in flight. A producer reserves a step's chunks before
+    its response returns (tiercache/connector/worker.py) and commits them after its slowed copy, so
+    once a response is back every store it made is either counted or holds a reservation: wait
+    until no reservation is open, then read."""
+    with server.client() as c:
+        wait_until(
+            lambda: c.stats()["server"]["reservations"] == 0,
+            timeout=120,
+            what="the stores in flight to commit",
+        )
+        return int(c.stats()["engine"]["stores"])
+
+
 def test_the_decode_engine_stores_nothing_and_the_prefill_engine_stores_each_chunk_once(pd: PD) -> None:
     # The first test's slowed stores may still be committing: count from once they all are.
-    stores = wait_for(pd.server, "stores", sum(n // CHUNK for n in LENGTHS), deadline_s=120)
+    stores = settled_stores(pd.server)
     prompt = token_text(make_prompts([333], seed=99)[0])
     first = pd.consumer.complete(prompt, MAX_TOKENS)  # the consumer computes it all, stores nothing
     assert first.cached_tokens == 0
+    assert settled_stores(pd.server) == stores
     through_proxy(pd.proxy, prompt)  # now the producer computes and stores it
-    assert wait_for(pd.server, "stores", stores + 333 // CHUNK) == stores + 333 // CHUNK
+    assert settled_stores(pd.server) == stores + 333 // CHUNK
     through_proxy(pd.proxy, prompt)  # the server has every chunk: nothing is stored twice
-    assert engine_stats(pd.server)["stores"] == stores + 333 // CHUNK
+    assert settled_stores(pd.server) == stores + 333 // CHUNK
