@@ -34,6 +34,7 @@ COUNTERS: tuple[str, ...] = (
     "loaded_chunks",
     "loaded_bytes",
     "load_failures",  # chunks that could not be loaded (their blocks are recomputed)
+    "lost_leases",  # of those, chunks copied under a lease that expired first (bytes not trusted)
     "stored_chunks",
     "stored_bytes",
     "store_skipped",  # chunks not stored: server down, full or busy, or a failed copy
@@ -116,6 +117,7 @@ class TierCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM i
         out["Loaded chunks"] = d["loaded_chunks"]
         out["Load GB/s"] = round(d["loaded_bytes"] / GB / d["load_seconds"], 3) if d["load_seconds"] else 0.0
         out["Load failures"] = d["load_failures"]
+        out["Lost leases"] = d["lost_leases"]
         out["Stored chunks"] = d["stored_chunks"]
         out["Store GB/s"] = (
             round(d["stored_bytes"] / GB / d["store_seconds"], 3) if d["store_seconds"] else 0.0
@@ -170,6 +172,10 @@ COUNTER_METRICS: dict[str, tuple[str, str]] = {
     "loaded_chunks": ("vllm:tiercache_loaded_chunks", "Chunks loaded from tiercache into the KV cache"),
     "loaded_bytes": ("vllm:tiercache_loaded_bytes", "Bytes loaded from tiercache into the KV cache"),
     "load_failures": ("vllm:tiercache_load_failures", "Chunks that failed to load (recomputed by vLLM)"),
+    "lost_leases": (
+        "vllm:tiercache_lost_leases",
+        "Chunks whose lease expired before their copy was done (reported failed, recomputed by vLLM)",
+    ),
     "stored_chunks": ("vllm:tiercache_stored_chunks", "Chunks stored into tiercache"),
     "stored_bytes": ("vllm:tiercache_stored_bytes", "Bytes stored into tiercache"),
     "store_skipped": ("vllm:tiercache_store_skipped", "Chunks not stored (server down, full or busy)"),

@@ -91,6 +91,7 @@ class _StepLoad:
     client: Client | None
     tokens: list[int]  # pins to release once the writes are done
     started: float
+    chunk_tokens: dict[int, list[int]] = field(default_factory=dict)  # per chunk: its pins' tokens
     planned: list[bool] = field(default_factory=list)  # per chunk: its writes are in the job
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
     job: LoadJob | None = None
@@ -154,7 +155,13 @@ class WorkerHalf:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
         self.link = link(settings, "vllm-worker", self._on_connect)
-        self.stats = {"loaded_chunks": 0, "load_failures": 0, "saved_chunks": 0, "save_skipped": 0}
+        self.stats = {
+            "loaded_chunks": 0,
+            "load_failures": 0,
+            "lost_leases": 0,
+            "saved_chunks": 0,
+            "save_skipped": 0,
+        }
         self.recorder = StatsRecorder()  # the same events per interval, for vLLM's metrics
         self._outages_counted = 0
 
@@ -247,6 +254,7 @@ class WorkerHalf:
             for i, (chunk, groups) in enumerate(zip(chunks, wanted)):
                 chunk_slots = slots[at : at + len(groups)]
                 at += len(groups)
+                load.chunk_tokens[i] = [s.token for s in chunk_slots if s is not None]
                 writes: list[tuple[int, PageWrite]] | None = None
                 try:
                     writes = None if arena is None else self._plan_chunk(i, arena, chunk, groups, chunk_slots)
@@ -324,16 +332,19 @@ class WorkerHalf:
 
     def _finish_load(self, load: _StepLoad) -> None:
         failed = load.job.finish() if load.job is not None else set()
-        loaded = [ok and i not in failed for i, ok in enumerate(load.planned)]
+        # Released before the report: a chunk is loaded only if the server confirms that every
+        # lease it was copied under was still held when the copy was done. An expired lease's slot
+        # may have been reused meanwhile, so its bytes could be another chunk's.
+        lost = self._release(load)
+        loaded = [ok and i not in failed and i not in lost for i, ok in enumerate(load.planned)]
         for ok in loaded:
             self.stats["loaded_chunks" if ok else "load_failures"] += 1
             self.recorder.add("loaded_chunks" if ok else "load_failures")
+        lost_planned = sum(1 for i, ok in enumerate(load.planned) if ok and i in lost)
+        if lost_planned:
+            self.stats["lost_leases"] += lost_planned
+            self.recorder.add("lost_leases", lost_planned)
         self._report_loads(load.meta, load.owner, loaded)
-        if load.tokens and load.client is not None:
-            try:
-                load.client.release(load.tokens)
-            except TierCacheError as exc:  # leases expire by themselves
-                self.link.failed("release after a load", exc)
         # Until the writes were done, not until this report (a synchronous load's comes after the
         # forward pass); a device load's end is only known here.
         done_at = load.job.finished_at if load.job is not None else None
@@ -341,6 +352,27 @@ class WorkerHalf:
         self.recorder.add("loaded_bytes", sum(load.nbytes.get(i, 0) for i, ok in enumerate(loaded) if ok))
         self.recorder.add("load_seconds", elapsed)
         self.recorder.add("load_durations", elapsed)
+
+    def _release(self, load: _StepLoad) -> set[int]:
+        """Release the load's leases; the chunks whose bytes no held lease vouches for (a lease
+        that had expired, or every chunk when the release itself failed)."""
+        if not load.tokens or load.client is None:
+            return set()
+        try:
+            lost = load.client.release_leases(load.tokens)
+        except TierCacheError as exc:  # the leases expire by themselves; nothing vouches for the copy
+            self.link.failed("release after a load", exc)
+            lost = set(load.tokens)
+        else:
+            if lost:
+                log.warning(
+                    "tiercache: %d of %d leases of a load expired before its copy was done "
+                    "(lease_ttl_s of the server's L1 is shorter than a copy took); their chunks are "
+                    "reported as failed loads and vLLM recomputes them",
+                    len(lost),
+                    len(load.tokens),
+                )
+        return {i for i, tokens in load.chunk_tokens.items() if lost.intersection(tokens)}
 
     def _report_loads(self, meta: TierCacheMetadata, owner: list[int], loaded: list[bool]) -> None:
         """Record each request's outcome (``loaded`` may be short: chunks not reached failed)."""

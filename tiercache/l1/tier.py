@@ -398,17 +398,24 @@ class L1Tier(FrontTier):
         """End a lease. Releasing twice, after expiry or after close is harmless. O(log n)."""
         self.release_many([handle])
 
-    def release_many(self, handles: Sequence[ReadHandle]) -> None:
-        """End several leases under one lock acquisition."""
+    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
+        """End several leases under one lock acquisition. Says, per handle, whether its lease was
+        still held: ``False`` means it expired first, so its bytes may have been reused while the
+        holder read them (a reader must not trust what it copied)."""
+        held: list[bool] = []
         with self._lock:
             if self._closed:
-                return
+                return [False] * len(handles)
             self._sweep(self._clock())
             for handle in handles:
                 ticket = self._leases.get(handle.token)
                 if ticket is not None and ticket.slot.key == handle.key:
                     del self._leases[handle.token]
                     self._unpin(ticket.slot)
+                    held.append(True)
+                else:
+                    held.append(False)
+        return held
 
     # -- management ----------------------------------------------------------------------------
     def delete(self, key: ObjectKey) -> bool:

@@ -434,6 +434,7 @@ class Server:
             **self._counters,
             "clients_expired": self._sessions.expired,
             "refused_unsigned": self._sessions.refused_unsigned,
+            "leases_lost": self._sessions.lost_leases,
             **self._sessions.counts(),
             "in_flight": self._inflight,
             "eviction_records": len(self.evictions),

@@ -228,8 +228,10 @@ class DataOps:
         handles = self._sessions.claim_leases(session, msg.tokens)
         for handle in handles:
             self._sessions.forget_lease(session, handle)
-        self._l1.release_many(handles)
-        return p.Done(count=len(handles))
+        held = self._l1.release_many(handles)
+        lost = [h.token for h, ok in zip(handles, held) if not ok]
+        self._sessions.lost_leases += len(lost)
+        return p.Released(count=len(handles), lost=lost)
 
     # -- bytes over the socket (tools, remote clients) ------------------------------------------
     def put(self, session: Session, msg: p.Put) -> p._Msg:

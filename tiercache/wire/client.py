@@ -631,7 +631,14 @@ class Client:
         return self._call(p.Pin(keys=[k.to_bytes() for k in keys]), lambda r: r.slots, timeout)
 
     def release(self, tokens: Sequence[int], timeout: float | None = None) -> int:
+        """End read leases; how many. Use :meth:`release_leases` to learn which had expired."""
         return self._call(p.Release(tokens=list(tokens)), _count, timeout)
+
+    def release_leases(self, tokens: Sequence[int], timeout: float | None = None) -> set[int]:
+        """End read leases and return the tokens whose lease had expired before the release: the
+        bytes copied under them may be another object's (the server reused the slot), so a copy
+        made under one must be thrown away. Raises like every call; then no lease is confirmed."""
+        return self._call(p.Release(tokens=list(tokens)), lambda r: set(r.lost), timeout)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
@@ -672,12 +679,16 @@ class Client:
         Use :meth:`lookup` + :meth:`read_ticket` to restore from lower tiers too."""
         slots = self.pin(keys, timeout)
         arena = self.arena()
+        tokens = [s.token for s in slots if s is not None]
         try:
-            return [None if s is None else bytes(arena.view(s.offset, s.nbytes)) for s in slots]
-        finally:
-            tokens = [s.token for s in slots if s is not None]
+            copies = [None if s is None else bytes(arena.view(s.offset, s.nbytes)) for s in slots]
+        except BaseException:
             if tokens:
                 self.release(tokens, timeout)
+            raise
+        lost = self.release_leases(tokens, timeout) if tokens else set()
+        # A copy made after its lease expired may hold another object's bytes: a miss, never those.
+        return [None if s is None or s.token in lost else c for s, c in zip(slots, copies)]
 
     def read_ticket(self, result: LookupResult, *, release: bool = True) -> dict[ObjectKey, bytes]:
         """Copy out every slot of a READY lookup (then release its ticket unless told not to)."""

@@ -218,6 +218,8 @@ class Pin(_Msg, tag="pin"):
 
 
 class Release(_Msg, tag="release"):
+    """End read leases; the reply (:class:`Released`) names those that had already expired."""
+
     tokens: list[int]
 
 
@@ -402,6 +404,15 @@ class Done(_Msg, tag="done"):
     count: int = 0
 
 
+class Released(_Msg, tag="released"):
+    """``count`` leases ended; ``lost`` are the tokens among them whose lease had expired before
+    this release (``lease_ttl_s``): their bytes may have been reused during the copy, so whatever
+    was copied under them must not be used."""
+
+    count: int
+    lost: list[int] = []
+
+
 class DataReply(_Msg, tag="data"):
     data: bytes | None = None
 
@@ -456,6 +467,7 @@ Reply = (
     | LookupReply
     | SlotsReply
     | Done
+    | Released
     | DataReply
     | StatsReply
     | KeysReply

@@ -1,0 +1,49 @@
+"""Specification: a release says which leases had expired first, so no reader trusts bytes that
+no lease protected for the whole copy."""
+
+from __future__ import annotations
+
+import time
+
+from tests.server.conftest import StartServer, manifest
+from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
+from tiercache.wire.client import Client
+
+TTL_S = 0.3
+
+
+def stored_keys(client: Client, n: int) -> list[ObjectKey]:
+    [group] = client.register([(0, manifest())])
+    keys = [ObjectKey(Fingerprint(group.fingerprint), 0, h) for h in chunk_hashes(list(range(256 * n)), 256)]
+    client.store_chunks(keys, [bytes([i]) * 4096 for i in range(n)])
+    return keys
+
+
+def test_a_lease_released_in_time_is_confirmed_and_an_expired_one_is_named(start_server: StartServer) -> None:
+    server = start_server(l1_lease_ttl_s=TTL_S)
+    with server.client() as client:
+        kept, late = stored_keys(client, 2)
+        [held] = client.pin([kept])
+        assert held is not None
+        assert client.release_leases([held.token]) == set()
+        [expiring] = client.pin([late])
+        assert expiring is not None
+        time.sleep(TTL_S * 3)  # the copy "took" longer than the lease
+        assert client.release_leases([expiring.token]) == {expiring.token}
+        assert client.stats()["server"]["leases_lost"] == 1
+
+
+def test_load_chunks_gives_a_miss_for_a_copy_whose_lease_expired(start_server: StartServer) -> None:
+    server = start_server(l1_lease_ttl_s=TTL_S)
+    with server.client() as client:
+        [key] = stored_keys(client, 1)
+        arena_view = client.arena().view  # a copy that stalls past the lease, as a slow reader's would
+
+        def slow_view(offset: int, nbytes: int) -> memoryview:
+            time.sleep(TTL_S * 3)
+            return arena_view(offset, nbytes)
+
+        client.arena().view = slow_view  # type: ignore[method-assign]
+        assert client.load_chunks([key]) == [None]
+        client.arena().view = arena_view  # type: ignore[method-assign]
+        assert client.load_chunks([key]) == [bytes([0]) * 4096]
