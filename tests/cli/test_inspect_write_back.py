@@ -34,7 +34,7 @@ def settled(stats: dict[str, Any]) -> bool:
     """Every chunk reached the disk, and every chunk the disk evicted was decided (all lost)."""
     e, disk = stats["engine"], stats["tiers"]["disk"]
     evicted = disk["evictions"].get("capacity", 0)
-    lost = e["writeback_lost_queue_full"] + e["writeback_lost_write_failed"]
+    lost = e["writeback_lost_queue_full"] + e["writeback_lost_write_failed"] + e["writeback_lost_shutdown"]
     return bool(e["l2_writes"] == CHUNKS and evicted > 0 and lost == evicted)
 
 

@@ -43,3 +43,12 @@ def test_close_wakes_a_waiting_getter() -> None:
     q.close()
     getter.join(5.0)
     assert got == [None]
+
+
+def test_take_all_removes_what_is_queued_and_counts_it_as_finished() -> None:
+    q: WorkQueue[int] = WorkQueue(4)
+    q.put_nowait(1)
+    q.put_nowait(2)
+    assert q.take_all() == [1, 2]
+    assert q.qsize() == 0
+    assert q.wait_idle(0.0)  # nothing is left to wait for

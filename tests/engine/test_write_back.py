@@ -107,6 +107,33 @@ def test_a_chunk_evicted_from_disk_while_the_s3_queue_is_full_is_counted_and_war
     assert sum(reported) == len(lost)
 
 
+def test_write_back_chunks_still_queued_when_the_engine_closes_are_counted_as_lost_at_shutdown(
+    tmp_path: Path,
+    s3: S3Endpoint,
+    make_engine: EngineFactory,
+    gate: threading.Event,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=WRITES_LOG)
+    disk = disk_tier(tmp_path, budget=8 * CHUNK_BYTES)
+    stalled_s3 = FaultInjectingTier(s3_tier(s3), FaultPlan(write_gate=gate))
+    engine = make_engine(
+        l1_tier(4 * CHUNK_BYTES),
+        disk,
+        stalled_s3,
+        l3_write_policy=L3WritePolicy.BACK,
+        write_queue_depth=2,
+        write_workers=1,
+    )
+    store_one_at_a_time(engine, [FULL.key(h) for h in prompt(24)])
+    assert engine.counters.snapshot()["writeback_lost_queue_full"] > 0  # so the S3 queue is full
+
+    engine.close(timeout=0)  # S3 still takes nothing: its writer holds one chunk, two wait behind it
+
+    assert engine.counters.snapshot()["writeback_lost_shutdown"] == 2
+    assert "at shutdown 2" in caplog.records[-1].getMessage()
+
+
 def test_a_chunk_evicted_from_disk_whose_s3_write_fails_is_counted_as_lost(
     tmp_path: Path, s3: S3Endpoint, make_engine: EngineFactory
 ) -> None:

@@ -283,14 +283,19 @@ def _summary_view(data: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
+_WRITEBACK_LOST = {
+    "queue_full": "S3 queue full",
+    "write_failed": "S3 write failed",
+    "shutdown": "at shutdown",
+}
+
+
 def _writeback_lost_line(engine: dict[str, Any]) -> str:
     """Chunks lost on write-back: evicted from disk, never written to S3, in no tier now."""
-    full, failed = (
-        int(engine.get("writeback_lost_queue_full", 0)),
-        int(engine.get("writeback_lost_write_failed", 0)),
-    )
-    line = f"lost on write-back: {full + failed} chunks in no tier (S3 queue full {full}, S3 write failed {failed})"
-    if full:
+    lost = {reason: int(engine.get(f"writeback_lost_{reason}", 0)) for reason in _WRITEBACK_LOST}
+    shown = [f"{_WRITEBACK_LOST[r]} {n}" for r, n in lost.items() if n or r != "shutdown"]
+    line = f"lost on write-back: {sum(lost.values())} chunks in no tier ({', '.join(shown)})"
+    if lost["queue_full"]:
         line += "; raise --write-queue-depth (docs/caveats.md)"
     return line
 

@@ -27,6 +27,7 @@ class EngineCounters(Counters):
     # Write-back: chunks the disk evicted that never reached S3, so they are in no tier (lost).
     writeback_lost_queue_full: int = 0
     writeback_lost_write_failed: int = 0
+    writeback_lost_shutdown: int = 0
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0

@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Why a write-back chunk was lost: the S3 queue was full (or closed), or its S3 write failed.
-LossReason = Literal["queue_full", "write_failed"]
+#: Why a write-back chunk was lost: the S3 queue was full, its S3 write failed, or the engine closed
+#: before writing it.
+LossReason = Literal["queue_full", "write_failed", "shutdown"]
+_NO_LOSSES: dict[LossReason, int] = {"queue_full": 0, "write_failed": 0, "shutdown": 0}
 #: At most one write-back loss warning per this many seconds; the next one carries the count since.
 LOSS_WARNING_INTERVAL_S = 30.0
 
@@ -55,41 +57,46 @@ class WriteBackLosses:
         self._interval_s = interval_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[LossReason, int] = {"queue_full": 0, "write_failed": 0}  # guarded by _lock
+        self._pending = dict(_NO_LOSSES)  # guarded by _lock
         self._last_warning: float | None = None  # guarded by _lock
 
-    def lost(self, reason: LossReason) -> None:
-        """One chunk the disk evicted never reached S3 for ``reason``: count it, maybe warn."""
-        self._counters.add(f"writeback_lost_{reason}")
+    def lost(self, reason: LossReason, n: int = 1) -> None:
+        """``n`` chunks the disk evicted never reached S3 for ``reason``: count them, maybe warn."""
+        self._counters.add(f"writeback_lost_{reason}", n)
         with self._lock:
-            self._pending[reason] += 1
+            self._pending[reason] += n
             now = self._clock()
             if self._last_warning is not None and now - self._last_warning < self._interval_s:
                 return
-            since = "start-up" if self._last_warning is None else f"{now - self._last_warning:.0f} s ago"
+            when = (
+                "since start-up"
+                if self._last_warning is None
+                else f"in the last {now - self._last_warning:.0f} s"
+            )
             self._last_warning = now
-            self._warn(since)
+            self._warn(when)
 
     def close(self) -> None:
         """Warn about losses not yet reported (at shutdown)."""
         with self._lock:
             if any(self._pending.values()):
-                self._warn("the last warning")
+                self._warn("since the last warning")
 
-    def _warn(self, since: str) -> None:  # caller holds _lock
-        full, failed = self._pending["queue_full"], self._pending["write_failed"]
-        n = full + failed
+    def _warn(self, when: str) -> None:  # caller holds _lock
+        p = self._pending
+        n = sum(p.values())
         log.warning(
-            "write-back lost %d chunk%s since %s (queue full %d, S3 write failed %d): evicted from "
-            "disk and never written to S3, so in no tier now "
+            "write-back lost %d chunk%s %s (queue full %d, S3 write failed %d, at shutdown %d): "
+            "evicted from disk and never written to S3, so in no tier now "
             "(tiercache_engine_writeback_lost_total; see docs/caveats.md on sizing --write-queue-depth)",
             n,
             "" if n == 1 else "s",
-            since,
-            full,
-            failed,
+            when,
+            p["queue_full"],
+            p["write_failed"],
+            p["shutdown"],
         )
-        self._pending = {"queue_full": 0, "write_failed": 0}
+        self._pending = dict(_NO_LOSSES)
 
 
 class WorkQueue(Generic[T]):
@@ -138,6 +145,15 @@ class WorkQueue(Generic[T]):
         with self._not_empty:
             self._closed = True
             self._not_empty.notify_all()
+
+    def take_all(self) -> list[T]:
+        """Remove and return every queued item (none will be worked on); each counts as finished."""
+        with self._not_empty:
+            items = list(self._items)
+            self._items.clear()
+        for _ in items:
+            self.task_done()
+        return items
 
     def qsize(self) -> int:
         with self._not_empty:
@@ -217,6 +233,10 @@ class WriteBehind:
         self._l3_queue.close()
         for t in self._writers:
             t.join(timeout=2.0)
+        # Writers that did not drain in time leave these behind; a write-back payload exists nowhere else.
+        left = sum(1 for item in self._l3_queue.take_all() if isinstance(item, tuple))
+        if left:
+            self._losses.lost("shutdown", left)
         self._losses.close()
 
     def depths(self) -> dict[str, int]:

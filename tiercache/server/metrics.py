@@ -16,7 +16,8 @@ with the tier as a label)::
     tiercache_engine_writeback_lost_total{reason="queue_full"}
                                                          chunks the disk evicted that never
                                                          reached S3 (write-back), so in no tier;
-                                                         reason queue_full/write_failed (counter)
+                                                         reason queue_full/write_failed/shutdown
+                                                         (counter)
     tiercache_lookup_duration_seconds{outcome="hit"}     lookup arrival to reply sent, by
                                                          outcome hit/miss/error    (histogram)
     tiercache_tier_transfer_duration_seconds{tier="disk",op="read"}
@@ -178,7 +179,7 @@ class EngineCollector(Collector):
         lost = CounterMetricFamily(
             "tiercache_engine_writeback_lost",
             "Chunks the disk evicted for write-back that never reached S3 (so in no tier), by reason: "
-            "the S3 queue was full, or the S3 write failed.",
+            "the S3 queue was full, the S3 write failed, or the engine closed first.",
             labels=["reason"],
         )
         for name, value in sorted(engine.items()):
