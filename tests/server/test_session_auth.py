@@ -111,7 +111,9 @@ def routing_id(client: Client) -> bytes:
     return value
 
 
-def test_a_connection_that_copies_a_logged_in_clients_id_gets_nothing(endpoint: str, peers: list[Peer]) -> None:
+def test_a_connection_that_copies_a_logged_in_clients_id_gets_nothing(
+    endpoint: str, peers: list[Peer]
+) -> None:
     with Client(endpoint, timeout=5, auth_secret=SECRET) as victim:
         kept, planted = keys(victim, 2, seed=1)
         assert victim.put(kept, b"the victim's chunk")
