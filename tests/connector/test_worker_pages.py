@@ -25,6 +25,7 @@ from tiercache.connector.metadata import (  # noqa: E402
     TierCacheMetadata,
 )
 from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
+from tiercache.errors import ServerUnavailableError  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402
 
@@ -44,6 +45,7 @@ class FakeClient:
 
     def __init__(self, arena: SharedArena) -> None:
         self._arena, self._next, self.objects, self.pending = arena, 0, {}, {}
+        self.expired: set[int] = set()  # lease tokens the "server" let expire before their release
 
     def arena(self) -> SharedArena:
         return self._arena
@@ -71,6 +73,9 @@ class FakeClient:
 
     def release(self, tokens: list[int]) -> None:
         pass
+
+    def release_leases(self, tokens: list[int]) -> set[int]:
+        return self.expired.intersection(tokens)
 
 
 def _kv() -> torch.Tensor:
@@ -321,3 +326,39 @@ def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps
     stats = w.take_stats()
     assert stats is not None
     assert 0 < stats.data["load_seconds"] <= written
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asynchronous: bool) -> None:  # type: ignore[no-untyped-def]
+    """The bytes were copied, but the server says the lease expired before the release: its slot
+    may have held another chunk's bytes by then, so vLLM is told to recompute (sync: the chunk's
+    blocks are load errors; async: the request failed), never that the chunk loaded."""
+    w, client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    [stored] = client.objects.values()
+    client.expired.add(stored.token)
+    load = RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])], asynchronous=asynchronous)
+    w.start_load_kv(TierCacheMetadata(loads=[load]))
+    if asynchronous:
+        w._finish_loads(wait=True)
+        _, done, failed = w.transfer_results(set())
+        assert done == {"r2"} and failed == {"r2"}
+    else:
+        assert w.get_block_ids_with_load_errors() == {7, 3}
+    assert w.stats["loaded_chunks"] == 0
+    assert w.stats["load_failures"] == 1
+    assert w.stats["lost_leases"] == 1
+
+
+def test_a_release_the_server_cannot_confirm_is_a_failed_load(worker) -> None:  # type: ignore[no-untyped-def]
+    """A release that fails (server gone, session dropped) confirms no lease: recompute."""
+    w, client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+
+    def unreachable(tokens: list[int]) -> set[int]:
+        raise ServerUnavailableError("gone")
+
+    client.release_leases = unreachable  # type: ignore[method-assign]
+    w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])])]))
+    assert w.get_block_ids_with_load_errors() == {7, 3}
+    assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
