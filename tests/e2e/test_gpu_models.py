@@ -40,6 +40,12 @@ The machinery itself (seeded dummy weights, N discovery, LMDB corruption, restar
 weights) can be exercised without a GPU: ``TIERCACHE_GPU_E2E_CPU_STANDIN=1`` runs the same tests on
 two CPU-runnable stand-ins instead (a dense Llama, and Qwen3-Next: Gated DeltaNet + full attention,
 the recurrent path Kimi-Linear takes), with CPU engine settings; about 3 minutes on two cores.
+
+Without a GPU (CI) one test still runs the harness's own parts, on the Llama stand-in with a single
+engine (``test_the_harness_itself_on_a_cpu_stand_in``), so a broken harness is found before a GPU
+run: N read from the connector's refusals, the cold phase through the seeded dummy weights (every
+chunk in every group, sharp logits), the LMDB flip hitting exactly the probed object, and the
+rotation giving every object another one's bytes.
 """
 
 from __future__ import annotations
@@ -57,10 +63,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.gpu_models import KIMI_LINEAR_N_GUESS, writer
+from tests.e2e.gpu_models import KIMI_LINEAR_N_GUESS, VOCAB, writer
 from tests.e2e.objects import chunk_index, stored_manifests
+from tests.e2e.seeded_dummy_run import weights_id
 from tests.e2e.setup import MiB, Run, Setup, cold_setup, engine_stats, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.connector.layout import check_block_sizes
+from tiercache.errors import ConfigError
 from tiercache.keys import GroupKind, ObjectKey
 
 
@@ -74,15 +83,13 @@ def _cuda_available() -> bool:
 
 HAS_CUDA = _cuda_available()
 CPU_STANDIN = not HAS_CUDA and os.environ.get("TIERCACHE_GPU_E2E_CPU_STANDIN", "0") == "1"
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (HAS_CUDA or CPU_STANDIN),
-        reason="needs a CUDA GPU: these models' vLLM kernels (KDA, MLA, DSA, "
-        "sparse indexers) do not run on vLLM's CPU build; torch.cuda.is_available() is False",
-    ),
-]
+pytestmark = pytest.mark.e2e
+#: The model tests: on a GPU, or on the CPU stand-ins when asked.
+gpu_test = pytest.mark.skipif(
+    not (HAS_CUDA or CPU_STANDIN),
+    reason="needs a CUDA GPU: these models' vLLM kernels (KDA, MLA, DSA, "
+    "sparse indexers) do not run on vLLM's CPU build; torch.cuda.is_available() is False",
+)
 
 SEEDED_DUMMY_RUN = "tests.e2e.seeded_dummy_run"
 TOL = float(os.environ.get("TIERCACHE_GPU_LOGPROB_TOL", "0.05"))
@@ -212,6 +219,83 @@ def _discovered_n(message: str) -> int | None:
     return None
 
 
+@dataclass
+class Cold:
+    """What the cold phase leaves once its server (A) has stopped: L2 (``tmp/l2``) keeps the objects."""
+
+    base: Setup
+    lengths: list[int]
+    groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]]  # fingerprint -> kind, stored (prompt, chunk)
+    keys: list[ObjectKey]  # every object stored
+    target: ObjectKey | None  # the attention object of (CORRUPT_PROMPT, CORRUPT_CHUNK)
+    target_bytes: bytes | None
+
+
+def _cold_phase(tmp: Path, name: str, spec: GpuModel, chunk: int) -> Cold:
+    """Server A (L1 + disk in ``tmp``), the cold engine (seeded dummy weights) through it, and what it
+    stored once every store reached L2; raises the engine's AssertionError if it failed."""
+    lengths = spec.lengths(chunk)
+    full = [(p, c) for p, n in enumerate(lengths) for c in range(n // chunk)]
+    with cold_setup(
+        tmp,
+        writer(name),
+        lengths,
+        chunk=chunk,
+        name=name,
+        engine_args=spec.engine_args(chunk),
+        spec=_spec(tmp, "first", chunk),
+        module=SEEDED_DUMMY_RUN,
+    ) as base:
+        _settle(base.server, len(full))
+        index = chunk_index(base.prompt_ids, chunk)
+        groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]] = {}
+        target: ObjectKey | None = None
+        target_bytes: bytes | None = None
+        stored = stored_manifests(base.server)
+        with base.server.client() as c:
+            for key, manifest in stored.items():
+                kind, chunks = groups.setdefault(key.fingerprint.raw, (manifest.group_kind, set()))
+                chunks.add(index[key.prefix_hash])
+                if (
+                    target is None
+                    and kind is not GroupKind.RECURRENT
+                    and index[key.prefix_hash] == (CORRUPT_PROMPT, CORRUPT_CHUNK)
+                ):
+                    target, target_bytes = key, c.get(key)
+    return Cold(base, lengths, groups, list(stored), target, target_bytes)
+
+
+def _check_cold(
+    run: Run, lengths: list[int], groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]], chunk: int
+) -> None:
+    """The cold engine computed everything and stored every full chunk in every object group."""
+    full = {(p, c) for p, n in enumerate(lengths) for c in range(n // chunk)}
+    assert run.num_cached == [0] * len(lengths)
+    assert groups, "nothing stored"
+    for fingerprint, (kind, chunks) in groups.items():
+        # Recurrent groups too: with a prefill step of one chunk the state exists at every chunk end.
+        assert chunks == full, (kind, fingerprint.hex()[:16], sorted(full - chunks))
+
+
+def _rotate_within_groups(server: ServerProcess) -> int:
+    """Give every object in ``server``'s L1 the bytes of the next one of its group (by key order):
+    valid numbers, wrong KV. Returns how many were rewritten."""
+    rotated = 0
+    with server.client() as c:
+        by_group: dict[bytes, list[ObjectKey]] = {}
+        for key in stored_manifests(server):
+            by_group.setdefault(key.fingerprint.raw, []).append(key)
+        for keys in by_group.values():
+            keys.sort(key=lambda k: k.to_bytes())
+            data = [c.get(k) for k in keys]
+            for key, other in zip(keys, data[1:] + data[:1]):
+                assert other is not None
+                c.delete(key)
+                assert c.put(key, other)
+                rotated += 1
+    return rotated
+
+
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuSetup]:
     name: str = request.param
@@ -219,33 +303,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     chunk = spec.chunk
     for attempt in range(2):
         tmp = tmp_path_factory.mktemp(f"e2e-gpu-{name}-{chunk}")
-        lengths = spec.lengths(chunk)
-        full = [(p, c) for p, n in enumerate(lengths) for c in range(n // chunk)]
         try:
-            with cold_setup(
-                tmp,
-                writer(name),
-                lengths,
-                chunk=chunk,
-                name=name,
-                engine_args=spec.engine_args(chunk),
-                spec=_spec(tmp, "first", chunk),
-                module=SEEDED_DUMMY_RUN,
-            ) as base:
-                _settle(base.server, len(full))
-                index = chunk_index(base.prompt_ids, chunk)
-                groups: dict[bytes, tuple[GroupKind, set[tuple[int, int]]]] = {}
-                target: bytes | None = None
-                with base.server.client() as c:
-                    for key, manifest in stored_manifests(base.server).items():
-                        kind, chunks = groups.setdefault(key.fingerprint.raw, (manifest.group_kind, set()))
-                        chunks.add(index[key.prefix_hash])
-                        if (
-                            target is None
-                            and kind is not GroupKind.RECURRENT
-                            and index[key.prefix_hash] == (CORRUPT_PROMPT, CORRUPT_CHUNK)
-                        ):
-                            target = c.get(key)
+            cold = _cold_phase(tmp, name, spec, chunk)
             break  # server A stopped: its L1 is gone, L2 (tmp/l2) stays
         except AssertionError as failed:
             log = tmp / "cold.log"  # run_engine keeps a failed engine's whole output there
@@ -261,19 +320,19 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                 f"\n[e2e gpu {name}] chunk {chunk} refused; vLLM's block size N = {n}, running again with chunk {n}"
             )
             chunk = n
-    assert target is not None, (
+    assert cold.target_bytes is not None, (
         f"no attention object stored for (prompt {CORRUPT_PROMPT}, chunk {CORRUPT_CHUNK})"
     )
-    flipped = _flip_in_lmdb(tmp / "l2", target)
+    flipped = _flip_in_lmdb(tmp / "l2", cold.target_bytes)
     server = ServerProcess(_spec(tmp, "restarted", chunk))
     try:
         server.wait_ready()
         setup = GpuSetup.of(
-            base,
+            cold.base,
             spec=spec,
             chunk=chunk,
-            lengths=lengths,
-            cold_groups=groups,
+            lengths=cold.lengths,
+            cold_groups=cold.groups,
             corrupt_flipped=flipped,
             restart=Run([], [], []),
             restart_stats={},
@@ -312,19 +371,18 @@ def _expected_after_corruption(setup: GpuSetup) -> list[int]:
     return expected
 
 
+@gpu_test
+@pytest.mark.gpu
 def test_cold_run_stores_every_chunk_in_every_object_group(setup: GpuSetup) -> None:
-    full = {(p, c) for p, n in enumerate(setup.lengths) for c in range(n // setup.chunk)}
     kinds = sorted(kind.value for kind, _ in setup.cold_groups.values())
     print(f"\n[e2e gpu {setup.name}] chunk {setup.chunk}, object groups {kinds}")
-    assert setup.cold.num_cached == [0] * len(setup.lengths)
-    assert setup.cold_groups, "nothing stored"
-    for fingerprint, (kind, chunks) in setup.cold_groups.items():
-        # Recurrent groups too: with a prefill step of one chunk the state exists at every chunk end.
-        assert chunks == full, (kind, fingerprint.hex()[:16], sorted(full - chunks))
+    _check_cold(setup.cold, setup.lengths, setup.cold_groups, setup.chunk)
     if setup.spec.recurrent:
         assert GroupKind.RECURRENT in {kind for kind, _ in setup.cold_groups.values()}
 
 
+@gpu_test
+@pytest.mark.gpu
 def test_restarted_server_serves_l2_hits_and_skips_the_corrupted_chunk(setup: GpuSetup) -> None:
     run, stats = setup.restart, setup.restart_stats
     diff = _diff(run, setup.cold)
@@ -340,23 +398,13 @@ def test_restarted_server_serves_l2_hits_and_skips_the_corrupted_chunk(setup: Gp
     assert diff <= TOL
 
 
+@gpu_test
+@pytest.mark.gpu
 def test_wrong_bytes_change_the_output(setup: GpuSetup) -> None:
     """Negative control: rotate the objects' contents within each group (every key gets another
     chunk's bytes of the same size: valid numbers, wrong KV); the fresh engine loads them and its
     logprobs move far beyond the tolerance."""
-    rotated = 0
-    with setup.server.client() as c:
-        by_group: dict[bytes, list[ObjectKey]] = {}
-        for key in stored_manifests(setup.server):
-            by_group.setdefault(key.fingerprint.raw, []).append(key)
-        for keys in by_group.values():
-            keys.sort(key=lambda k: k.to_bytes())
-            data = [c.get(k) for k in keys]
-            for key, other in zip(keys, data[1:] + data[:1]):
-                assert other is not None
-                c.delete(key)
-                assert c.put(key, other)
-                rotated += 1
+    rotated = _rotate_within_groups(setup.server)
     bad = setup.run("wrong-bytes")
     diff = _diff(bad, setup.cold)
     print(
@@ -367,6 +415,8 @@ def test_wrong_bytes_change_the_output(setup: GpuSetup) -> None:
     assert diff > 10 * TOL
 
 
+@gpu_test
+@pytest.mark.gpu
 def test_other_weights_get_no_hits(setup: GpuSetup) -> None:
     model = setup.tmp / "other-weights"
     writer(setup.name)(model, seed=4321)
@@ -379,3 +429,57 @@ def test_other_weights_get_no_hits(setup: GpuSetup) -> None:
     assert run.num_cached == [0] * len(setup.lengths)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
     assert diff > 10 * TOL  # really other weights
+
+
+# -- the harness itself, on CPU: CI has no GPU ------------------------------------------------------
+
+STAND_IN, STAND_IN_N = "llama_cpu", 32  # vLLM's block size N for the Llama stand-in (docs/hybrid-models.md)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the model tests above run the whole harness")
+def test_the_harness_itself_on_a_cpu_stand_in(tmp_path: Path) -> None:
+    """The GPU tests' machinery on the Llama stand-in, one engine (its chunk given, not discovered):
+    what breaks here would break the GPU run, which nothing else in CI exercises."""
+    # N discovery: the connector's own refusals (a single block size, and groups of two) name N.
+    for chunk, scheduler_block, group_blocks, n in [(48, 32, [32], 32), (256, 128, [128, 384], 384)]:
+        with pytest.raises(ConfigError) as refused:
+            check_block_sizes(chunk, scheduler_block, group_blocks)
+        assert _discovered_n(str(refused.value)) == n
+    assert _diff(Run([], [[math.nan]], []), Run([], [[0.0]], [])) == math.inf  # a NaN is a change
+
+    # The cold phase, through the seeded dummy weights: every chunk stored, and logits as sharp as a
+    # seeded checkpoint's (vLLM's own dummy weights give flat ones: about -log(vocab) per token).
+    spec = CPU_STANDINS[STAND_IN]
+    cold = _cold_phase(tmp_path, STAND_IN, spec, STAND_IN_N)
+    _check_cold(cold.base.cold, cold.lengths, cold.groups, STAND_IN_N)
+    chosen = [lp for prompt in cold.base.cold.logprobs for lp in prompt]
+    mean = sum(chosen) / len(chosen)
+    assert mean > -math.log(VOCAB) / 2, (
+        f"mean chosen-token logprob {mean:.2f}: the seed never reached the weights"
+    )
+    other = tmp_path / "other-weights"
+    writer(STAND_IN)(other, seed=4321)
+    assert weights_id(other) != weights_id(cold.base.model)  # another seed: other weights to tiercache
+
+    # The LMDB flip corrupts the probed object and only it: after a restart it misses (its checksum
+    # fails), every other object is served from L2.
+    assert cold.target is not None and cold.target_bytes is not None
+    assert _flip_in_lmdb(tmp_path / "l2", cold.target_bytes) >= 1
+    others = [k for k in cold.keys if k != cold.target]
+    assert others
+    server = ServerProcess(_spec(tmp_path, "restarted", STAND_IN_N))
+    try:
+        server.wait_ready()
+        with server.client() as c:
+            assert c.get(cold.target) is None
+            before = {k: c.get(k) for k in others}  # promoted into L1 by the reads
+        assert all(v is not None for v in before.values())
+
+        # The rotation gives every object another object's bytes of its group, losing none.
+        assert _rotate_within_groups(server) == len(others)
+        with server.client() as c:
+            after = {k: c.get(k) for k in others}
+        assert all(after[k] != before[k] for k in others)
+        assert sorted(after.values()) == sorted(before.values())  # type: ignore[type-var]
+    finally:
+        server.stop()
