@@ -272,6 +272,34 @@ class _LookupClient:
         self.released.append(ticket)
 
 
+HIT_TICKET, HIT_BYTES = 9, 196608  # the ticket pinning the hit; one chunk's object (_recurrent_scheduler)
+
+
+def _hit_reply(chunks: int = 2) -> object:
+    """What a server answers a prefetching lookup whose first ``chunks`` chunks it holds in L1: READY,
+    pinned under ticket ``HIT_TICKET``, one slot per chunk (object group 0) of the hashes asked."""
+    from tiercache.keys import ObjectKey
+    from tiercache.keys.fingerprint import Fingerprint
+    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
+
+    def reply(hashes: list[bytes]) -> object:
+        fp = Fingerprint(bytes(16))
+        slots = [
+            Slot(ObjectKey(fp, 0, h).to_bytes(), offset=i * HIT_BYTES, nbytes=HIT_BYTES, token=100 + i)
+            for i, h in enumerate(hashes[:chunks])
+        ]
+        return LookupReply(
+            chunks=chunks,
+            per_tier={"l1": chunks},
+            state=TicketStateName.READY,
+            ticket=HIT_TICKET,
+            ready_chunks=chunks,
+            slots=slots,
+        )
+
+    return reply
+
+
 def _prompt_request(tokens: int = 2400, cache_salt: str | None = None, request_id: str = "r") -> object:
     from types import SimpleNamespace
 
@@ -300,29 +328,40 @@ def test_a_producer_never_loads_and_stores_only_what_the_server_lacks() -> None:
     assert sched.request_finished(_prompt_request()) == (True, None)  # type: ignore[attr-defined]
 
 
+def _hit_step(sched: object, client: _LookupClient) -> object:
+    """Ask about request "r" (2400 tokens: 3 full chunks of 768) whose first 2 chunks the server
+    holds, let vLLM allocate for the hit and build the step that computes the rest; its metadata."""
+    from types import SimpleNamespace
+
+    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (2 * 768, False)  # type: ignore[attr-defined]
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(1, 8)),))
+    sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 2 * 768)  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 8)),), num_computed_tokens=2 * 768)
+    meta = sched.build_connector_meta(_output([new], {}, {"r": 2400 - 2 * 768}))  # type: ignore[attr-defined]
+    (load,) = meta.loads
+    assert [c.prefix_hash for c in load.chunks] == client.hashes[:2]
+    return meta
+
+
 def test_a_consumer_loads_waiting_for_stores_in_flight_and_never_stores() -> None:
     pytest.importorskip("vllm")
-    from tiercache.wire.protocol import LookupReply
-
-    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    client = _LookupClient(_hit_reply(chunks=2))
     sched = _recurrent_scheduler(client=client, recurrent=False, stores=False)
-    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    meta = _hit_step(sched, client)  # it loads the hit ...
     wait = ConnectorSettings().inflight_wait_s
     assert wait > 0
     assert client.asked == [(3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait, "tenant": b""})]
-    assert not sched.build_connector_meta(_scheduled()).saves  # type: ignore[attr-defined]
+    assert not meta.saves  # type: ignore[attr-defined]  # ... and stores not even the chunk it computed
     assert sched.request_finished(_prompt_request()) == (False, None)  # type: ignore[attr-defined]
 
 
 def test_kv_both_loads_and_stores() -> None:
     pytest.importorskip("vllm")
-    from tiercache.wire.protocol import LookupReply
-
-    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    client = _LookupClient(_hit_reply(chunks=2))
     sched = _recurrent_scheduler(client=client, recurrent=False)
-    assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
+    meta = _hit_step(sched, client)  # it loads the hit and stores the chunk it computes
     assert client.asked[0][1]["prefetch"] is True
-    assert [s.chunk_index for s in sched.build_connector_meta(_scheduled()).saves] == [0, 1, 2]  # type: ignore[attr-defined]
+    assert [s.chunk_index for s in meta.saves] == [2]  # type: ignore[attr-defined]
 
 
 def test_a_salted_request_asks_and_stores_as_its_tenant_named_by_id_not_salt() -> None:
@@ -401,34 +440,6 @@ class _LateClient(_LookupClient):
             return None
         time.sleep(max(left, 0.0))
         return super().poll(req_id)
-
-
-HIT_TICKET, HIT_BYTES = 9, 196608  # the ticket pinning the hit; one chunk's object (_recurrent_scheduler)
-
-
-def _hit_reply(chunks: int = 2) -> object:
-    """What a server answers a prefetching lookup whose first ``chunks`` chunks it holds in L1: READY,
-    pinned under ticket ``HIT_TICKET``, one slot per chunk (object group 0) of the hashes asked."""
-    from tiercache.keys import ObjectKey
-    from tiercache.keys.fingerprint import Fingerprint
-    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
-
-    def reply(hashes: list[bytes]) -> object:
-        fp = Fingerprint(bytes(16))
-        slots = [
-            Slot(ObjectKey(fp, 0, h).to_bytes(), offset=i * HIT_BYTES, nbytes=HIT_BYTES, token=100 + i)
-            for i, h in enumerate(hashes[:chunks])
-        ]
-        return LookupReply(
-            chunks=chunks,
-            per_tier={"l1": chunks},
-            state=TicketStateName.READY,
-            ticket=HIT_TICKET,
-            ready_chunks=chunks,
-            slots=slots,
-        )
-
-    return reply
 
 
 def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() -> None:
@@ -815,6 +826,7 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
         ][: len(keys)],
         arena=lambda: arena,
         release=lambda tokens: len(tokens),
+        release_leases=lambda tokens: set(),  # every lease was held for the whole copy
     )
     w = WorkerHalf(None, None, ConnectorSettings(overlap_loads=True), link=link_to(client))
     w.use_layout(
