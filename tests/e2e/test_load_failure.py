@@ -10,6 +10,13 @@ output moves, proving the recompute is what keeps it right.
 Both the cold run and the failing run run vLLM's stat loggers (``--log-stats``): the connector's
 stores, lookups, hits, loads and load failures must show in vLLM's Prometheus metrics
 (``vllm:tiercache_*``) and in its "KV Transfer metrics:" log line.
+
+A lease lost mid-copy is a failed load too: on a server whose leases last 1 s, a fresh engine's
+first copy stalls 2.5 s while another client's stores reuse the slot it copies from
+(``tests/e2e/lost_lease_run.py``). The release says the leases expired, so the worker reports those
+chunks failed and vLLM recomputes them: the output equals the cold run's. The negative control
+trusts every release, as tiercache did before releases named lost leases: it uses the reused bytes
+and its output moves.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import write_tiny_llama
-from tests.e2e.setup import LOAD_FAILURE_RUN, Run, Setup, cold_setup
+from tests.e2e.setup import LOAD_FAILURE_RUN, MiB, Run, Setup, cold_setup
+from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.keys import ObjectKey
 
 pytestmark = pytest.mark.e2e
 
@@ -119,3 +128,59 @@ def test_without_reporting_load_errors_the_output_is_wrong(setup: Setup) -> None
     print(f"\n[e2e load failure hidden] cached tokens {hidden.num_cached}, max |logprob diff| {diff:.3g}")
     assert hidden.num_cached == [((n - 1) // CHUNK) * CHUNK for n in LENGTHS]
     assert diff > 1e-2
+
+
+LEASE_TTL_S = 1.0
+LOST_LEASE_RUN = "tests.e2e.lost_lease_run"
+
+
+def _copy_of_the_cache(setup: Setup, name: str) -> ServerProcess:
+    """A server whose leases last :data:`LEASE_TTL_S`, with a small L1 holding every stored chunk."""
+    server = ServerProcess(
+        ServerSpec(
+            listen=f"ipc://{setup.tmp}/{name}.sock",
+            l1_bytes=4 * MiB,
+            l1_lease_ttl_s=LEASE_TTL_S,
+            options={"chunk_size": CHUNK},
+        )
+    )
+    server.wait_ready()
+    with setup.server.client() as source, server.client() as target:
+        listed, _ = source.list_keys(tier="l1")
+        for entry in listed:
+            key = ObjectKey.from_bytes(entry.key)
+            data = source.get(key)
+            assert data is not None and target.put(key, data)
+    return server
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["reported", "negative-control"])
+def test_a_copy_that_outlives_its_lease_is_recomputed_not_used(setup: Setup, trust: bool) -> None:
+    server = _copy_of_the_cache(setup, f"lost-lease-{trust}")
+    try:
+        launcher = ["--flood-server", server.endpoint, *(["--trust-lost-leases"] if trust else [])]
+        run = setup.run(
+            f"lost-lease-{trust}", server=server.endpoint, module=LOST_LEASE_RUN, launcher_args=launcher
+        )
+        with server.client() as c:
+            lost = c.stats()["server"]["leases_lost"]
+    finally:
+        server.stop()
+    diff = run.max_logprob_diff(setup.cold)
+    reported = run.metrics.get("vllm:tiercache_lost_leases", 0)
+    print(
+        f"\n[e2e lost lease, trusted={trust}] server leases lost {lost}, connector lost_leases {reported}, "
+        f"cached tokens {run.num_cached}, max |logprob diff| {diff:.3g}"
+    )
+    assert "the slot was reused" in run.log
+    assert lost >= 1  # the server saw the lease expire before its release
+    # The first prompt's hit was loaded (its copy stalled); the flood evicted the others' chunks.
+    assert run.num_cached[0] == ((LENGTHS[0] - 1) // CHUNK) * CHUNK
+    if trust:
+        assert reported == 0
+        assert diff > 1e-2  # the reused bytes were computed with
+    else:
+        assert reported >= 1
+        assert run.tokens == setup.cold.tokens
+        assert diff <= 1e-5
+        assert RECOVERED.search(run.log), "vLLM did not recompute the failed chunks"
