@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.server.conftest import StartServer, manifest
+from tiercache.cli.app import main
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire.client import Client
 
@@ -31,6 +34,25 @@ def test_a_lease_released_in_time_is_confirmed_and_an_expired_one_is_named(start
         time.sleep(TTL_S * 3)  # the copy "took" longer than the lease
         assert client.release_leases([expiring.token]) == {expiring.token}
         assert client.stats()["server"]["leases_lost"] == 1
+
+
+def test_inspect_summary_names_the_lost_leases(
+    start_server: StartServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = start_server(l1_lease_ttl_s=TTL_S)
+    with server.client() as client:
+        [key] = stored_keys(client, 1)
+        [slot] = client.pin([key])
+        assert slot is not None
+        time.sleep(TTL_S * 3)
+        client.release_leases([slot.token])
+    assert main(["inspect", "summary", "--server", server.endpoint]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "leases lost: 1 (copies outlived their lease; the loads were recomputed); raise --l1-lease-ttl-s"
+        in out
+    )
+    assert "requests refused unsigned: 0" in out
 
 
 def test_load_chunks_gives_a_miss_for_a_copy_whose_lease_expired(start_server: StartServer) -> None:

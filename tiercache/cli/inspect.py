@@ -278,6 +278,7 @@ def _summary_view(data: dict[str, Any]) -> Any:
             f"server: clients {srv.get('clients', 0)}, requests {srv.get('requests', 0)}, "
             f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
         )
+        parts.append(_trust_line(srv))
     else:
         parts.append("offline: stored data only; hit rates, evictions and errors live in a server's memory")
     return Group(*parts)
@@ -288,6 +289,16 @@ _WRITEBACK_LOST = {
     "write_failed": "S3 write failed",
     "shutdown": "at shutdown",
 }
+
+
+def _trust_line(server: dict[str, Any]) -> str:
+    """Leases released after they expired (those loads were recomputed) and requests refused for
+    not proving their session: both stay at zero on a healthy node."""
+    lost, unsigned = int(server.get("leases_lost", 0)), int(server.get("refused_unsigned", 0))
+    line = f"leases lost: {lost} (copies outlived their lease; the loads were recomputed)"
+    if lost:
+        line += "; raise --l1-lease-ttl-s above the slowest copy (docs/caveats.md)"
+    return line + f", requests refused unsigned: {unsigned}"
 
 
 def _writeback_lost_line(engine: dict[str, Any]) -> str:
