@@ -26,6 +26,10 @@ from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoi
 
 MiB = 1 << 20
 
+#: Called with each prompt's index just before it is generated: a launcher's per-prompt switch (e.g.
+#: ``slow_load_run`` skipping the layer waits for some prompts only).
+BEFORE_PROMPT: Callable[[int], None] | None = None
+
 
 def write_tiny_llama(directory: Path, seed: int) -> None:
     """A tiny Llama checkpoint with seeded random weights, so outputs depend on the KV."""
@@ -384,7 +388,11 @@ def run(
     # One prompt at a time: vLLM's CPU kernels are not batch-invariant (a request's logprobs move by
     # ~1e-5 with what else is in its batch), and lookups make admission timing differ between a
     # cold and a warm engine. Alone in its batch, a request's numbers depend only on its KV.
-    outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts]
+    outs = []
+    for i, p in enumerate(prompts):
+        if BEFORE_PROMPT is not None:
+            BEFORE_PROMPT(i)
+        outs.append(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0])
     result: dict[str, Any] = {"tokens": [], "logprobs": [], "num_cached": []}
     for out in outs:
         comp = out.outputs[0]
