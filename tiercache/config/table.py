@@ -199,7 +199,9 @@ META: dict[tuple[str, str], Meta] = {
         "needs the disk tier)."
     ),
     ("engine", "write_queue_depth"): Meta(
-        "Bound of each write-through queue; a full queue drops (and counts) the write.", metavar="N"
+        "Bound of each queue to a lower tier (write-through, and write-back to S3); a full queue "
+        "drops and counts the write: under write-back the chunk is then lost (docs/caveats.md).",
+        metavar="N",
     ),
     ("engine", "promote_workers"): Meta("Threads promoting lower-tier hits into L1.", metavar="N"),
     ("engine", "write_workers"): Meta("Threads per write-through queue.", metavar="N"),
