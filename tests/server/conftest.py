@@ -36,6 +36,32 @@ def manifest(**changes: object) -> LayoutManifest:
 StartServer = Callable[..., ServerProcess]
 
 
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE server key pair with one admitted client and one stranger (``zmq.auth`` files)."""
+
+    server_public: bytes  # z85, what clients are given
+    server_secret_file: Path
+    client_secret_file: Path
+    stranger_secret_file: Path
+
+
+def curve_keys(directory: Path) -> CurveKeys:
+    """Certificates under ``directory``: the client's public key is in ``authorized_clients/``."""
+    import os
+
+    import zmq.auth
+
+    allowed = directory / "authorized_clients"
+    allowed.mkdir(parents=True)
+    server_public, server_secret = zmq.auth.create_certificates(directory, "server")
+    client_public, client_secret = zmq.auth.create_certificates(directory, "client")
+    _, stranger_secret = zmq.auth.create_certificates(directory, "stranger")
+    os.replace(client_public, allowed / "client.key")
+    server_key, _ = zmq.auth.load_certificate(server_public)
+    return CurveKeys(server_key, Path(server_secret), Path(client_secret), Path(stranger_secret))
+
+
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[StartServer]:
     """Start servers (own processes) on ipc sockets under ``tmp_path``; all stopped at the end."""

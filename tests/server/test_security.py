@@ -8,9 +8,8 @@ import stat
 from pathlib import Path
 
 import pytest
-import zmq.auth
 
-from tests.server.conftest import StartServer
+from tests.server.conftest import StartServer, curve_keys
 from tiercache.errors import AuthenticationError, ServerUnavailableError
 from tiercache.wire.client import Client
 
@@ -44,23 +43,16 @@ def test_tcp_with_a_shared_secret_refuses_clients_without_it(start_server: Start
 
 
 def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer, tmp_path: Path) -> None:
-    keys = tmp_path / "keys"
-    allowed = keys / "authorized_clients"
-    allowed.mkdir(parents=True)
-    server_public, server_secret = zmq.auth.create_certificates(keys, "server")
-    client_public, client_secret = zmq.auth.create_certificates(keys, "client")
-    _, stranger_secret = zmq.auth.create_certificates(keys, "stranger")
-    os.replace(client_public, allowed / "client.key")
-    server_key, _ = zmq.auth.load_certificate(server_public)
-
+    keys = curve_keys(tmp_path / "keys")
+    server_key, client_secret = keys.server_public, keys.client_secret_file
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     start_server(
         listen=endpoint,
-        options={"curve_secret_key_file": Path(server_secret)},
-        client_kw={"curve_server_key": server_key, "curve_client_key_file": Path(client_secret)},
+        options={"curve_secret_key_file": keys.server_secret_file},
+        client_kw={"curve_server_key": server_key, "curve_client_key_file": client_secret},
     )
     with Client(
-        endpoint, timeout=5, curve_server_key=server_key, curve_client_key_file=Path(client_secret)
+        endpoint, timeout=5, curve_server_key=server_key, curve_client_key_file=client_secret
     ) as client:
         client.ping()
     with pytest.raises(ServerUnavailableError):
@@ -69,7 +61,7 @@ def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer,
             timeout=1,
             heartbeat=False,
             curve_server_key=server_key,
-            curve_client_key_file=Path(stranger_secret),
+            curve_client_key_file=keys.stranger_secret_file,
         )
     with pytest.raises(ServerUnavailableError):
         Client(endpoint, timeout=1, heartbeat=False)  # plain TCP: the CURVE handshake never completes

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from tests.server.conftest import StartServer, manifest
+from tests.server.conftest import StartServer, curve_keys, manifest
 from tiercache.errors import AuthenticationError
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
@@ -177,18 +177,12 @@ def test_a_client_with_the_secret_does_not_believe_a_server_that_cannot_prove_it
 
 
 def test_curve_with_a_shared_secret_signs_sessions_too(start_server: StartServer, tmp_path: Path) -> None:
-    keys_dir = tmp_path / "keys"
-    allowed = keys_dir / "authorized_clients"
-    allowed.mkdir(parents=True)
-    server_public, server_secret = zmq.auth.create_certificates(keys_dir, "server")
-    client_public, client_secret = zmq.auth.create_certificates(keys_dir, "client")
-    os.replace(client_public, allowed / "client.key")
-    server_key, _ = zmq.auth.load_certificate(server_public)
+    certs = curve_keys(tmp_path / "keys")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    curve = {"curve_server_key": server_key, "curve_client_key_file": Path(client_secret)}
+    curve = {"curve_server_key": certs.server_public, "curve_client_key_file": certs.client_secret_file}
     start_server(
         listen=endpoint,
-        options={"curve_secret_key_file": Path(server_secret), "auth_secret": SECRET},
+        options={"curve_secret_key_file": certs.server_secret_file, "auth_secret": SECRET},
         client_kw={**curve, "auth_secret": SECRET},
     )
     with Client(endpoint, timeout=5, auth_secret=SECRET, **curve) as client:  # type: ignore[arg-type]
