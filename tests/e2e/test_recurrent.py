@@ -26,9 +26,14 @@ the connector. The step is per model:
 Two engine runs per model (a cold one and a fresh one), to keep the cost near a minute per model on
 two cores.
 
-Qwen3.5 (``Qwen3_5ForCausalLM``) is the same layout as Qwen3-Next without MoE; vLLM's Qwen3.5 module
-imports torchvision (through transformers' Qwen2-VL image processor), absent from the CPU venv, so its
-engines run with an import-only torchvision stub from the test's temp dir on their PYTHONPATH.
+Qwen3.5 (``Qwen3_5ForCausalLM``) is the same layout as Qwen3-Next without MoE, and tiercache sees no
+difference at all: with vLLM 0.32.0 the manifests of both object groups (recurrent and full
+attention: dtypes, backend, state shapes and dtypes, page sizes, block sizes, layer names, spec) are
+identical but for the model's own identity (``model_id``, ``model_revision``). So CI runs Qwen3-Next
+and Granite 4 only; ``TIERCACHE_E2E_QWEN3_5=1`` adds Qwen3.5 (after a vLLM upgrade, or to check a
+figure of docs/hybrid-models.md). vLLM's Qwen3.5 module imports torchvision (through transformers'
+Qwen2-VL image processor), absent from the CPU venv, so its engines run with an import-only
+torchvision stub from the test's temp dir on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -131,6 +136,9 @@ MODELS = {
     ),
     "granite4": Recurrent(write_tiny_granite4, "mamba2+full", chunk=384, step=384, dtype="float32"),
 }
+# Qwen3.5's layout is Qwen3-Next's as tiercache sees it (see the module docstring): opt-in.
+if os.environ.get("TIERCACHE_E2E_QWEN3_5", "0") != "1":
+    del MODELS["qwen3_5"]
 # vLLM's multiprocess mode (scheduler and worker in separate processes, as ``vllm serve`` runs) costs
 # ~50 s more per engine on two cores; it passes too, but CI's budget runs the fresh engine in-process.
 MULTIPROCESS = os.environ.get("TIERCACHE_E2E_MULTIPROCESS", "0") == "1"
