@@ -14,6 +14,7 @@ time, so the noisy prompt cannot move the others).
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -164,18 +165,23 @@ def test_corrupted_store_changes_the_output(in_process: Fresh, setup: Setup) -> 
 
 
 def test_other_weights_at_the_same_path_get_no_hits(setup: Setup) -> None:
-    """Replacing the checkpoint at the same path changes the weights identity in the fingerprint."""
-    model = setup.tmp / "swapped-model"
-    write_tiny_llama(model, seed=1)
-    first = setup.run("swap-a", model=model)
-    assert first.num_cached == [0] * len(LENGTHS)
-    write_tiny_llama(model, seed=2)  # same path, same config, other weights
+    """Replacing the checkpoint at the same path changes the weights identity in the fingerprint:
+    with other weights (same config) in the cold run's model directory, a fresh engine finds none of
+    the cold run's stored chunks. The original files are put back afterwards."""
+    wait_for_stores(setup.server, STORED_CHUNKS)
+    original = setup.tmp / "original-model"
+    shutil.copytree(setup.model, original)
+    write_tiny_llama(setup.model, seed=2)  # same path, same config, other weights
     hits_before = engine_stats(setup.server)["lookup_chunks_hit"]
-    second = setup.run("swap-b", model=model)
-    print(f"\n[e2e dense swapped weights] cached tokens {second.num_cached}")
-    assert second.num_cached == [0] * len(LENGTHS)
+    try:
+        swapped = setup.run("swapped")
+    finally:
+        shutil.rmtree(setup.model)
+        original.rename(setup.model)
+    print(f"\n[e2e dense swapped weights] cached tokens {swapped.num_cached}")
+    assert swapped.num_cached == [0] * len(LENGTHS)
     assert engine_stats(setup.server)["lookup_chunks_hit"] == hits_before
-    assert second.max_logprob_diff(first) > 1e-2  # really other weights
+    assert swapped.max_logprob_diff(setup.cold) > 1e-2  # really other weights
 
 
 def test_engine_runs_without_a_server(setup: Setup) -> None:
