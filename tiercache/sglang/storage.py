@@ -134,7 +134,11 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         s = self.storage_config
         name = f"sglang-tp{s.tp_rank}-pp{s.pp_rank}"
         self._link = ServerLink(self.settings.link, name, self._on_connect)
-        self._link.start()
+        try:
+            self._link.start()
+        except ConfigError:
+            self._link.close()  # this engine does not fit the server: nothing may linger
+            raise
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Refused: hybrid pools (Mamba, SWA, ...) are not stored by tiercache yet."""
