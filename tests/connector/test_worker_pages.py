@@ -59,10 +59,12 @@ class FakeClient:
             slots.append(slot)
         return slots
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], supersedes: Any = ()) -> None:
         for t in tokens:
             key, slot = self.pending.pop(t)
             self.objects[key] = slot
+        for key in supersedes:  # as the server does: once the covering chunk is visible
+            self.objects.pop(key, None)
 
     def abort(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -156,6 +158,43 @@ def test_a_partial_load_writes_only_the_missing_positions(worker) -> None:  # ty
     for i, t in enumerate(caches.values()):
         assert (_manager_block(t, 4) == float(i + 1)).all()
         assert t.count_nonzero() == _manager_block(t, 4).numel()
+
+
+def test_a_tail_block_is_an_object_of_one_page_per_layer_and_loads_into_any_block(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, caches = worker
+    g = torch.Generator().manual_seed(3)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    before = {n: t.clone() for n, t in caches.items()}
+    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1)])
+    [slot] = client.objects.values()
+    assert slot.nbytes == 2 * PAGE  # two layers, one block: half a chunk's object
+    for t in caches.values():
+        t.zero_()
+    w.start_load_kv(
+        TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"t" * 16, [[0]], [[2]], blocks=1)])])
+    )
+    assert not w.get_block_ids_with_load_errors()
+    for n, t in caches.items():
+        assert torch.equal(_manager_block(t, 2), _manager_block(before[n], 6))
+        assert t.count_nonzero() == _manager_block(t, 2).count_nonzero()
+
+
+def test_a_tail_object_is_never_loaded_as_a_whole_chunk_nor_a_chunk_as_a_tail(worker) -> None:  # type: ignore[no-untyped-def]
+    """The sizes differ, so a key mix-up is a failed load (recomputed), never misplaced bytes."""
+    w, _client, _caches = worker
+    w._save_batch([ChunkSave("r", 0, b"a" * 16, [[6]], blocks=1), ChunkSave("r", 0, b"b" * 16, [[1, 2]])])
+    loads = [ChunkLoad(b"a" * 16, [[0, 1]], [[3, 4]]), ChunkLoad(b"b" * 16, [[0]], [[5]], blocks=1)]
+    w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r2", loads)]))
+    assert w.get_block_ids_with_load_errors() == {3, 4, 5}
+
+
+def test_storing_a_full_chunk_drops_the_tails_it_covers(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1)])
+    assert len(client.objects) == 1
+    w._save_batch([ChunkSave("r", 0, b"c" * 16, [[6, 7]], supersedes=[b"t" * 16])])
+    assert [k.prefix_hash for k in client.objects] == [b"c" * 16]
 
 
 def test_a_chunk_holding_the_null_block_stores_nothing(worker) -> None:  # type: ignore[no-untyped-def]

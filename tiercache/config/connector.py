@@ -29,6 +29,10 @@ Keys (all optional)::
                   how many stored chunks the connector remembers for those events (their token ids
                   and block hashes, about 14 bytes per token); the oldest beyond it are published as
                   removed and forgotten (default 16384)
+    tails         also store and match, block by block, what lies past a request's last full chunk
+                  (a prompt's tail; at a request's end, its generated tokens), so a hit ends where
+                  vLLM's own prefix cache would end (default false while it is being measured; not
+                  for recurrent-state models or groups of different block sizes: refused at start-up)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -54,6 +58,7 @@ _KEYS = (
     "lookup_wait_s",
     "kv_events_interval_s",
     "kv_events_chunks",
+    "tails",
 )
 #: The server refuses a longer wait (it pins L1 for the waiting lookup meanwhile).
 MAX_INFLIGHT_WAIT_S = 60.0
@@ -73,6 +78,7 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005
     kv_events_interval_s: float = 0.5
     kv_events_chunks: int = 16384
+    tails: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -128,6 +134,7 @@ class ConnectorSettings:
                 lookup_wait_s=_seconds(raw, "lookup_wait_s", 0.005),
                 kv_events_interval_s=_seconds(raw, "kv_events_interval_s", 0.5),
                 kv_events_chunks=_count(raw, "kv_events_chunks", 16384),
+                tails=_flag(raw.get("tails", False)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc

@@ -29,6 +29,9 @@ class ChunkLoad:
     positions: list[list[int]]
     block_ids: list[list[int]]
     state: bool = False
+    #: 0: a whole chunk's objects. ``k > 0``: tail objects (see :mod:`tiercache.connector.tails`),
+    #: each holding ``k`` blocks of its group; ``positions`` then index those ``k`` blocks.
+    blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +67,9 @@ class ChunkSave:
     prefix_hash: bytes
     block_ids: list[list[int]]
     tenant: bytes = b""  # the request's tenant id (tiercache.keys.tenant): whose quota it uses
+    blocks: int = 0  # 0: a full chunk; k > 0: a tail object of k blocks per group (``block_ids``)
+    #: A full chunk's tails (their prefix hashes): dropped once this chunk is committed.
+    supersedes: list[bytes] = field(default_factory=list)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.blockmap import blocks_to_load, blocks_to_save
+from tiercache.connector.blockmap import blocks_to_load, blocks_to_save, freed_blocks
 from tiercache.connector.events import KVEventTracker
 from tiercache.connector.layout import (
     EngineLayout,
@@ -58,8 +58,14 @@ from tiercache.connector.metadata import (
     TierCacheMetadata,
 )
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
+from tiercache.connector.tails import (
+    askable_blocks,
+    tail_block_size,
+    tail_blocks,
+    unsupported,
+)
 from tiercache.errors import TierCacheError
-from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher
+from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher, tail_hashes
 from tiercache.keys.tenant import DEFAULT_TENANT, tenant_id
 from tiercache.wire import protocol as p
 from tiercache.wire.client import Client, LookupResult
@@ -107,6 +113,18 @@ class _Request:
     request: Any = None  # vLLM's Request (block hashes and extra keys for KV events)
     loading: bool = False  # an asynchronous load was sent; the ticket is kept until it is reported
     load_failed: bool = False  # the workers reported its asynchronous load failed: compute instead
+    # Tails (tiercache.connector.tails): the lookup of the blocks of the chunk after the full hit.
+    tail_state: LookupState = LookupState.NOT_SENT
+    tail_chunk: int = -1  # the chunk whose blocks were asked for
+    tail_hashes: list[bytes] = field(default_factory=list)  # its blocks' tail hashes, asked for
+    tail_pending: int = 0  # the async request id while its reply is outstanding (0: between polls)
+    tail_sent_at: float = 0.0
+    tail_poll_after: float = 0.0
+    tail_poll_delay: float = 0.0
+    tail_awaited: bool = False
+    tail_ticket: int = 0
+    tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
+    tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -159,6 +177,8 @@ class SchedulerHalf:
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
         self._async_loads = False  # set at connect: see _on_connect
+        self._tail_block = 0  # > 0: tails are on (tiercache.connector.tails), in blocks of this many tokens
+        self._end_saves: list[ChunkSave] = []  # stores planned when a request ended, sent next meta
         self.stats = StatsRecorder()
         self._outages_counted = 0
         # KV events for routers, only when vLLM publishes them (--kv-events-config).
@@ -206,6 +226,13 @@ class SchedulerHalf:
         # report a failure per request (failed_recving). Recurrent state always goes that way, so the
         # state lands before the request's first step (preprocess_mamba) and needs no zeroing tricks.
         self._async_loads = len(layout.kv_group_block_sizes()) > 1 or layout.has_recurrent
+        self._tail_block = 0
+        if self._settings.tails:
+            why = unsupported(layout)
+            if why is None:
+                self._tail_block = tail_block_size(layout)
+            else:
+                log.warning("tiercache: tails are off for this engine: %s", why)
         # A chunk's events follow one object of it: a full-attention group's exists for every
         # stored chunk (a sliding group's only inside the window, a recurrent one's at boundaries).
         if self.events.enabled:
@@ -270,11 +297,12 @@ class SchedulerHalf:
         chunk = layout.chunk_size
         limit = (len(st.prompt) - 1) // chunk  # always leave at least one token to compute
         sent = False
-        if st.state is LookupState.NOT_SENT:
-            if limit * chunk <= num_computed_tokens:
-                # The engine has everything we could offer; what it has was stored when computed.
-                self._settle_miss(st, server_chunks=num_computed_tokens // chunk)
+        if st.state is LookupState.NOT_SENT and limit * chunk <= num_computed_tokens:
+            # The engine has every full chunk we could offer; what it has was stored when computed.
+            self._settle_miss(st, server_chunks=num_computed_tokens // chunk)
+            if not self._tail_block:
                 return 0, False
+        if st.state is LookupState.NOT_SENT:
             try:
                 st.pending_id = client.lookup_async(
                     st.hashes(chunk)[:limit],
@@ -293,7 +321,9 @@ class SchedulerHalf:
             st.query_chunks, st.per_tier = limit, {}
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
             return None, False  # "not known yet": vLLM skips the request this step and asks again
-        hit_tokens = st.hit_chunks * chunk
+        if self._tail_block and self._loads_enabled and not self._tail_step(client, st, num_computed_tokens):
+            return None, False
+        hit_tokens = self._hit_tokens(st, num_computed_tokens)
         if hit_tokens <= num_computed_tokens:
             self._drop_ticket(st)
             return 0, False
@@ -309,6 +339,122 @@ class SchedulerHalf:
         if not sent or self._lookup_wait_left <= 0:
             return 0.0
         return self._lookup_wait_left
+
+    def _hit_tokens(self, st: _Request, num_computed_tokens: int) -> int:
+        """Where the hit ends: after the full chunks found, or after the tail blocks found in the
+        chunk that follows what the engine and the cache hold together."""
+        assert self.layout is not None
+        chunk = self.layout.chunk_size
+        full = st.hit_chunks * chunk
+        if not st.tail_blocks or st.tail_chunk * chunk > max(full, num_computed_tokens):
+            return full  # (the tail does not join on: vLLM's own hit changed since it was asked)
+        return st.tail_chunk * chunk + st.tail_blocks * self._tail_block
+
+    def _tail_step(self, client: Client, st: _Request, num_computed_tokens: int) -> bool:
+        """Ask for the blocks of the chunk after the full hit (once), or collect the reply; True
+        once ``tail_blocks`` is final."""
+        if st.tail_state is LookupState.DONE:
+            return True
+        sent = False
+        if st.tail_state is LookupState.NOT_SENT:
+            assert self.layout is not None
+            chunk, block = self.layout.chunk_size, self._tail_block
+            at = max(st.hit_chunks, num_computed_tokens // chunk)
+            asked = askable_blocks(len(st.prompt), at, chunk, block)
+            if asked == 0 or at * chunk + asked * block <= num_computed_tokens:
+                st.tail_state = LookupState.DONE
+                return True
+            st.hashes(chunk)  # the chain up to ``at`` (the hasher has consumed every full chunk)
+            assert st.hasher is not None
+            st.tail_hashes = tail_hashes(
+                st.hasher.before(at), st.prompt[at * chunk : at * chunk + asked * block], block
+            )
+            try:
+                st.tail_pending = client.lookup_async(
+                    st.tail_hashes,
+                    self._refs,
+                    max_chunks=asked,
+                    inflight_wait_s=self._settings.inflight_wait_s,
+                    tenant=st.tenant,
+                    every_object=True,
+                )
+            except TierCacheError as exc:
+                self.link.failed("lookup", exc)
+                st.tail_state = LookupState.DONE
+                return True
+            st.tail_state, st.tail_chunk, st.tail_sent_at = LookupState.WAITING_REPLY, at, time.monotonic()
+            sent = True
+        return self._collect_tail(client, st, self._lookup_wait(sent))
+
+    def _collect_tail(self, client: Client, st: _Request, wait_s: float) -> bool:
+        """Advance the tail lookup as :meth:`_collect` does the chunks'; True once it is settled."""
+        try:
+            if st.tail_pending == 0:
+                if time.monotonic() < st.tail_poll_after:
+                    return False
+                st.tail_pending = client.poll_ticket_async(st.tail_ticket)
+            began = time.monotonic()
+            result: LookupResult | None = client.poll(st.tail_pending, wait_s)
+            if wait_s:
+                self._lookup_wait_left -= time.monotonic() - began
+            if result is None:
+                return False
+            if result.ticket:
+                st.tail_ticket = result.ticket
+            if result.state is p.TicketStateName.PENDING:
+                st.tail_awaited = st.tail_awaited or result.awaiting > 0
+                bound = self._settings.timeout_s + (
+                    self._settings.inflight_wait_s if st.tail_awaited else 0.0
+                )
+                if time.monotonic() - st.tail_sent_at > bound:
+                    self._drop_tail(st)
+                    st.tail_state = LookupState.DONE
+                    return True
+                st.tail_poll_delay = (
+                    min(2 * st.tail_poll_delay, _MAX_POLL_DELAY_S)
+                    if st.tail_poll_delay
+                    else _FIRST_POLL_DELAY_S
+                )
+                st.tail_poll_after = time.monotonic() + st.tail_poll_delay
+                st.tail_pending = 0
+                return False
+        except TierCacheError as exc:
+            self.link.failed("lookup", exc)
+            st.tail_ticket = 0
+            self._drop_tail(st)
+            st.tail_state = LookupState.DONE
+            return True
+        st.tail_state = LookupState.DONE
+        if result.state is not p.TicketStateName.READY or not result.ready_chunks or self.layout is None:
+            self._drop_tail(st)
+            return True
+        index = {h: j for j, h in enumerate(st.tail_hashes)}
+        found: dict[int, set[int]] = {}
+        for slot in result.slots:
+            key = ObjectKey.from_bytes(slot.key)
+            j = index.get(key.prefix_hash)
+            if j is not None:
+                found.setdefault(j, set()).add(key.object_group)
+        # Every group's object of every block up to the end of the hit (a sliding group's too: the
+        # tail is the newest part of its window).
+        needed = {g.object_group for g in self.layout.groups}
+        blocks = 0
+        while blocks < result.ready_chunks and needed <= found.get(blocks, set()):
+            blocks += 1
+        st.tail_blocks = blocks
+        st.tail_saved = (st.tail_chunk, blocks)  # the server holds these: never stored again
+        if blocks == 0:
+            self._drop_tail(st)
+        else:
+            self.stats.add("hit_tokens", blocks * self._tail_block)
+        return True
+
+    def _drop_tail(self, st: _Request) -> None:
+        """Release the tail lookup's ticket after the step being built now has run."""
+        if st.tail_ticket:
+            self._release_at.setdefault(self._step + 1, []).append(st.tail_ticket)
+            st.tail_ticket = 0
+        st.tail_blocks = 0
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
@@ -423,6 +569,7 @@ class SchedulerHalf:
             st.ticket = 0
         st.slots = {}
         st.hit_chunks = 0
+        self._drop_tail(st)
 
     # -- allocation and metadata ---------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -442,12 +589,43 @@ class SchedulerHalf:
         # A sliding-window group's blocks before the window are vLLM's null block (0): the worker
         # skips those positions (and the group, for chunks wholly outside the window). A chunk
         # whose blocks are not all allocated ends the list: load less, never garbage.
-        planned = blocks_to_load(block_ids, sizes, self.layout.chunk_size, start, end, skip=recurrent)
+        chunk = self.layout.chunk_size
+        # Whole chunks up to the full hit's end; the tail's blocks (if the hit ends in one) after.
+        full_end = min(end, st.hit_chunks * chunk) if st.tail_blocks else end
+        planned = (
+            blocks_to_load(block_ids, sizes, chunk, start, full_end, skip=recurrent)
+            if full_end > start
+            else []
+        )
         chunks = [
             ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
             for cb in planned
         ]
-        complete = bool(planned) and planned[-1].chunk == -(-end // self.layout.chunk_size) - 1
+        complete = full_end <= start or (bool(planned) and planned[-1].chunk == -(-full_end // chunk) - 1)
+        if end > full_end:
+            base = st.tail_chunk * chunk
+            first, upto = -(-(max(start, base) - base) // self._tail_block), (end - base) // self._tail_block
+            tails = tail_blocks(
+                block_ids,
+                st.tail_chunk,
+                chunk,
+                self._tail_block,
+                st.tail_hashes,
+                first,
+                upto,
+                store=False,
+                sliding=self.layout.kv_group_windows().keys(),
+            )
+            chunks += [
+                ChunkLoad(
+                    t.prefix_hash,
+                    [[0] if ids else [] for ids in t.block_ids],
+                    [list(i) for i in t.block_ids],
+                    blocks=1,
+                )
+                for t in tails
+            ]
+            complete = complete and len(tails) == upto - first
         if recurrent and complete:
             # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a null
             # (0) here makes the worker fail the load, so vLLM recomputes.
@@ -476,8 +654,8 @@ class SchedulerHalf:
         self._lookup_wait_left = self._settings.lookup_wait_s  # a new step: a new budget (_lookup_wait)
         self._step += 1
         self._unfinished_steps.append(self._step)
-        meta = TierCacheMetadata(step=self._step, loads=self._loads)
-        self._loads = []
+        meta = TierCacheMetadata(step=self._step, loads=self._loads, saves=self._end_saves)
+        self._loads, self._end_saves = [], []
         # Sliding-window groups free blocks that fall out of the window while the request runs, and
         # vLLM may hand them to another request in the very next step: with such groups every store
         # queued in the previous step is finished before the next forward pass can rewrite a block.
@@ -488,6 +666,7 @@ class SchedulerHalf:
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
                 st.state, st.hit_chunks, st.load_failed = LookupState.NOT_SENT, 0, False
+                st.tail_state = LookupState.NOT_SENT
                 st.states.clear()  # its blocks are freed: offers made before are void
         self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -540,13 +719,27 @@ class SchedulerHalf:
 
     def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
         """Schedule stores for the prompt chunks that are complete once this step has run
-        (``before``: tokens computed before this step, ``scheduled``: tokens it computes)."""
+        (``before``: tokens computed before this step, ``scheduled``: tokens it computes), and with
+        tails on, for the full blocks of the prompt's last partial chunk once they are."""
+        computed = min(before + scheduled, len(st.prompt))
+        self._plan_saves_upto(st, computed, before, meta.saves, tails=computed == len(st.prompt))
+
+    def _plan_saves_upto(
+        self, st: _Request, computed: int, before: int, saves: list[ChunkSave], *, tails: bool
+    ) -> None:
+        """Stores for ``st.prompt``'s tokens below ``computed`` not stored yet (``before``: tokens
+        computed before this step, for the sliding window's freed blocks); with ``tails`` (the
+        prompt or the request is done: never mid-prefill, where the next step fills the chunk),
+        also the full blocks of the chunk ``computed`` ends in."""
         layout = self.layout
         if not self._stores_enabled or layout is None or not st.prompt or self.link.client() is None:
             return
         chunk = layout.chunk_size
-        end = min(before + scheduled, len(st.prompt)) // chunk
+        end = computed // chunk
         first = max(st.saved_upto, 0)
+        if self._tail_block and tails and end <= first:
+            self._plan_tail_saves(st, computed, before, saves)
+            return
         if end <= first:
             return
         hashes = st.hashes(chunk)
@@ -568,10 +761,47 @@ class SchedulerHalf:
             state = st.states.pop(c + 1, {})
             for kv in recurrent:
                 ids[kv] = [state.get(kv, 0)]
-            meta.saves.append(ChunkSave(st.req_id, c, hashes[c], ids, st.tenant))
+            save = ChunkSave(st.req_id, c, hashes[c], ids, st.tenant)
+            if self._tail_block:
+                save.supersedes = self._chunk_tails(st, c)
+            saves.append(save)
             self.events.remember(st.request, c, chunk, hashes[c])
             st.saves_scheduled += 1
             st.saved_upto = c + 1
+        if self._tail_block and tails and st.saved_upto == end:
+            self._plan_tail_saves(st, computed, before, saves)
+
+    def _chunk_tails(self, st: _Request, c: int) -> list[bytes]:
+        """The tail hashes of chunk ``c``'s blocks short of its end: what storing it supersedes."""
+        assert self.layout is not None and st.hasher is not None
+        chunk, block = self.layout.chunk_size, self._tail_block
+        return tail_hashes(st.hasher.before(c), st.prompt[c * chunk : (c + 1) * chunk - block], block)
+
+    def _plan_tail_saves(self, st: _Request, computed: int, before: int, saves: list[ChunkSave]) -> None:
+        """Stores for the full blocks below ``computed`` of the chunk it ends in, once every chunk
+        before is stored or scheduled; each block is one object per group (``blocks=1``)."""
+        layout = self.layout
+        assert layout is not None
+        chunk, block = layout.chunk_size, self._tail_block
+        c = computed // chunk
+        if st.saved_upto != c:
+            return
+        stored = st.tail_saved[1] if st.tail_saved[0] == c else 0
+        last = min((computed - c * chunk) // block, chunk // block - 1)
+        # A sliding group's blocks before its window may already be freed: a tail must start at
+        # the chunk's first block (lookups ask from there), so a freed one ends this chunk's tails.
+        freed = max((freed_blocks(before, w, block) for w in layout.kv_group_windows().values()), default=0)
+        if last <= stored or freed > c * (chunk // block) + stored:
+            return
+        st.hashes(chunk)
+        assert st.hasher is not None
+        hashes = tail_hashes(st.hasher.before(c), st.prompt[c * chunk : c * chunk + last * block], block)
+        recurrent = layout.recurrent_kv_groups()
+        for t in tail_blocks(st.block_ids, c, chunk, block, hashes, stored, last, store=True):
+            ids = [list(i) if kv not in recurrent else [] for kv, i in enumerate(t.block_ids)]
+            saves.append(ChunkSave(st.req_id, c, t.prefix_hash, ids, st.tenant, blocks=1))
+            st.saves_scheduled += 1
+            st.tail_saved = (c, t.j + 1)
 
     def _collect_orphans(self) -> None:
         client = self.link.client()
@@ -600,9 +830,9 @@ class SchedulerHalf:
             if st is None or not st.loading:
                 continue  # finished while loading: request_finished already scheduled the release
             st.loading = False
-            if st.ticket:  # every worker is done copying from its slots
-                tickets.append(st.ticket)
+            tickets.extend(t for t in (st.ticket, st.tail_ticket) if t)  # every worker is done copying
             st.ticket, st.slots, st.hit_chunks = 0, {}, 0
+            st.tail_ticket, st.tail_blocks = 0, 0
             # On a failure vLLM frees the blocks and schedules the request again from its first
             # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
             st.load_failed = rid in failed
@@ -631,10 +861,29 @@ class SchedulerHalf:
             return False, None
         if st.state is LookupState.WAITING_REPLY and st.pending_id:
             self._orphans.append(st.pending_id)
+        if st.tail_state is LookupState.WAITING_REPLY and st.tail_pending:
+            self._orphans.append(st.tail_pending)
+        if self._tail_block:
+            self._plan_end_saves(st, request)
         # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers
         # report it): released after the next step, which runs after the step carrying the load.
         self._drop_ticket(st)
         return st.saves_scheduled > 0, None
+
+    def _plan_end_saves(self, st: _Request, request: Any) -> None:
+        """With tails on, a finished request's generated tokens are stored too (their full chunks,
+        then the full blocks of the last one), so the next turn of a chat finds its whole history.
+        They go out with the next step's metadata; vLLM holds the blocks until they are stored."""
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None or not st.prompt or st.tail_state is LookupState.WAITING_REPLY:
+            return
+        # The last sampled token has no KV yet; the KV of every token before it was computed.
+        computed = min(int(getattr(request, "num_computed_tokens", 0)), len(tokens) - 1)
+        if computed <= 0:
+            return
+        if len(tokens) > len(st.prompt):
+            st.prompt = list(tokens)
+        self._plan_saves_upto(st, computed, computed, self._end_saves, tails=True)
 
     def has_pending_events(self) -> bool:
         """Whether stored chunks still wait for their first event (vLLM keeps stepping meanwhile)."""

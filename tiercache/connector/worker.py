@@ -282,7 +282,14 @@ class WorkerHalf:
         self, chunk_index: int, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]
     ) -> list[tuple[int, PageWrite]] | None:
         """The page writes of one chunk, as (layer position, write); ``None`` when it cannot be loaded."""
-        if not groups or any(s is None or s.nbytes != g.object_bytes for s, g in zip(slots, groups)):
+
+        def blocks(g: GroupLayout) -> int:  # a whole chunk's blocks, or a tail object's
+            return chunk.blocks or g.blocks_per_chunk
+
+        if not groups or any(
+            s is None or s.nbytes != len(g.layer_names) * blocks(g) * g.page_bytes
+            for s, g in zip(slots, groups)
+        ):
             return None
         writes: list[tuple[int, PageWrite]] = []
         for g, slot in zip(groups, slots):
@@ -299,13 +306,13 @@ class WorkerHalf:
                 pairs = [(p, b) for p, b in zip(positions, chunk.block_ids[g.kv_group]) if b]
                 if not g.is_sliding and len(pairs) != len(positions):
                     return None  # never write the null block
-                if any(not 0 <= p < g.blocks_per_chunk for p, _ in pairs):
+                if any(not 0 <= p < blocks(g) for p, _ in pairs):
                     return None  # positions from another block size: refuse rather than misplace
             assert self._copy is not None
             src = self._copy.host(arena, slot.offset, slot.nbytes)
-            src = src.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
+            src = src.view(len(g.layer_names), blocks(g), g.page_bytes)
             idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
-            whole = [p for p, _ in pairs] == list(range(g.blocks_per_chunk))
+            whole = [p for p, _ in pairs] == list(range(blocks(g)))
             # The whole chunk is copied straight from the (pinned) slot; a part picks its rows.
             pos = None if whole else torch.tensor([p for p, _ in pairs], dtype=torch.long)
             for name, pv, rows in zip(g.layer_names, self._pages[g.kv_group], src, strict=True):
@@ -501,14 +508,15 @@ class WorkerHalf:
             assert self._copy is not None
             for slot, (g, save) in zip(slots, sources):
                 assert slot is not None
+                n = save.blocks or g.blocks_per_chunk
                 dst = self._copy.host(arena, slot.offset, slot.nbytes)
-                dst = dst.view(len(g.layer_names), g.blocks_per_chunk, g.page_bytes)
+                dst = dst.view(len(g.layer_names), n, g.page_bytes)
                 ids = save.block_ids[g.kv_group]
                 if 0 in ids:
                     raise ValueError("refusing to store the null block")
-                if len(ids) != g.blocks_per_chunk:
+                if len(ids) != n:
                     raise ValueError(
-                        f"a chunk of KV-cache group {g.kv_group} is {g.blocks_per_chunk} blocks, the save has {len(ids)}"
+                        f"the object of KV-cache group {g.kv_group} is {n} blocks, the save has {len(ids)}"
                     )
                 self._copy.save(
                     ready, self._pages[g.kv_group], torch.tensor(ids, dtype=torch.long), list(dst)
@@ -519,8 +527,16 @@ class WorkerHalf:
             except TierCacheError:
                 pass
             raise
+        # The tails the committed full chunks cover (every block-per-block group's objects of them).
+        covered = [
+            ObjectKey(self._fingerprints[g.object_group], g.object_group, h)
+            for save in batch
+            for h in save.supersedes
+            for g in self._groups
+            if not g.is_recurrent
+        ]
         try:
-            client.commit(tokens)
+            client.commit(tokens, supersedes=covered)
         except TierCacheError as exc:
             self.link.failed("commit of a store", exc)
             self.stats["save_skipped"] += len(batch)
@@ -541,10 +557,11 @@ class WorkerHalf:
             for g in self._groups:
                 if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
                     continue  # a sliding group's blocks out of the window, or no state kept: no object
+                n = save.blocks or g.blocks_per_chunk
                 items.append(
                     (
                         ObjectKey(self._fingerprints[g.object_group], g.object_group, save.prefix_hash),
-                        g.object_bytes,
+                        len(g.layer_names) * n * g.page_bytes,
                     )
                 )
                 tenants.append(save.tenant)

@@ -31,6 +31,7 @@ class EngineCounters(Counters):
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0
+    tails_superseded: int = 0  # tail objects dropped from a local tier once their full chunk was stored
 
 
 def timed_pin(tier: Tier, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:

@@ -235,6 +235,20 @@ class TieredEngine:
         """Remove ``key`` from every tier; the number of tiers that held it. Blocking."""
         return sum(1 for tier in self.tiers if tier.delete(key))
 
+    def supersede(self, keys: Sequence[ObjectKey]) -> int:
+        """Drop ``keys`` (tails a committed chunk covers) from the local tiers that hold them; how
+        many objects went. Remote tiers are not asked: each check there is a round trip, and a
+        tail left in S3 is still correct; it goes with the bucket's capacity eviction."""
+        dropped = 0
+        for tier in self.tiers:
+            if tier.remote:
+                continue
+            for key in keys:
+                if tier.contains(key) and tier.delete(key):
+                    dropped += 1
+        self.counters.add("tails_superseded", dropped)
+        return dropped
+
     # -- observation -----------------------------------------------------------------------------
     def latency(self) -> dict[str, dict[str, HistogramSnapshot]]:
         """Per tier, histograms of seconds per chunk object read and written (see

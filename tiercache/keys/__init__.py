@@ -6,7 +6,7 @@ from tiercache.keys.fingerprint import (
     GroupKind,
     LayoutManifest,
 )
-from tiercache.keys.hashing import HASH_BYTES, ExtraKeys, PrefixHasher, chunk_hashes
+from tiercache.keys.hashing import HASH_BYTES, ExtraKeys, PrefixHasher, chunk_hashes, tail_hashes
 from tiercache.keys.object_key import KEY_BYTES, ObjectKey
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "ObjectKey",
     "PrefixHasher",
     "chunk_hashes",
+    "tail_hashes",
 ]

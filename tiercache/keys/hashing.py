@@ -95,11 +95,19 @@ class PrefixHasher:
     extra: ExtraKeys | None = None
     _hashes: list[bytes] = field(default_factory=list)
     _last: bytes = b""
+    _seed: bytes = b""
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk size {self.chunk_size} must be a positive number of tokens")
-        self._last = (self.extra or ExtraKeys()).seed()
+        self._seed = self._last = (self.extra or ExtraKeys()).seed()
+
+    def before(self, chunk: int) -> bytes:
+        """The chain value before chunk ``chunk`` (the seed for chunk 0): what its tail hashes
+        (:func:`tail_hashes`) continue from. ``chunk`` must be at most the chunks consumed."""
+        if not 0 <= chunk <= len(self._hashes):
+            raise ValueError(f"chunk {chunk} is past the {len(self._hashes)} full chunks hashed so far")
+        return self._hashes[chunk - 1] if chunk else self._seed
 
     @property
     def hashes(self) -> list[bytes]:
@@ -122,3 +130,30 @@ class PrefixHasher:
                 out.append(last)
             self._last = last
         return list(self._hashes)
+
+
+#: Prefixed to every tail hash's input. Its 7 bytes make that input ``23 + 4·B`` bytes long, which a
+#: chunk hash's ``16 + 4·C`` never is: a tail and a chunk can never be confused by construction.
+_TAIL_DOMAIN = b"TCtail\x00"
+
+
+def tail_hashes(before: bytes, tokens: Sequence[int] | np.ndarray, block_size: int) -> list[bytes]:
+    """The chained 16-byte hashes of the full blocks of ``tokens``, the first tokens of one chunk
+    whose chain value before it is ``before`` (:meth:`PrefixHasher.before`).
+
+    ``t_0 = before``, ``t_j = xxh3_128("TCtail\\0" || t_{j-1} || tokens of block j)``: the hash of
+    block ``j`` names every token up to its end (and the extra keys, through ``before``), as a
+    chunk hash does, so a tail object is shared exactly when vLLM would share the block.
+    """
+    if block_size <= 0:
+        raise ConfigError(f"block size {block_size} must be a positive number of tokens")
+    full = len(tokens) // block_size
+    raw = _as_u32_bytes(tokens[: full * block_size])
+    step = block_size * 4
+    digest = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    last = before
+    for j in range(full):
+        last = digest(_TAIL_DOMAIN + last + raw[j * step : (j + 1) * step])
+        out.append(last)
+    return out

@@ -7,6 +7,7 @@ that may touch L2/L3 (registration, lookups, gets, deletes) is offloaded to the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from tiercache.engine import (
     needed_keys,
 )
 from tiercache.errors import TierFullError
-from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
+from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.tier import L1Tier
 from tiercache.server.layouts import Layouts, check_hashes
@@ -104,6 +105,8 @@ class DataOps:
 
         def job() -> tuple[LookupResult, PrefetchTicket | None]:
             specs = self._layouts.resolve(msg.groups)
+            if msg.every_object:
+                specs = [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
             wait = wait_s if msg.prefetch else 0.0
             found = engine.lookup(msg.hashes, specs, inflight=wait > 0)
             ticket = None
@@ -187,12 +190,22 @@ class DataOps:
             slots.append(self._slot(handle))
         return p.SlotsReply(slots=slots)
 
-    def commit(self, session: Session, msg: p.Commit) -> p._Msg:
+    def commit(self, session: Session, msg: p.Commit) -> p._Msg | None:
+        covered = [parse_key(raw) for raw in msg.supersedes]
         handles = self._sessions.claim_reservations(session, msg.tokens)
         for handle in handles:
             self._sessions.forget_reservation(session, handle)
             self._engine.commit(handle)
-        return p.Done(count=len(handles))
+        done = p.Done(count=len(handles))
+        if not covered:
+            return done
+        # Only now, once the chunk that covers them is visible; off the loop (the disk's deletes
+        # are write transactions). A busy executor leaves the tails to eviction: still correct.
+        try:
+            self._offload(session, msg.req_id, lambda: self._engine.supersede(covered), lambda _: done)
+        except Refused:
+            return done
+        return None
 
     def abort(self, session: Session, msg: p.Abort) -> p._Msg:
         handles = self._sessions.claim_reservations(session, msg.tokens)

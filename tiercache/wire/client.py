@@ -117,6 +117,7 @@ def _lookup(
     max_chunks: int,
     inflight_wait_s: float,
     tenant: bytes,
+    every_object: bool = False,
 ) -> p.Lookup:
     return p.Lookup(
         hashes=list(hashes),
@@ -125,6 +126,7 @@ def _lookup(
         max_chunks=max_chunks,
         inflight_wait_s=inflight_wait_s,
         tenant=tenant,
+        every_object=every_object,
     )
 
 
@@ -493,10 +495,11 @@ class Client:
         max_chunks: int = 0,
         inflight_wait_s: float = 0.0,
         tenant: bytes = b"",
+        every_object: bool = False,
     ) -> int:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
-        :meth:`poll`."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant)
+        :meth:`poll`. ``every_object``: see :class:`~tiercache.wire.protocol.Lookup`."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
         return self._submit(msg, lambda r: r)
 
     def events(
@@ -620,8 +623,13 @@ class Client:
         msg = p.Reserve(items=[(k.to_bytes(), n) for k, n in items], tenants=named)
         return self._call(msg, lambda r: r.slots, timeout)
 
-    def commit(self, tokens: Sequence[int], timeout: float | None = None) -> int:
-        return self._call(p.Commit(tokens=list(tokens)), _count, timeout)
+    def commit(
+        self, tokens: Sequence[int], timeout: float | None = None, supersedes: Sequence[ObjectKey] = ()
+    ) -> int:
+        """Make reservations visible; ``supersedes``: tails the committed chunks cover, dropped
+        from the server's local tiers (:class:`~tiercache.wire.protocol.Commit`)."""
+        msg = p.Commit(tokens=list(tokens), supersedes=[k.to_bytes() for k in supersedes])
+        return self._call(msg, _count, timeout)
 
     def abort(self, tokens: Sequence[int], timeout: float | None = None) -> int:
         return self._call(p.Abort(tokens=list(tokens)), _count, timeout)

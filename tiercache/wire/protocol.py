@@ -182,6 +182,9 @@ class Lookup(_Msg, tag="lookup"):
     max_chunks: int = 0
     inflight_wait_s: float = 0.0
     tenant: bytes = b""
+    #: Every group needs every hash's object (a tail lookup: the blocks of one chunk, where the
+    #: sliding-window rule, counted in chunks, does not apply).
+    every_object: bool = False
 
 
 class PollTicket(_Msg, tag="poll_ticket"):
@@ -204,7 +207,11 @@ class Reserve(_Msg, tag="reserve"):
 
 
 class Commit(_Msg, tag="commit"):
+    """Make reservations visible. ``supersedes`` (object keys) are dropped from the local tiers
+    once the commit is done: the tails (per-block objects) that a committed full chunk covers."""
+
     tokens: list[int]
+    supersedes: list[bytes] = []
 
 
 class Abort(_Msg, tag="abort"):
