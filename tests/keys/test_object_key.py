@@ -93,3 +93,26 @@ def test_any_layout_difference_changes_the_fingerprint(change: dict[str, object]
 def test_a_garbage_manifest_is_a_key_format_error() -> None:
     with pytest.raises(KeyFormatError):
         LayoutManifest.from_dict({"model_id": "x"})
+
+
+def test_many_builds_the_same_keys_as_one_at_a_time_and_checks_the_same() -> None:
+    fp = Fingerprint(bytes(range(16)))
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    keys = ObjectKey.many(fp, 3, hashes)
+    assert keys == [ObjectKey(fp, 3, h) for h in hashes]
+    assert [hash(k) for k in keys] == [hash(ObjectKey(fp, 3, h)) for h in hashes]
+    assert [k.to_bytes() for k in keys] == [ObjectKey(fp, 3, h).to_bytes() for h in hashes]
+    assert keys[1] == ObjectKey.from_bytes(keys[1].to_bytes()) and keys[1].prefix_hash == hashes[1]
+    with pytest.raises(KeyFormatError, match="outside"):
+        ObjectKey.many(fp, 70000, hashes)
+    with pytest.raises(KeyFormatError, match="16 bytes"):
+        ObjectKey.many(fp, 0, [b"short"])
+
+
+def test_group_and_hash_reads_a_binary_key_without_building_it() -> None:
+    key = ObjectKey(Fingerprint(bytes(range(16))), 513, b"h" * 16)
+    assert ObjectKey.group_and_hash(key.to_bytes()) == (513, b"h" * 16)
+    with pytest.raises(KeyFormatError):
+        ObjectKey.group_and_hash(key.to_bytes()[:-1])
+    with pytest.raises(KeyFormatError):
+        ObjectKey.group_and_hash(b"\x09" + key.to_bytes()[1:])

@@ -431,10 +431,10 @@ class SchedulerHalf:
         index = {h: j for j, h in enumerate(st.tail_hashes)}
         found: dict[int, set[int]] = {}
         for slot in result.slots:
-            key = ObjectKey.from_bytes(slot.key)
-            j = index.get(key.prefix_hash)
+            group, prefix_hash = ObjectKey.group_and_hash(slot.key)
+            j = index.get(prefix_hash)
             if j is not None:
-                found.setdefault(j, set()).add(key.object_group)
+                found.setdefault(j, set()).add(group)
         # Every group's object of every block up to the end of the hit (a sliding group's too: the
         # tail is the newest part of its window).
         needed = {g.object_group for g in self.layout.groups}
@@ -517,10 +517,10 @@ class SchedulerHalf:
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
         slots: dict[int, dict[int, tuple[int, int]]] = {}
         for slot in result.slots:
-            key = ObjectKey.from_bytes(slot.key)
-            i = index.get(key.prefix_hash)
+            group, prefix_hash = ObjectKey.group_and_hash(slot.key)
+            i = index.get(prefix_hash)
             if i is not None:
-                slots.setdefault(i, {})[key.object_group] = (slot.offset, slot.nbytes)
+                slots.setdefault(i, {})[group] = (slot.offset, slot.nbytes)
         hit = self._restorable(slots, result.ready_chunks)
         st.hit_chunks, st.slots = hit, slots
         if hit == 0:

@@ -42,7 +42,7 @@ class GroupSpec:
     def needed(self, hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:
         """Keys this group needs to restore the first ``boundary`` chunks (:mod:`tiercache.keys.restore`)."""
         chunks = restore.needed_chunks(self.kind, boundary, self.window_chunks)
-        return [self.key(h) for h in hashes[chunks.start : chunks.stop]]
+        return ObjectKey.many(self.fingerprint, self.object_group, hashes[chunks.start : chunks.stop])
 
 
 def needed_keys(groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:

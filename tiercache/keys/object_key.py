@@ -13,7 +13,9 @@ lists them. Text form: ``<fingerprint hex>/g<group>/<prefix hash hex>`` — used
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiercache.errors import KeyFormatError
 from tiercache.keys.fingerprint import FINGERPRINT_BYTES, Fingerprint
@@ -64,6 +66,35 @@ class ObjectKey:
         return self._raw
 
     @classmethod
+    def many(cls, fingerprint: Fingerprint, object_group: int, hashes: Sequence[bytes]) -> list[ObjectKey]:
+        """The keys of ``hashes`` in one group: what ``[ObjectKey(fingerprint, object_group, h) ...]``
+        gives, at ~0.6 µs a key instead of ~1.6 (a lookup of a 128k-token prompt builds 512 per
+        group on the server's hot path). The group is checked once and each hash's length; the
+        fields are set through the slots' own descriptors, skipping the frozen dataclass's
+        per-field ``object.__setattr__``."""
+        if cls is not ObjectKey:
+            return [cls(fingerprint, object_group, h) for h in hashes]
+        if not 0 <= object_group <= MAX_OBJECT_GROUP:
+            raise KeyFormatError(f"object group {object_group} is outside 0..{MAX_OBJECT_GROUP}")
+        head = bytes((KEY_VERSION,)) + fingerprint.raw + object_group.to_bytes(2, "big")
+        new = object.__new__
+        set_fp, set_group, set_hash = _FINGERPRINT.__set__, _GROUP.__set__, _PREFIX.__set__
+        set_raw, set_code = _RAW.__set__, _CODE.__set__
+        out: list[ObjectKey] = []
+        for h in hashes:
+            if len(h) != HASH_BYTES:
+                raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(h)}")
+            key = new(cls)
+            raw = head + h
+            set_fp(key, fingerprint)
+            set_group(key, object_group)
+            set_hash(key, h)
+            set_raw(key, raw)
+            set_code(key, hash(raw))
+            out.append(key)
+        return out
+
+    @classmethod
     def from_bytes(cls, raw: bytes | memoryview) -> ObjectKey:
         """Parse the binary form; raises :class:`KeyFormatError` on anything else."""
         raw = bytes(raw)
@@ -77,6 +108,17 @@ class ObjectKey:
             int.from_bytes(raw[fp_end : fp_end + 2], "big"),
             raw[fp_end + 2 :],
         )
+
+    @staticmethod
+    def group_and_hash(raw: bytes) -> tuple[int, bytes]:
+        """The object group and prefix hash of a binary key, without building the key (a lookup's
+        reply holds one per object: 512 for a 128k-token prompt); checked as :meth:`from_bytes`."""
+        if len(raw) != KEY_BYTES or raw[0] != KEY_VERSION:
+            raise KeyFormatError(
+                f"not a version-{KEY_VERSION} object key of {KEY_BYTES} bytes: {len(raw)} bytes"
+            )
+        at = 1 + FINGERPRINT_BYTES
+        return int.from_bytes(raw[at : at + 2], "big"), bytes(raw[at + 2 :])
 
     def text(self) -> str:
         """The printable form ``<fingerprint>/g<group>/<prefix hash>``."""
@@ -92,3 +134,11 @@ class ObjectKey:
 
     def __str__(self) -> str:
         return self.text()
+
+
+# The slots' descriptors, for ObjectKey.many.
+_FINGERPRINT: Any = ObjectKey.__dict__["fingerprint"]
+_GROUP: Any = ObjectKey.__dict__["object_group"]
+_PREFIX: Any = ObjectKey.__dict__["prefix_hash"]
+_RAW: Any = ObjectKey.__dict__["_raw"]
+_CODE: Any = ObjectKey.__dict__["_hash"]
