@@ -15,6 +15,10 @@ in its own process, and the fresh ones with vLLM's own prefix cache off (else E 
 after A and B had run, would hit A's and B's blocks inside that engine), so every token they report
 cached came from tiercache. The same engine with tails off (the negative control) hits whole chunks
 only.
+
+Run on a dense model (tiny Llama) and on a sliding-window hybrid (tiny Gemma 3: a 64-token window,
+two blocks, so the sliding group's older blocks are vLLM's null block on a load and may be freed
+before a request's end stores).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.e2e.engine_run import write_tiny_llama
+from tests.e2e.engine_run import write_tiny_gemma3, write_tiny_llama
 from tests.e2e.setup import MiB, Run, engine_stats, run_engine, wait_for_stores
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher, tail_hashes
@@ -56,6 +60,7 @@ class World:
     server: ServerProcess
     cold_prompts: list[list[int]]  # A, B, C, D
     cold: Run
+    name: str  # which model
 
     def run(
         self, name: str, prompts: list[list[int]], *, local_cache: bool = False, **connector: object
@@ -73,11 +78,15 @@ class World:
         )
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    tmp = tmp_path_factory.mktemp("tails")
+MODELS = {"dense": write_tiny_llama, "sliding": write_tiny_gemma3}
+GROUPS = {"dense": 1, "sliding": 2}  # object groups: every tail and chunk is one object per group
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp(f"tails-{request.param}")
     model = tmp / "model"
-    write_tiny_llama(model, seed=1234)
+    MODELS[request.param](model, seed=1234)
     rng = random.Random(5)
     a = _tokens(200, rng)
     prompts = [a, _tokens(220, rng), _tokens(300, rng), _tokens(100, rng)]
@@ -86,10 +95,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     )
     try:
         server.wait_ready()
-        w = World(tmp, model, server, prompts, Run([], [], []))
+        w = World(tmp, model, server, prompts, Run([], [], []), request.param)
         w.cold = w.run("cold", prompts, local_cache=True, **TAILS)
         # Full chunks: 1 + 1 + 2 + 0; tails: A 2, B 2 (+1 at its end), C 1, D 3 blocks.
-        wait_for_stores(server, 4 + 9)
+        wait_for_stores(server, (4 + 9) * GROUPS[request.param])
         yield w
     finally:
         server.stop()
@@ -117,9 +126,9 @@ def fresh(world: World) -> Fresh:
     return Fresh(prompts, expected, tails, whole)
 
 
-def test_a_fresh_engines_hit_ends_where_vllms_own_prefix_cache_would(fresh: Fresh) -> None:
+def test_a_fresh_engines_hit_ends_where_vllms_own_prefix_cache_would(world: World, fresh: Fresh) -> None:
     print(
-        f"\n[e2e tails] cached {fresh.tails.num_cached}, vLLM's own {fresh.expected}, "
+        f"\n[e2e tails {world.name}] cached {fresh.tails.num_cached}, vLLM's own {fresh.expected}, "
         f"whole chunks only {fresh.whole_chunks.num_cached}"
     )
     assert fresh.expected == [192, 192, 288, 96, 160, 224]
@@ -171,4 +180,4 @@ def test_storing_the_full_chunk_supersedes_the_tails_it_covers(world: World, fre
     held = _l1_hashes(world.server)
     assert not set(covered) & held
     assert set(others) <= held
-    assert engine_stats(world.server)["tails_superseded"] - before == len(covered)
+    assert engine_stats(world.server)["tails_superseded"] - before == len(covered) * GROUPS[world.name]
