@@ -1018,3 +1018,83 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores() -> None:
     s._worker, s._scheduler = None, object()
     s.unregister_kv_caches()  # the scheduler's instance holds no KV memory
     s.restore_kv_caches()
+
+
+# -- tails (tiercache.connector.tails): the blocks past the last full chunk ---------------------------
+
+
+def _tails_scheduler(client: object, **kw: object) -> object:
+    """A dense scheduler (chunk 768 = 2 blocks of 384) with tails on."""
+    return _recurrent_scheduler(client=client, recurrent=False, settings=ConnectorSettings(tails=True), **kw)  # type: ignore[arg-type]
+
+
+def test_tails_are_on_for_dense_layouts_and_off_for_recurrent_state() -> None:
+    pytest.importorskip("vllm")
+    assert _tails_scheduler(object())._tail_block == 384  # type: ignore[attr-defined]
+    assert _recurrent_scheduler(settings=ConnectorSettings(tails=True))._tail_block == 0  # type: ignore[attr-defined]
+    assert _recurrent_scheduler(recurrent=False)._tail_block == 0  # type: ignore[attr-defined]  # off by default
+
+
+def test_a_hit_ends_at_the_last_tail_block_found_and_loads_it_into_its_block() -> None:
+    """2000 tokens: 2 full chunks, then 1 full block of chunk 2 short of the last token. The
+    server holds all three: the hit is 1920 tokens, the tail asked for every object of its block."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    client = _LookupClient(_hit_reply(chunks=2))
+    sched = _tails_scheduler(client)
+    got = sched.get_num_new_matched_tokens(_prompt_request(2000), 0)  # type: ignore[attr-defined]
+    assert got == (2 * 768 + 384, False)
+    (chunks, _), (blocks, tail_how) = client.asked
+    assert (chunks, blocks) == (2, 1) and tail_how["every_object"] is True
+    ids = list(range(1, 8))
+    sched.update_state_after_alloc(
+        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
+    )  # type: ignore[attr-defined]
+    meta = sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    (load,) = meta.loads
+    assert [(c.block_ids, c.blocks) for c in load.chunks] == [([[1, 2]], 0), ([[3, 4]], 0), ([[5]], 1)]
+    assert load.chunks[2].prefix_hash == client.hashes[0]
+
+
+def test_a_producer_stores_its_prompts_tail_and_never_asks_for_one() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _tails_scheduler(client, loads=False)
+    assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (0, False)  # type: ignore[attr-defined]
+    assert len(client.asked) == 1  # the chunks' lookup only
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 8)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_output([new], {}, {"r": 2000}))  # type: ignore[attr-defined]
+    assert [(s.chunk_index, s.block_ids, s.blocks) for s in meta.saves] == [
+        (0, [[1, 2]], 0),
+        (1, [[3, 4]], 0),
+        (2, [[5]], 1),  # the full block of chunk 2 (tokens 1536..1919)
+    ]
+    # Each full chunk names the tail of its first block, which its commit supersedes.
+    assert [len(s.supersedes) for s in meta.saves] == [1, 1, 0]
+
+
+def test_a_finished_request_stores_its_generated_tokens_and_supersedes_the_prompts_tail() -> None:
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _tails_scheduler(client)
+    request = _prompt_request(2000)
+    sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 8)),), num_computed_tokens=0)
+    prompt_tail = sched.build_connector_meta(_output([new], {}, {"r": 2000})).saves[-1]  # type: ignore[attr-defined]
+    # 400 generated: the KV of all but the last sampled token exists, so chunk 2 is full now.
+    done = SimpleNamespace(
+        **vars(request), all_token_ids=[*range(2000), *range(400)], num_computed_tokens=2399
+    )
+    assert sched.request_finished(done) == (True, None)  # type: ignore[attr-defined]
+    meta = sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
+    assert [(s.chunk_index, s.block_ids, s.blocks) for s in meta.saves] == [(2, [[5, 6]], 0)]
+    assert meta.saves[0].supersedes == [prompt_tail.prefix_hash]
