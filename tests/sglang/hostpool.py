@@ -51,6 +51,20 @@ class MHALayoutHostPool:
             page = self.kv_buffer[:, index : index + self.page_size, :, :, :]
         return page.flatten() if flat else page
 
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zeroed flat page to read into (what SGLang's file backend loads into)."""
+        return torch.zeros(
+            2 * self.layer_num * self.page_size * self.head_num * self.head_dim, dtype=self.dtype
+        )
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        """Write a flat page (K then V, layer by layer) at token ``index``, as SGLang does."""
+        if self.layout == "layer_first":
+            shape: tuple[int, ...] = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+        else:
+            shape = (2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+        self.get_data_page(index, flat=False).copy_(data_page.reshape(shape))
+
     def indices(self, pages: list[int]) -> torch.Tensor:
         """The token indices of host ``pages``, as SGLang's controller passes them (int64)."""
         return torch.cat([torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages])
