@@ -76,7 +76,9 @@ from tests.e2e.openai_server import (  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-SYSTEMS = ("none", "tiercache", "lmcache", "lmcache-fs", "example")
+SYSTEMS = ("none", "tiercache", "tiercache-tails", "lmcache", "lmcache-fs", "example")
+#: tiercache with the connector's ``tails`` setting: blocks past the last full chunk stored and matched.
+TIERCACHE_SYSTEMS = ("tiercache", "tiercache-tails")
 BUDGETS = ("full", "third")
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
@@ -142,6 +144,7 @@ class TierCacheServer:
     chunk: int
     l1_gb: float
     proc: subprocess.Popen[bytes] | None = None
+    tails: bool = False  # the connector's ``tails`` setting
 
     @property
     def endpoint(self) -> str:
@@ -217,8 +220,20 @@ class TierCacheServer:
             "kv_connector": "TierCacheConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"server": self.endpoint},
+            "kv_connector_extra_config": {"server": self.endpoint, "tails": self.tails},
         }
+
+
+def stored_line(stats: dict[str, Any]) -> str:
+    """What a tiercache server stored and holds (objects and bytes per tier): the cost of tails is
+    the ratio of two systems' lines over the same workload."""
+    engine = stats.get("engine", {})
+    tiers = stats.get("tiers") or engine.get("tiers", {})
+    held = ", ".join(
+        f"{name} {t.get('objects', 0)} objects {t.get('bytes_used', 0) / 2**20:.1f} MiB"
+        for name, t in tiers.items()
+    )
+    return f"stores {engine.get('stores', 0)}, tails superseded {engine.get('tails_superseded', 0)}; holds {held}"
 
 
 @dataclass
@@ -562,8 +577,14 @@ def run_all(
                 python = args.lmcache_python if system in LMCACHE_SYSTEMS else args.python
                 root = work / f"r{run}-{system}-{budget}"
                 cache: TierCacheServer | LMCacheServer | None
-                if system == "tiercache":
-                    cache = TierCacheServer(args.python, root, args.chunk_size, budget_gb(args, budget))
+                if system in TIERCACHE_SYSTEMS:
+                    cache = TierCacheServer(
+                        args.python,
+                        root,
+                        args.chunk_size,
+                        budget_gb(args, budget),
+                        tails=system == "tiercache-tails",
+                    )
                 elif system in LMCACHE_SYSTEMS:
                     cache = LMCacheServer(
                         python, root, args.chunk_size, budget_gb(args, budget), fs=system == "lmcache-fs"
@@ -592,13 +613,15 @@ def run_all(
                         if cache is not None:
                             cache.settle()
                         stats = cache.stats() if isinstance(cache, TierCacheServer) else None
+                        if stats is not None:
+                            log(f"{system} ({budget}) after {phase}: {stored_line(stats)}")
                         phases.append(Phase(system, budget, phase, run, start, res[0], stats))
-                    if system == "tiercache" and budget == "full" and args.floor:
+                    if system in TIERCACHE_SYSTEMS and budget == "full" and args.floor:
                         # Like for like with the floor: an engine of the floor's size on this server.
-                        name = f"r{run}-tiercache-floor-restart"
+                        name = f"r{run}-{system}-floor-restart"
                         start, res = serve_once(args, work, name, python, floor_blocks(args), ktc)
                         stats = cache.stats() if isinstance(cache, TierCacheServer) else None
-                        phases.append(Phase("floor", "full", "tiercache restart", run, start, res[0], stats))
+                        phases.append(Phase("floor", "full", f"{system} restart", run, start, res[0], stats))
                 finally:
                     if cache is not None:
                         cache.stop()
