@@ -7,8 +7,9 @@ L1 arena, which it maps like the vLLM connector does, in one copy each way:
 
 * **store** (``batch_set_v1``): reserve every page's slot in one round trip, copy each page view of
   the host pool straight into its slot, commit in a second round trip;
-* **load** (``batch_get_v1``): one lookup that pins the leading run of hits (promoting them from
-  disk or S3 first), copy each slot straight into its page of the host pool, release;
+* **load** (``batch_get_v1``): pin the pages in L1 (one round trip on the server's request loop);
+  if any is not there, one lookup instead, which pins the leading run of hits after promoting them
+  from disk or S3; copy each slot straight into its page of the host pool, release;
 * **exists** (``batch_exists``): one lookup without pinning; its ``chunks`` is the number of
   leading hits, which is what SGLang asks for.
 
@@ -244,6 +245,24 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
     def _load(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         def load(client: Client) -> int:
             objects = self._keys(keys)
+            # All in L1 (the common case): pin them, answered on the server's request loop without
+            # the I/O executor's hop; the release says which leases had expired during the copy.
+            slots = client.pin(objects)
+            held = [s.token for s in slots if s is not None]
+            if all(s is not None for s in slots):
+                try:
+                    copied = self._copy_in(client, objects, slots, pages)
+                except BaseException:
+                    client.release(held)
+                    raise
+                lost = client.release_leases(held)
+                # A slot whose lease expired may have been reused: a miss from there on.
+                return next(
+                    (i for i, s in enumerate(slots[:copied]) if s is not None and s.token in lost), copied
+                )
+            if held:
+                client.release(held)
+            # Some are not in L1: a lookup pins the leading run of hits, promoting them from disk/S3.
             found = client.lookup([o.prefix_hash for o in objects], self._refs, max_chunks=len(keys))
             if not found.chunks or not found.ticket:
                 return 0
@@ -253,16 +272,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
                 if found.state is not p.TicketStateName.READY:
                     return 0
                 by_key = {s.key: s for s in found.slots}
-                arena = client.arena()
-                loaded = 0
-                for obj, page in zip(objects[: found.ready_chunks], pages):
-                    slot = by_key.get(obj.to_bytes())
-                    if slot is None or slot.nbytes != page.numel() * page.element_size():
-                        break  # not this engine's page: a miss from here on
-                    src = self._copy.host(arena, slot.offset, slot.nbytes)
-                    page.copy_(src.view(page.dtype).view(page.shape))
-                    loaded += 1
-                return loaded
+                ready = objects[: found.ready_chunks]
+                return self._copy_in(client, ready, [by_key.get(o.to_bytes()) for o in ready], pages)
             finally:
                 client.release_ticket(found.ticket)
 
@@ -272,6 +283,23 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             loaded = 0
         self._count(loaded=loaded, load_missed=len(keys) - loaded)
         return [i < loaded for i in range(len(keys))]
+
+    def _copy_in(
+        self,
+        client: Client,
+        objects: Sequence[ObjectKey],
+        slots: Sequence[p.Slot | None],
+        pages: Sequence[torch.Tensor],
+    ) -> int:
+        """Copy each slot into its page, in order, up to the first that is missing or of another
+        size; how many were copied."""
+        arena = client.arena()
+        for i, (slot, page) in enumerate(zip(slots, pages)):
+            if slot is None or slot.nbytes != page.numel() * page.element_size():
+                return i
+            src = self._copy.host(arena, slot.offset, slot.nbytes)
+            page.copy_(src.view(page.dtype).view(page.shape))
+        return min(len(slots), len(pages))
 
     # -- SGLang's zero-copy interface ------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
