@@ -275,5 +275,8 @@ def test_a_hybrid_models_extra_pool_is_refused_at_start(tmp_path: Path, make: Ma
     with running(server_spec(tmp_path, disk=False)) as server:
         pool = MHALayoutHostPool(2, page_size=PAGE)
         b = make(server.endpoint, pool)
+        b.register_mem_host_pool_v2(pool, "kv")  # the KV pool named again: the one it stores
         with pytest.raises(ConfigError, match="mamba"):
             b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "mamba")
+        with pytest.raises(ConfigError, match="'kv'"):
+            b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "kv")  # another pool

@@ -142,7 +142,11 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             raise
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Refused: hybrid pools (Mamba, SWA, ...) are not stored by tiercache yet."""
+        """The KV pool again (SGLang's hybrid controller names every pool) is accepted; any other
+        pool (Mamba, SWA, ...) is refused: tiercache does not store hybrid state for SGLang yet."""
+        if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
         raise ConfigError(
             f"tiercache: SGLang host pool {str(host_pool_name)!r} ({type(host_pool).__name__}) is a hybrid "
             "model's extra pool; the tiercache backend stores only the KV pool so far. Use another "
