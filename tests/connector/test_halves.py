@@ -454,7 +454,7 @@ def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() ->
     assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (2 * 768, False)  # type: ignore[attr-defined]
     assert client.waits == [ConnectorSettings().lookup_wait_s] and client.waits[0] > 0
     st = sched._reqs["r"]  # type: ignore[attr-defined]
-    assert st.ticket == HIT_TICKET
+    assert st.probe.ticket == HIT_TICKET
     assert st.slots == {0: {0: (0, HIT_BYTES)}, 1: {0: (HIT_BYTES, HIT_BYTES)}}
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(1, 8)),))
     sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 2 * 768)  # type: ignore[attr-defined]
@@ -583,14 +583,20 @@ class _TicketClient:
 def _hit_scheduler(asynchronous: bool) -> tuple[object, object, _TicketClient]:
     """A scheduler half (two KV-cache groups when ``asynchronous``, else as for a dense model) whose
     lookup for request "r" (1700 tokens) settled on a 2-chunk hit pinned by ticket 5."""
-    from tiercache.connector.scheduler import LookupState, _Request
+    from tiercache.connector.scheduler import LookupState, _Probe, _Request
     from tiercache.keys import ExtraKeys
 
     client = _TicketClient()
     # Two KV-cache groups make vLLM's loads asynchronous; one full-attention group keeps them in step.
     sched = _recurrent_scheduler(client=client, recurrent=asynchronous)
     st = _Request(
-        "r", list(range(1700)), ExtraKeys(), state=LookupState.DONE, saved_upto=0, hit_chunks=2, ticket=5
+        "r",
+        list(range(1700)),
+        ExtraKeys(),
+        state=LookupState.DONE,
+        saved_upto=0,
+        hit_chunks=2,
+        probe=_Probe(ticket=5),
     )
     sched._reqs["r"] = st  # type: ignore[attr-defined]
     return sched, st, client
@@ -627,7 +633,7 @@ def test_the_ticket_is_kept_until_the_workers_report_the_load() -> None:
     sched.update_connector_output(_step_output())  # type: ignore[attr-defined]  # parked: nothing reported yet
     sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
     sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
-    assert client.released == [] and st.ticket == 5 and st.loading  # type: ignore[attr-defined]
+    assert client.released == [] and st.probe.ticket == 5 and st.loading  # type: ignore[attr-defined]
     sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
     sched.update_connector_output(_step_output({"r"}))  # type: ignore[attr-defined]
     assert client.released == [5] and not st.loading and not st.load_failed  # type: ignore[attr-defined]

@@ -85,6 +85,18 @@ class LookupState(enum.Enum):
 
 
 @dataclass(slots=True)
+class _Probe:
+    """One lookup in flight (the chunks', or a tail's) and the ticket pinning what it found."""
+
+    pending_id: int = 0  # the async request id while its reply is outstanding (0: a ticket poll not sent yet)
+    poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
+    poll_delay: float = 0.0  # the backoff between polls of a pending ticket
+    sent_at: float = 0.0
+    awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
+    ticket: int = 0  # held while the hit objects must stay pinned
+
+
+@dataclass(slots=True)
 class _Request:
     """What the scheduler half tracks per request; dropped at ``request_finished``."""
 
@@ -94,16 +106,11 @@ class _Request:
     tenant: bytes = DEFAULT_TENANT  # the cache salt's tenant id: whose quota its objects use
     hasher: PrefixHasher | None = None
     state: LookupState = LookupState.NOT_SENT
-    pending_id: int = 0  # the async request id while WAITING_REPLY (0: a ticket poll not sent yet)
-    poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
-    poll_delay: float = 0.0  # the backoff between polls of a pending ticket
-    sent_at: float = 0.0
-    awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
+    probe: _Probe = field(default_factory=lambda: _Probe())  # the chunks' lookup in flight
     query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
     per_tier: dict[str, int] = field(default_factory=dict)  # the lookup's objects by tier (stats)
     hit_chunks: int = 0
     server_chunks: int = 0  # the server's restorable prefix (chunks below need no store)
-    ticket: int = 0  # held while the hit objects must stay pinned
     slots: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # chunk → group → slot
     local_tokens: int = 0  # the engine's own (block-aligned) hit at the last match
     block_ids: list[list[int]] = field(default_factory=list)
@@ -117,12 +124,7 @@ class _Request:
     tail_state: LookupState = LookupState.NOT_SENT
     tail_chunk: int = -1  # the chunk whose blocks were asked for
     tail_hashes: list[bytes] = field(default_factory=list)  # its blocks' tail hashes, asked for
-    tail_pending: int = 0  # the async request id while its reply is outstanding (0: between polls)
-    tail_sent_at: float = 0.0
-    tail_poll_after: float = 0.0
-    tail_poll_delay: float = 0.0
-    tail_awaited: bool = False
-    tail_ticket: int = 0
+    tail_probe: _Probe = field(default_factory=lambda: _Probe())  # the tail's lookup in flight
     tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
@@ -304,7 +306,7 @@ class SchedulerHalf:
                 return 0, False
         if st.state is LookupState.NOT_SENT:
             try:
-                st.pending_id = client.lookup_async(
+                st.probe.pending_id = client.lookup_async(
                     st.hashes(chunk)[:limit],
                     self._refs,
                     prefetch=self._loads_enabled,  # a producer asks only how much is stored already
@@ -316,7 +318,7 @@ class SchedulerHalf:
                 self.link.failed("lookup", exc)
                 self._settle_miss(st)
                 return 0, False
-            st.state, st.sent_at = LookupState.WAITING_REPLY, time.monotonic()
+            st.state, st.probe.sent_at = LookupState.WAITING_REPLY, time.monotonic()
             sent = True
             st.query_chunks, st.per_tier = limit, {}
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
@@ -370,7 +372,7 @@ class SchedulerHalf:
                 st.hasher.before(at), st.prompt[at * chunk : at * chunk + asked * block], block
             )
             try:
-                st.tail_pending = client.lookup_async(
+                st.tail_probe.pending_id = client.lookup_async(
                     st.tail_hashes,
                     self._refs,
                     max_chunks=asked,
@@ -382,49 +384,63 @@ class SchedulerHalf:
                 self.link.failed("lookup", exc)
                 st.tail_state = LookupState.DONE
                 return True
-            st.tail_state, st.tail_chunk, st.tail_sent_at = LookupState.WAITING_REPLY, at, time.monotonic()
+            st.tail_state, st.tail_chunk, st.tail_probe.sent_at = (
+                LookupState.WAITING_REPLY,
+                at,
+                time.monotonic(),
+            )
             sent = True
         return self._collect_tail(client, st, self._lookup_wait(sent))
+
+    def _advance(self, client: Client, probe: _Probe, wait_s: float) -> LookupResult | None:
+        """One step of a lookup in flight, waiting up to ``wait_s`` for a reply: the reply once it is
+        final, ``None`` while it is not. A ticket the server reports pending (a promotion, or a
+        wait for another engine's store) is polled again after a backoff; once it is too late the
+        pending reply is returned (the caller gives up). Raises :class:`TierCacheError`."""
+        if probe.pending_id == 0:  # a pending ticket between polls (see below)
+            if time.monotonic() < probe.poll_after:
+                return None
+            probe.pending_id = client.poll_ticket_async(probe.ticket)
+        # The client raises ServerUnavailableError once the reply is timeout_s late.
+        began = time.monotonic()
+        result: LookupResult | None = client.poll(probe.pending_id, wait_s)
+        if wait_s:
+            self._lookup_wait_left -= time.monotonic() - began
+        if result is None:
+            return None
+        if result.ticket:
+            probe.ticket = result.ticket
+        if result.state is not p.TicketStateName.PENDING:
+            return result
+        # A promotion gets timeout_s, like any round trip; a wait for another engine's store is the
+        # server's to bound (inflight_wait_s), so it gets that on top.
+        probe.awaited = probe.awaited or result.awaiting > 0
+        bound = self._settings.timeout_s + (self._settings.inflight_wait_s if probe.awaited else 0.0)
+        if time.monotonic() - probe.sent_at > bound:
+            return result
+        # Poll again after a backoff (1 ms, doubling to 20 ms): vLLM asks every step, and an
+        # in-flight wait can last seconds (a poll per step was measured at ~900/s).
+        probe.poll_delay = (
+            min(2 * probe.poll_delay, _MAX_POLL_DELAY_S) if probe.poll_delay else _FIRST_POLL_DELAY_S
+        )
+        probe.poll_after = time.monotonic() + probe.poll_delay
+        probe.pending_id = 0
+        return None
 
     def _collect_tail(self, client: Client, st: _Request, wait_s: float) -> bool:
         """Advance the tail lookup as :meth:`_collect` does the chunks'; True once it is settled."""
         try:
-            if st.tail_pending == 0:
-                if time.monotonic() < st.tail_poll_after:
-                    return False
-                st.tail_pending = client.poll_ticket_async(st.tail_ticket)
-            began = time.monotonic()
-            result: LookupResult | None = client.poll(st.tail_pending, wait_s)
-            if wait_s:
-                self._lookup_wait_left -= time.monotonic() - began
-            if result is None:
-                return False
-            if result.ticket:
-                st.tail_ticket = result.ticket
-            if result.state is p.TicketStateName.PENDING:
-                st.tail_awaited = st.tail_awaited or result.awaiting > 0
-                bound = self._settings.timeout_s + (
-                    self._settings.inflight_wait_s if st.tail_awaited else 0.0
-                )
-                if time.monotonic() - st.tail_sent_at > bound:
-                    self._drop_tail(st)
-                    st.tail_state = LookupState.DONE
-                    return True
-                st.tail_poll_delay = (
-                    min(2 * st.tail_poll_delay, _MAX_POLL_DELAY_S)
-                    if st.tail_poll_delay
-                    else _FIRST_POLL_DELAY_S
-                )
-                st.tail_poll_after = time.monotonic() + st.tail_poll_delay
-                st.tail_pending = 0
-                return False
+            result = self._advance(client, st.tail_probe, wait_s)
         except TierCacheError as exc:
             self.link.failed("lookup", exc)
-            st.tail_ticket = 0
+            st.tail_probe.ticket = 0  # a server that failed us holds no usable pins for us
             self._drop_tail(st)
             st.tail_state = LookupState.DONE
             return True
+        if result is None:
+            return False
         st.tail_state = LookupState.DONE
+        # (Still pending here means too late: given up, as the chunks' lookup does.)
         if result.state is not p.TicketStateName.READY or not result.ready_chunks or self.layout is None:
             self._drop_tail(st)
             return True
@@ -451,9 +467,9 @@ class SchedulerHalf:
 
     def _drop_tail(self, st: _Request) -> None:
         """Release the tail lookup's ticket after the step being built now has run."""
-        if st.tail_ticket:
-            self._release_at.setdefault(self._step + 1, []).append(st.tail_ticket)
-            st.tail_ticket = 0
+        if st.tail_probe.ticket:
+            self._release_at.setdefault(self._step + 1, []).append(st.tail_probe.ticket)
+            st.tail_probe.ticket = 0
         st.tail_blocks = 0
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
@@ -465,44 +481,21 @@ class SchedulerHalf:
         """Advance an outstanding lookup, waiting up to ``wait_s`` for its first reply; True once
         ``hit_chunks`` is final."""
         try:
-            if st.pending_id == 0:  # a pending ticket between polls (see below)
-                if time.monotonic() < st.poll_after:
-                    return False
-                st.pending_id = client.poll_ticket_async(st.ticket)
-            # The client raises ServerUnavailableError once the reply is timeout_s late.
-            began = time.monotonic()
-            result: LookupResult | None = client.poll(st.pending_id, wait_s)
-            if wait_s:
-                self._lookup_wait_left -= time.monotonic() - began
-            if result is None:
-                return False
-            if result.ticket:
-                st.ticket = result.ticket
-            if result.per_tier:  # only the first reply has it; ticket polls do not
-                st.per_tier = dict(result.per_tier)
-            if result.state is p.TicketStateName.PENDING:  # promotion or another engine's store running
-                # A promotion gets timeout_s, like any round trip; a wait for another engine's store
-                # is the server's to bound (inflight_wait_s), so it gets that on top.
-                st.awaited = st.awaited or result.awaiting > 0
-                bound = self._settings.timeout_s + (self._settings.inflight_wait_s if st.awaited else 0.0)
-                if time.monotonic() - st.sent_at > bound:
-                    what = "wait for another engine's store" if st.awaited else "promotion"
-                    log.info("tiercache: %s for %s too slow; computing instead", what, st.req_id)
-                    self._drop_ticket(st)
-                    self._settle_miss(st)
-                    self._record_lookup(st)
-                    return True
-                # Poll again after a backoff (1 ms, doubling to 20 ms): vLLM asks every step, and an
-                # in-flight wait can last seconds (a poll per step was measured at ~900/s).
-                st.poll_delay = (
-                    min(2 * st.poll_delay, _MAX_POLL_DELAY_S) if st.poll_delay else _FIRST_POLL_DELAY_S
-                )
-                st.poll_after = time.monotonic() + st.poll_delay
-                st.pending_id = 0
-                return False
+            result = self._advance(client, st.probe, wait_s)
         except TierCacheError as exc:
             self.link.failed("lookup", exc)
-            st.ticket = 0  # a server that failed us holds no usable pins for us
+            st.probe.ticket = 0  # a server that failed us holds no usable pins for us
+            self._settle_miss(st)
+            self._record_lookup(st)
+            return True
+        if result is None:
+            return False
+        if result.per_tier:  # only the first reply has it; ticket polls do not
+            st.per_tier = dict(result.per_tier)
+        if result.state is p.TicketStateName.PENDING:  # still pending, too late
+            what = "wait for another engine's store" if st.probe.awaited else "promotion"
+            log.info("tiercache: %s for %s too slow; computing instead", what, st.req_id)
+            self._drop_ticket(st)
             self._settle_miss(st)
             self._record_lookup(st)
             return True
@@ -564,9 +557,9 @@ class SchedulerHalf:
     def _drop_ticket(self, st: _Request) -> None:
         """Release the request's ticket after the step being built now has run (never earlier:
         a worker may still be copying from its slots)."""
-        if st.ticket:
-            self._release_at.setdefault(self._step + 1, []).append(st.ticket)
-            st.ticket = 0
+        if st.probe.ticket:
+            self._release_at.setdefault(self._step + 1, []).append(st.probe.ticket)
+            st.probe.ticket = 0
         st.slots = {}
         st.hit_chunks = 0
         self._drop_tail(st)
@@ -830,9 +823,11 @@ class SchedulerHalf:
             if st is None or not st.loading:
                 continue  # finished while loading: request_finished already scheduled the release
             st.loading = False
-            tickets.extend(t for t in (st.ticket, st.tail_ticket) if t)  # every worker is done copying
-            st.ticket, st.slots, st.hit_chunks = 0, {}, 0
-            st.tail_ticket, st.tail_blocks = 0, 0
+            tickets.extend(
+                t for t in (st.probe.ticket, st.tail_probe.ticket) if t
+            )  # every worker is done copying
+            st.probe.ticket, st.slots, st.hit_chunks = 0, {}, 0
+            st.tail_probe.ticket, st.tail_blocks = 0, 0
             # On a failure vLLM frees the blocks and schedules the request again from its first
             # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
             st.load_failed = rid in failed
@@ -859,10 +854,10 @@ class SchedulerHalf:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.state is LookupState.WAITING_REPLY and st.pending_id:
-            self._orphans.append(st.pending_id)
-        if st.tail_state is LookupState.WAITING_REPLY and st.tail_pending:
-            self._orphans.append(st.tail_pending)
+        if st.state is LookupState.WAITING_REPLY and st.probe.pending_id:
+            self._orphans.append(st.probe.pending_id)
+        if st.tail_state is LookupState.WAITING_REPLY and st.tail_probe.pending_id:
+            self._orphans.append(st.tail_probe.pending_id)
         if self._tail_block:
             self._plan_end_saves(st, request)
         # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers
