@@ -280,3 +280,26 @@ def test_a_hybrid_models_extra_pool_is_refused_at_start(tmp_path: Path, make: Ma
             b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "mamba")
         with pytest.raises(ConfigError, match="'kv'"):
             b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "kv")  # another pool
+
+
+def test_engines_whose_pages_differ_never_share_them(tmp_path: Path, make: Make) -> None:
+    """Same page keys, one server: another layout, dtype, model or weights is another fingerprint,
+    so none of them finds the pages the first engine stored; an identical engine does."""
+    import torch
+
+    with running(server_spec(tmp_path, disk=False)) as server:
+        pool = MHALayoutHostPool(4, page_size=PAGE)
+        first = make(server.endpoint, pool)
+        names = keys(2)
+        _store(first, pool, names, [0, 1])
+        others = {
+            "page_first layout": make(
+                server.endpoint, MHALayoutHostPool(4, page_size=PAGE, layout="page_first")
+            ),
+            "float16": make(server.endpoint, MHALayoutHostPool(4, page_size=PAGE, dtype=torch.float16)),
+            "another model": make(server.endpoint, MHALayoutHostPool(4, page_size=PAGE), model="other/model"),
+            "other weights": make(server.endpoint, MHALayoutHostPool(4, page_size=PAGE), weights_id="w2"),
+        }
+        assert {what: b.batch_exists(names) for what, b in others.items()} == dict.fromkeys(others, 0)
+        twin = make(server.endpoint, MHALayoutHostPool(4, page_size=PAGE))
+        assert twin.batch_exists(names) == 2
