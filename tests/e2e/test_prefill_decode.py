@@ -11,6 +11,10 @@ The claims: for every prompt the decode engine loads all its full chunks (its re
 tokens say so: it computes only the rest), its lookups waiting for the stores still in flight (the
 server counts those waits; none may run out); the decode engine stores nothing, the prefill engine stores each
 chunk once; and the decode engine's outputs equal a single engine's.
+
+The module runs twice: with whole chunks, and with tails on both engines (``"tails": true``), where
+the decode engine loads every full 32-token block as well, the prefill engine's tail stores being in
+flight as its chunks' are.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ pytestmark = pytest.mark.e2e
 
 MiB = 1 << 20
 CHUNK = 64
+BLOCK = 32  # tiny_model_flags' --block-size
 LENGTHS = [200, 300, 257, 450, 129, 380]  # full chunks: 3, 4, 4, 7, 2, 5 (at least one token is computed)
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
@@ -50,7 +55,7 @@ STORE_DELAY_S = float(os.environ.get("TIERCACHE_TEST_PD_STORE_DELAY_S", "0.2"))
 SLOW_STORE_SITE = Path(__file__).parent / "slow_store_site"
 
 
-def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
+def engine_argv(model: Path, role: str, endpoint: str, tails: bool = False) -> list[str]:
     """An OpenAI server for the tiny model whose connector plays ``role`` (plugin name only)."""
     transfer = {
         "kv_connector": "TierCacheConnector",
@@ -58,7 +63,12 @@ def engine_argv(model: Path, role: str, endpoint: str) -> list[str]:
         "kv_load_failure_policy": "recompute",
         # Two engines and a server on this machine's two cores, where vLLM's workers spin between
         # steps: a round trip can take longer than the default 2 s; the claims do not depend on it.
-        "kv_connector_extra_config": {"server": endpoint, "inflight_wait_s": 30, "timeout_s": 5},
+        "kv_connector_extra_config": {
+            "server": endpoint,
+            "inflight_wait_s": 30,
+            "timeout_s": 5,
+            "tails": tails,
+        },
     }
     return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 
@@ -70,10 +80,12 @@ class PD:
     consumer: OpenAIServer
     proxy: PDProxy
     prompts: list[str]
+    tails: bool
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+@pytest.fixture(scope="module", params=[False, True], ids=["chunks", "tails"])
+def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    tails: bool = request.param
     tmp = tmp_path_factory.mktemp("pd")
     model = tmp / "model"
     write_served_tiny_llama(model, seed=1234)
@@ -82,7 +94,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     )
     server.wait_ready()
     producer = OpenAIServer(
-        engine_argv(model, "kv_producer", server.endpoint),
+        engine_argv(model, "kv_producer", server.endpoint, tails),
         tmp / "producer.log",
         env={
             "TIERCACHE_TEST_STORE_DELAY_S": str(STORE_DELAY_S),
@@ -91,12 +103,13 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
             ),
         },
     )
-    consumer = OpenAIServer(engine_argv(model, "kv_consumer", server.endpoint), tmp / "consumer.log")
+    consumer = OpenAIServer(engine_argv(model, "kv_consumer", server.endpoint, tails), tmp / "consumer.log")
     try:
         producer.wait_ready()
         consumer.wait_ready()
         proxy = PDProxy(producer.url, consumer.url)
-        yield PD(server, producer, consumer, proxy, [token_text(p) for p in make_prompts(LENGTHS, seed=11)])
+        prompts = [token_text(p) for p in make_prompts(LENGTHS, seed=11)]
+        yield PD(server, producer, consumer, proxy, prompts, tails)
         proxy.close()
     finally:
         producer.stop()
@@ -135,11 +148,11 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
     with ThreadPoolExecutor(len(pd.prompts)) as pool:
         decoded = list(pool.map(lambda p: through_proxy(pd.proxy, p), pd.prompts))
     assert pd.proxy.prefills == len(pd.prompts)
-    full = [(n - 1) // CHUNK * CHUNK for n in LENGTHS]
+    full = [(n - 1) // (BLOCK if pd.tails else CHUNK) * (BLOCK if pd.tails else CHUNK) for n in LENGTHS]
     assert [d.prompt_tokens for d in decoded] == LENGTHS
     after = engine_stats(pd.server)
     print(
-        f"\nP/D: cached {[d.cached_tokens for d in decoded]} of {LENGTHS} prompt tokens; "
+        f"\nP/D ({'tails' if pd.tails else 'chunks'}): cached {[d.cached_tokens for d in decoded]} of {LENGTHS} prompt tokens; "
         f"server stores {after['stores'] - before['stores']}, in-flight waits "
         f"{after['inflight_waits'] - before['inflight_waits']} (missed "
         f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})"
