@@ -151,8 +151,9 @@ def test_bit_flips_and_truncations_in_lmdb_values_are_counted_misses_and_removed
 
 
 def test_bit_flips_and_truncations_in_s3_objects_are_counted_misses_and_removed(
-    s3: S3Endpoint, clock
+    s3_any: S3Endpoint, clock
 ) -> None:  # type: ignore[no-untyped-def]
+    s3 = s3_any  # on moto and on Ceph RGW: objects damaged through S3 itself
     rng = random.Random(9)
     keys = [make_key(i, fp=b"S" * 16) for i in range(120)]
     stored = dict(zip(keys, sizes(len(keys), rng)))
