@@ -17,10 +17,15 @@ Against a real S3 endpoint use ``tiercache bench --tiers s3 --s3-bucket ... --s3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 from tiercache.cli import measure as bench
 from tiercache.config import S3Config
@@ -99,6 +104,35 @@ def profile_disk_puts(count: int, size: int) -> None:
     stats.sort_stats("tottime").print_stats(12)
 
 
+@contextlib.contextmanager
+def s3_endpoint(store: str) -> Iterator[str]:
+    """An S3 endpoint URL on 127.0.0.1 for ``store`` ("moto" or "rgw"), torn down afterwards."""
+    if store == "moto":
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+    elif store == "rgw":
+        from tiercache.testing.rgw import RgwCluster
+
+        directory = Path(tempfile.mkdtemp(prefix="tiercache-bench-rgw-"))
+        with RgwCluster(directory, os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]) as c:
+            c.start()
+            print(f"# rgw up in {c.start_seconds:.1f} s at {c.url}")
+            yield c.url
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        raise SystemExit(f"unknown --s3-stores entry {store!r}: use moto and/or rgw")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mb", type=int, default=256, help="bytes per case for L1/L2 (MiB)")
@@ -114,6 +148,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--tiers", default="l1,disk,s3", help="which tiers to run, comma-separated (l1,disk,s3)"
+    )
+    parser.add_argument(
+        "--s3-stores",
+        default="moto",
+        help="S3 endpoints for the L3 rows, comma-separated: moto (its server mode) and/or rgw (a "
+        "throwaway Ceph RADOS Gateway from tiercache.testing.rgw; needs the Ceph packages)",
     )
     parser.add_argument(
         "--profile",
@@ -139,29 +179,24 @@ def main() -> int:
     if "disk" in tiers:
         rows += bench.bench_disk(sizes, total, args.rounds)
     if "s3" in tiers:
-        import logging
-
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            cfg = S3Config(
-                bucket="tiercache-bench",
-                endpoint_url=f"http://{host}:{port}",
-                region="us-east-1",
-                path_style=True,
-                create_bucket=True,
-                max_concurrency=4,
-            )
-            rows += bench.bench_s3(sizes, args.s3_total_mb << 20, args.rounds, cfg)
-        finally:
-            server.stop()
+        for store in (s.strip() for s in args.s3_stores.split(",")):
+            print(f"# s3 store: {store}")
+            with s3_endpoint(store) as url:
+                cfg = S3Config(
+                    bucket="tiercache-bench",
+                    endpoint_url=url,
+                    region="us-east-1",
+                    path_style=True,
+                    create_bucket=True,
+                    max_concurrency=4,
+                )
+                store_rows = bench.bench_s3(sizes, args.s3_total_mb << 20, args.rounds, cfg)
+            # One table per store: the rows themselves do not name the endpoint.
+            print(f"# L3 on {store}")
+            print(bench.render(store_rows))
+            rows += store_rows
     print(bench.render(rows))
     for tier in ("l1", "disk", "s3"):
         if tier in tiers:
