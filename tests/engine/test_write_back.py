@@ -155,7 +155,9 @@ def test_a_chunk_evicted_from_disk_whose_s3_write_fails_is_counted_as_lost(
     assert engine.flush(timeout=60)
 
     counted = engine.counters.snapshot()
-    lost = in_no_tier(keys, [l1, disk, broken_s3])
+    # Lost from the tiers that keep data (L1 may still hold a copy of a chunk the disk dropped a
+    # moment ago: that copy goes with L1's next eviction, so the loss is counted when the disk drops it).
+    lost = in_no_tier(keys, [disk, broken_s3])
     assert lost
     assert counted["writeback_lost_write_failed"] == len(lost) == counted["write_failures"]
     assert counted["writeback_lost_queue_full"] == 0

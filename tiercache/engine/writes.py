@@ -311,7 +311,7 @@ class WriteBehind:
             if pinned is not None and l2 is not None:
                 l2.release(pinned)
             # In ``finally`` so that an unexpected error (counted by _drain) is a loss too.
-            if write_back and not written and not self._l1.contains(key):  # the disk no longer holds it
+            if write_back and not written:  # the disk no longer holds it
                 self._losses.lost("write_failed")
 
     def _on_l2_evict(self, key: ObjectKey, payload: memoryview) -> None:
@@ -320,6 +320,5 @@ class WriteBehind:
 
         Copies the payload because the view dies with the eviction's transaction.
         """
-        # Lost means in no tier: a chunk L1 still holds is not (L1 evicting it later is an eviction).
-        if not self._l3_queue.put_nowait((key, bytes(payload))) and not self._l1.contains(key):
+        if not self._l3_queue.put_nowait((key, bytes(payload))):
             self._losses.lost("queue_full")
