@@ -413,6 +413,43 @@ def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step()
     assert 5 <= client.polls <= 25
 
 
+class _PromotingClient(_LookupClient):
+    """A server promoting the hit from S3: the lookup's reply is pending and counts the objects by
+    tier; the ticket poll that follows is ready and, as the server's are, counts nothing."""
+
+    def __init__(self) -> None:
+        from tiercache.wire.protocol import LookupReply, TicketStateName
+
+        super().__init__(
+            LookupReply(chunks=2, per_tier={"s3": 2}, state=TicketStateName.PENDING, ticket=HIT_TICKET)
+        )
+        self.ready = _hit_reply(chunks=2)
+
+    def poll_ticket_async(self, ticket: int) -> int:
+        self.reply = lambda hashes: _no_tiers(self.ready(hashes))
+        return 2
+
+
+def _no_tiers(reply: object) -> object:
+    reply.per_tier = {}  # type: ignore[attr-defined]
+    return reply
+
+
+def test_a_hit_promoted_from_s3_is_counted_by_the_tier_the_first_reply_named() -> None:
+    import time
+
+    pytest.importorskip("vllm")
+    client = _PromotingClient()
+    sched = _recurrent_scheduler(client=client, recurrent=False)
+    deadline = time.monotonic() + 5
+    while (got := sched.get_num_new_matched_tokens(_prompt_request(), 0)) == (None, False):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the promoted lookup never settled"
+    assert got == (2 * 768, False)
+    stats = sched.take_stats()  # type: ignore[attr-defined]
+    assert stats.data["hit_chunks"] == 2
+    assert stats.data["hit_objects_by_tier"] == {"s3": 2}
+
+
 class _LateClient(_LookupClient):
     """Its lookup replies come ``delay_s`` after the request (``None``: never); records how long
     each poll was allowed to wait."""

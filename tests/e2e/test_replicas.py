@@ -93,6 +93,9 @@ LOGPROB_TOLERANCE = 1e-3
 PREFIX = "replicas"  # the S3 prefix both nodes share
 WEIGHTS_ID = "tiny-llama-seed-1234"
 RETRY_S = 1.0  # how often vLLM B's connector tries a server it lost again
+# A round trip bound far above the 2 s default: in CI two vLLM engines (and another shard's) share two
+# cores, and a write-through commit late by 2 s would take the link down and skip the next stores.
+TIMEOUT_S = 10.0
 #: What a connector half's link logs (tiercache/connector/link.py): on each (re)connect, and once per
 #: outage when a call fails. vLLM B has two halves (scheduler and worker), each connected at start.
 CONNECTED = "tiercache: connected to"
@@ -222,7 +225,12 @@ def vllm_argv(model: Path, endpoint: str) -> list[str]:
         "kv_connector": "TierCacheConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": endpoint, "retry_s": RETRY_S, "weights_id": WEIGHTS_ID},
+        "kv_connector_extra_config": {
+            "server": endpoint,
+            "retry_s": RETRY_S,
+            "timeout_s": TIMEOUT_S,
+            "weights_id": WEIGHTS_ID,
+        },
     }
     return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 
@@ -283,6 +291,9 @@ class NodeA:
     stats: dict[str, Any]
     l3_writes: int
     bucket: Bucket
+    skipped: float  # vLLM A's connector: chunks it did not store (server down, full or busy)
+    outages: float  # and the times it found the server unreachable
+    warnings: list[str]  # the connector's warnings in vLLM A's log, for a failure's message
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +302,16 @@ def node_a(replicas: Replicas) -> NodeA:
     probe = replicas.vllm_a.complete(replicas.probe, MAX_TOKENS)
     wait_for(replicas.server_a, "stores", STORED_CHUNKS)
     l3_writes = wait_for(replicas.server_a, "l3_writes", STORED_CHUNKS)
+    vllm = replicas.vllm_a
     return NodeA(
-        answers, probe, server_stats(replicas.server_a), l3_writes, list_bucket(replicas.s3, replicas.bucket)
+        answers,
+        probe,
+        server_stats(replicas.server_a),
+        l3_writes,
+        list_bucket(replicas.s3, replicas.bucket),
+        vllm.metric("vllm:tiercache_store_skipped_total"),
+        vllm.metric("vllm:tiercache_server_unavailable_total"),
+        [line for line in vllm.log_text().splitlines() if "tiercache" in line and "WARNING" in line],
     )
 
 
@@ -311,9 +330,10 @@ def test_node_a_writes_every_full_chunk_through_to_the_shared_bucket(
     print(
         f"\n[replicas A] stores {engine['stores']}, l2_writes {engine['l2_writes']}, l3_writes "
         f"{node_a.l3_writes}; bucket: {len(node_a.bucket.chunks)} chunk objects, "
-        f"{len(node_a.bucket.manifests)} manifest(s), other {node_a.bucket.others}"
+        f"{len(node_a.bucket.manifests)} manifest(s), other {node_a.bucket.others}; connector: "
+        f"{node_a.skipped:g} stores skipped, {node_a.outages:g} outages"
     )
-    assert engine["stores"] == STORED_CHUNKS
+    assert engine["stores"] == STORED_CHUNKS, "\n".join(node_a.warnings)
     assert engine["l2_writes"] == STORED_CHUNKS
     assert node_a.l3_writes == STORED_CHUNKS
     assert engine["write_failures"] == engine["l3_queue_drops"] == 0

@@ -94,6 +94,7 @@ class _Probe:
     sent_at: float = 0.0
     awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
     ticket: int = 0  # held while the hit objects must stay pinned
+    per_tier: dict[str, int] = field(default_factory=dict)  # what it found, by tier (stats; first reply only)
 
 
 @dataclass(slots=True)
@@ -108,7 +109,6 @@ class _Request:
     state: LookupState = LookupState.NOT_SENT
     probe: _Probe = field(default_factory=lambda: _Probe())  # the chunks' lookup in flight
     query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
-    per_tier: dict[str, int] = field(default_factory=dict)  # the lookup's objects by tier (stats)
     hit_chunks: int = 0
     server_chunks: int = 0  # the server's restorable prefix (chunks below need no store)
     slots: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # chunk → group → slot
@@ -320,7 +320,7 @@ class SchedulerHalf:
                 return 0, False
             st.state, st.probe.sent_at = LookupState.WAITING_REPLY, time.monotonic()
             sent = True
-            st.query_chunks, st.per_tier = limit, {}
+            st.query_chunks, st.probe.per_tier = limit, {}
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
             return None, False  # "not known yet": vLLM skips the request this step and asks again
         if self._tail_block and self._loads_enabled and not self._tail_step(client, st, num_computed_tokens):
@@ -410,6 +410,8 @@ class SchedulerHalf:
             return None
         if result.ticket:
             probe.ticket = result.ticket
+        if result.per_tier:  # kept: ticket polls do not repeat them, and a pending reply returns None
+            probe.per_tier = dict(result.per_tier)
         if result.state is not p.TicketStateName.PENDING:
             return result
         # A promotion gets timeout_s, like any round trip; a wait for another engine's store is the
@@ -490,8 +492,6 @@ class SchedulerHalf:
             return True
         if result is None:
             return False
-        if result.per_tier:  # only the first reply has it; ticket polls do not
-            st.per_tier = dict(result.per_tier)
         if result.state is p.TicketStateName.PENDING:  # still pending, too late
             what = "wait for another engine's store" if st.probe.awaited else "promotion"
             log.info("tiercache: %s for %s too slow; computing instead", what, st.req_id)
@@ -529,7 +529,7 @@ class SchedulerHalf:
         if st.hit_chunks:
             self.stats.add("hit_chunks", st.hit_chunks)
             self.stats.add("hit_tokens", st.hit_chunks * chunk)
-            self.stats.add_tiers(st.per_tier)
+            self.stats.add_tiers(st.probe.per_tier)
 
     def take_stats(self) -> TierCacheConnectorStats | None:
         """Lookups since the last call, and server outages this half noticed."""
