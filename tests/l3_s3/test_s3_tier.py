@@ -362,6 +362,19 @@ def test_a_failed_upload_raises_s3_tier_error_and_is_counted(s3: S3Endpoint, clo
         proxy.stop()
 
 
+def test_a_closed_tier_refuses_every_request_so_a_writer_left_behind_by_a_shutdown_lands_nothing(
+    s3: S3Endpoint, clock: FakeClock
+) -> None:
+    t = make_s3_tier(s3, clock)
+    t.put(make_key(1), b"before")
+    t.close()
+    with pytest.raises(S3TierError, match="closed"):
+        t.put(make_key(2), b"after")
+    with make_s3_tier(s3, clock) as fresh:  # the bucket, seen through a new tier
+        assert fresh.contains(make_key(1))
+        assert not fresh.contains(make_key(2))
+
+
 # -- start-up checks -------------------------------------------------------------------------------
 def test_a_missing_bucket_gives_a_clear_error(s3: S3Endpoint, clock: FakeClock) -> None:
     with pytest.raises(S3TierError) as info:

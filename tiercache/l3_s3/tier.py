@@ -210,6 +210,11 @@ class S3Tier(Tier):
         without trying while the breaker is open, and :class:`S3TierError` for anything else after
         botocore's own retries (counted in ``stats.errors``).
         """
+        if self._closed.is_set():
+            # A writer left behind by a shutdown must not land objects (or open a new client) later.
+            raise S3TierError(
+                f"S3 {what} on {self._where} refused: this S3 tier is closed; create a new S3Tier to use it"
+            )
         if not self._breaker.allow():
             self.stats.add("skipped")
             raise CircuitOpenError(
@@ -619,12 +624,17 @@ class S3Tier(Tier):
         """Every chunk object under the prefix as ``(last modified, key, size)``; raises
         :class:`_Closed` if the tier closes meanwhile (a partial listing must not be merged)."""
         listed: list[tuple[float, ObjectKey, int]] = []
-        for name, size, mtime in self._list():
-            if self._closed.is_set():
-                raise _Closed
-            key = self._names.key_of(name)
-            if key is not None:
-                listed.append((mtime, key, size))
+        try:
+            for name, size, mtime in self._list():
+                if self._closed.is_set():
+                    raise _Closed
+                key = self._names.key_of(name)
+                if key is not None:
+                    listed.append((mtime, key, size))
+        except S3TierError:
+            if self._closed.is_set():  # the next page was refused because the tier closed
+                raise _Closed from None
+            raise
         return listed
 
     def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
