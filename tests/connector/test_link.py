@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.config.connector import ConnectorSettings
+from tiercache.connector import link as link_module
 from tiercache.connector.link import FIRST_RETRY_S, ServerLink, retry_delays
 from tiercache.errors import ServerUnavailableError
 from tiercache.testing.poll import wait_until
@@ -72,24 +74,34 @@ def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp
         server.stop()
 
 
-def test_failures_while_the_server_answers_back_off_instead_of_flapping(tmp_path: Path) -> None:
+def test_failures_while_the_server_answers_back_off_instead_of_flapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pauses the link takes, recorded as it starts each one (no wall-clock bound: the machines
+    # are shared, a count of reconnects in so many seconds is a count of how busy the host was).
+    pauses: list[float] = []
+
+    def recorded(retry_s: float) -> Iterator[float]:
+        for pause in retry_delays(retry_s):
+            pauses.append(pause)
+            yield pause
+
+    monkeypatch.setattr(link_module, "retry_delays", recorded)
     spec = server_spec(tmp_path)
     server = ready_server(spec)
-    connects: list[float] = []
+    connects: list[Client] = []
     settings = ConnectorSettings(server=spec.listen, timeout_s=2.0, retry_s=5.0)
-    link = ServerLink(settings, "test-link", lambda _client: connects.append(time.monotonic()))
+    link = ServerLink(settings, "test-link", connects.append)
     try:
-        assert link.start()
-        began = time.monotonic()
-        while time.monotonic() - began < 3.2:  # every call fails (say, a server error), at once
-            if link.up:
-                link.failed("lookup", ServerUnavailableError("refused"))
-            time.sleep(0.01)
-        # Pauses of 0.5, 1 and 2 s fit three reconnects into 3.2 s; a link that reconnected at once
-        # would have flapped hundreds of times.
-        reconnects = len(connects) - 1
-        assert 1 <= reconnects <= 3, reconnects
-        assert link.outages == reconnects + (0 if link.up else 1)
+        assert link.start() and len(connects) == 1
+        for n in range(1, 4):  # every call fails (say, a server error) as soon as the link is up
+            link.failed("lookup", ServerUnavailableError("refused"))
+            assert not link.up
+            wait_until(lambda n=n: link.up and len(connects) == n + 1, timeout=30.0, what=f"reconnect {n}")
+        # Each reconnect waited first, and longer each time: a link that reconnected at once (or
+        # started its back-off afresh each time) would flap at every call of a failing server.
+        assert pauses == [0.5, 1.0, 2.0]
+        assert link.outages == 3
     finally:
         link.close()
         server.stop()
