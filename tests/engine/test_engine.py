@@ -37,6 +37,7 @@ def store(engine, groups, hashes, chunks=None, only=None) -> None:  # type: igno
 
 def load_all(engine, ticket) -> None:  # type: ignore[no-untyped-def]
     """Every pinned object holds exactly the bytes stored under its key."""
+    assert ticket.handles, "the ticket pins nothing: no byte to check"
     for key, handle in ticket.handles.items():
         assert bytes(handle.buffer) == payload_for(key, CHUNK_BYTES)
 
@@ -172,6 +173,7 @@ def test_a_second_node_reads_through_s3(tmp_path: Path, s3: S3Endpoint, make_eng
     assert result.per_tier == {"s3": 6}
     ticket = node_b.prefetch(hashes, [FULL], 6)
     assert node_b.wait(ticket, timeout=30) is TicketState.READY
+    assert ticket.chunks == 6 and set(ticket.handles) == {FULL.key(h) for h in hashes}
     load_all(node_b, ticket)
     node_b.release_ticket(ticket)
 
