@@ -397,20 +397,45 @@ class _PendingClient(_LookupClient):
         return 2
 
 
-def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step() -> None:
-    import time
+class _SteppedClock:
+    """The scheduler's clock, moved by the test: a step of vLLM's engine loop every ``step_s``, so
+    that what a test counts depends on the scheduler's rules, never on the machine's speed."""
 
+    def __init__(self, step_s: float = 0.001) -> None:
+        self.steps, self.step_s = 0, step_s
+
+    def monotonic(self) -> float:
+        return 1000.0 + self.steps * self.step_s  # from the step count: no accumulated rounding
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def __getattr__(self, name: str) -> object:  # everything else is the real time module
+        import time
+
+        return getattr(time, name)
+
+
+@pytest.fixture
+def stepped(monkeypatch: pytest.MonkeyPatch) -> _SteppedClock:
     pytest.importorskip("vllm")
+    from tiercache.connector import scheduler
+
+    clock = _SteppedClock()
+    monkeypatch.setattr(scheduler, "time", clock)
+    return clock
+
+
+def test_a_pending_ticket_is_polled_with_a_backoff_not_at_every_scheduler_step(
+    stepped: _SteppedClock,
+) -> None:
     client = _PendingClient()
     sched = _recurrent_scheduler(client=client, recurrent=False)
-    steps = 0
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:  # vLLM asks about a waiting request at every step, this fast
+    for _ in range(300):  # vLLM asks about a waiting request at every step: one a millisecond here
         assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (None, False)  # type: ignore[attr-defined]
-        steps += 1
-    # 1, 2, 4, 8, 16 ms, then every 20 ms: about 18 polls in 0.3 s, however many steps ran.
-    assert steps > 1000
-    assert 5 <= client.polls <= 25
+        stepped.tick()
+    # Polls after 1, 2, 4, 8 and 16 ms, then every 20 ms: at 1, 3, 7, 15, 31, 51, 71, ..., 291 ms.
+    assert client.polls == 5 + 13
 
 
 class _PromotingClient(_LookupClient):
@@ -526,39 +551,39 @@ def test_a_silent_server_costs_one_step_at_most_lookup_wait_s_however_many_reque
     assert client.waits == [0.02]  # a new step, a new budget
 
 
-def _settled_after(sched: object, deadline_s: float) -> tuple[float, object]:
-    """Ask about the request at every step until the lookup settles; (seconds, the answer)."""
-    import time
-
-    began = time.monotonic()
-    while time.monotonic() - began < deadline_s:
+def _settled_after(sched: object, clock: _SteppedClock, steps: int) -> tuple[float, object]:
+    """Ask about the request at every step (1 ms apart) until the lookup settles or ``steps`` ran:
+    (the scheduler's seconds since the first ask, the answer or ``None``)."""
+    began = clock.monotonic()
+    for _ in range(steps):
         answer = sched.get_num_new_matched_tokens(_prompt_request(), 0)  # type: ignore[attr-defined]
         if answer != (None, False):
-            return time.monotonic() - began, answer
-        time.sleep(0.001)
-    return time.monotonic() - began, None
+            return clock.monotonic() - began, answer
+        clock.tick()
+    return clock.monotonic() - began, None
 
 
-def test_a_slow_promotion_is_given_up_after_timeout_s_not_the_in_flight_wait_too() -> None:
-    pytest.importorskip("vllm")
+def test_a_slow_promotion_is_given_up_after_timeout_s_not_the_in_flight_wait_too(
+    stepped: _SteppedClock,
+) -> None:
     client = _PendingClient(awaiting=0)  # the server is promoting from disk or S3
     settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=30.0)
-    took, answer = _settled_after(
-        _recurrent_scheduler(client=client, recurrent=False, settings=settings), 10.0
-    )
+    sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
+    took, answer = _settled_after(sched, stepped, 10_000)
     assert answer == (0, False), "a promotion slower than timeout_s is computed instead"
-    assert took >= 0.2
+    # Given up at the first poll past timeout_s (polls are at most 20 ms apart), not 30 s later.
+    assert 0.2 < took <= 0.2 + 0.021
 
 
-def test_a_wait_for_another_engines_store_gets_inflight_wait_s_on_top_of_timeout_s() -> None:
-    pytest.importorskip("vllm")
+def test_a_wait_for_another_engines_store_gets_inflight_wait_s_on_top_of_timeout_s(
+    stepped: _SteppedClock,
+) -> None:
     client = _PendingClient(awaiting=2)  # a prefill engine's stores are still in flight
     settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=1.0)
     sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
-    took, answer = _settled_after(sched, 0.5)
-    assert answer is None, f"gave up after {took:.2f} s, before timeout_s + inflight_wait_s"
-    took, answer = _settled_after(sched, 10.0)
-    assert answer == (0, False) and 0.5 + took >= 1.2
+    took, answer = _settled_after(sched, stepped, 10_000)
+    assert answer == (0, False)
+    assert 1.2 < took <= 1.2 + 0.021, f"gave up after {took:.3f} s, not at timeout_s + inflight_wait_s"
 
 
 @pytest.mark.parametrize(
