@@ -12,7 +12,8 @@ from tiercache.cli.app import main
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire.client import Client
 
-TTL_S = 0.3
+# Short enough to wait out, long enough that a pin and its release on a loaded shared host are in time.
+TTL_S = 1.0
 
 
 def stored_keys(client: Client, n: int) -> list[ObjectKey]:
