@@ -14,6 +14,7 @@ from tiercache.config import (
     EvictionPolicyName,
     GiB,
     L1Config,
+    L3Admission,
     L3WritePolicy,
     MiB,
     S3Config,
@@ -244,6 +245,26 @@ def test_settings_of_a_tier_that_is_not_enabled_are_an_error_not_silently_ignore
 def test_write_back_needs_a_disk_tier_to_evict_from() -> None:
     with pytest.raises(ConfigError, match="use --tiers l1,disk,s3 or --l3-write-policy through"):
         load({"tiers": "l1,s3", "s3.bucket": "b", "engine.l3_write_policy": "back"})
+
+
+def test_s3_admission_is_all_by_default_and_read_from_a_flag_the_environment_or_the_file(
+    tmp_path: Path,
+) -> None:
+    three = {"tiers": "l1,disk,s3", "s3.bucket": "b"}
+    assert load(three).engine.l3_admission is L3Admission.ALL
+    assert load({**three, "engine.l3_admission": "read"}).engine.l3_admission is L3Admission.READ
+    assert load(three, {"TIERCACHE_L3_ADMISSION": "read"}).engine.l3_admission is L3Admission.READ
+    file = write_toml(tmp_path, '[engine]\nl3_admission = "read"\nl3_admission_window = 1000\n')
+    config = load(three, file=file)
+    assert (config.engine.l3_admission, config.engine.l3_admission_window) == (L3Admission.READ, 1000)
+    assert "write-through, admission read" in config.describe()
+
+
+def test_s3_admission_read_needs_a_disk_tier_and_a_window_of_at_least_one() -> None:
+    with pytest.raises(ConfigError, match="use --tiers l1,disk,s3 or --l3-admission all"):
+        load({"tiers": "l1,s3", "s3.bucket": "b", "engine.l3_admission": "read"})
+    with pytest.raises(ConfigError, match="--l3-admission-window"):
+        load({"tiers": "l1,disk,s3", "s3.bucket": "b", "engine.l3_admission_window": "0"})
 
 
 # -- one-line errors naming the source, the value and the fix ---------------------------------------

@@ -274,6 +274,8 @@ def _summary_view(data: dict[str, Any]) -> Any:
         )
         if "writeback_lost_queue_full" in e:  # absent from a server older than the counter
             parts.append(_writeback_lost_line(e))
+        if "l3_admitted" in e and "s3" in data["tiers"]:  # (absent from older servers)
+            parts.append(_l3_admission_line(e))
         parts.append(
             f"server: clients {srv.get('clients', 0)}, requests {srv.get('requests', 0)}, "
             f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
@@ -309,6 +311,15 @@ def _writeback_lost_line(engine: dict[str, Any]) -> str:
     if lost["queue_full"]:
         line += "; raise --write-queue-depth (docs/caveats.md)"
     return line
+
+
+def _l3_admission_line(engine: dict[str, Any]) -> str:
+    """What the S3 admission rule decided: chunks handed to S3, kept from it (by why), undecided."""
+    unread, untracked = int(engine.get("l3_refused_unread", 0)), int(engine.get("l3_refused_untracked", 0))
+    return (
+        f"S3 admission: admitted {int(engine.get('l3_admitted', 0))}, refused {unread + untracked} "
+        f"(unread {unread}, untracked {untracked}), waiting {int(engine.get('l3_admission_waiting', 0))}"
+    )
 
 
 _TIER_RANK = {name: i for i, name in enumerate(TIER_ORDER)}

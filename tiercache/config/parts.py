@@ -32,6 +32,14 @@ class L3WritePolicy(enum.StrEnum):
     BACK = "back"
 
 
+class L3Admission(enum.StrEnum):
+    """Which chunks the engine writes to S3 (docs/s3.md#admission): ``all`` (every chunk the write
+    policy hands over) or ``read`` (only chunks read at least once since they were stored)."""
+
+    ALL = "all"
+    READ = "read"
+
+
 class LogLevel(enum.StrEnum):
     """Log levels of the server's own logger."""
 
@@ -226,11 +234,24 @@ class EngineConfig:
     """
 
     l3_write_policy: L3WritePolicy = L3WritePolicy.THROUGH
+    #: ``read``: a chunk goes to S3 only once it has been read since it was stored (write-through: at
+    #: its first read; write-back: on disk eviction if it was read); the others are refused, counted.
+    l3_admission: L3Admission = L3Admission.ALL
+    #: How many stored chunks ``read`` remembers while they wait for their first read (oldest
+    #: forgotten first; a forgotten chunk is refused): bounds the rule's memory (~300 B a chunk,
+    #: ~20 MB at the default).
+    l3_admission_window: int = 65536
     write_queue_depth: int = 256
     promote_workers: int = 4
     write_workers: int = 2
 
     def __post_init__(self) -> None:
+        _at_least_one(
+            "l3_admission_window",
+            "--l3-admission-window",
+            self.l3_admission_window,
+            "; use e.g. the disk budget divided by the chunk size",
+        )
         _at_least_one(
             "write_queue_depth", "--write-queue-depth", self.write_queue_depth, "; use e.g. 256 (the default)"
         )

@@ -42,6 +42,7 @@ from tiercache.config.parts import (
     EngineConfig,
     GeneralOptions,
     L1Config,
+    L3Admission,
     L3WritePolicy,
     LogLevel,
     S3Config,
@@ -107,6 +108,11 @@ class ServerConfig:
             raise ConfigError(
                 f"--l3-write-policy back writes to S3 when chunks leave the disk tier, but --tiers is "
                 f"{','.join(tiers)}; use --tiers l1,disk,s3 or --l3-write-policy through"
+            )
+        if self.engine.l3_admission is L3Admission.READ and tiers != TIER_ORDER:
+            raise ConfigError(
+                f"--l3-admission read writes a chunk to S3 once it was read while on the disk tier, but "
+                f"--tiers is {','.join(tiers)}; use --tiers l1,disk,s3 or --l3-admission all"
             )
 
     @property
@@ -213,7 +219,7 @@ class ServerConfig:
             )
             lines.append(
                 f"s3:      {where}{f' ({extra})' if extra else ''}, capacity {_gib(c.capacity_bytes)}, "
-                f"write-{self.engine.l3_write_policy.value}"
+                f"write-{self.engine.l3_write_policy.value}, admission {self.engine.l3_admission.value}"
             )
         metrics = (
             f"http://{self.metrics_host}:{s.metrics_port}/metrics" if s.metrics_port is not None else "off"

@@ -198,6 +198,18 @@ META: dict[tuple[str, str], Meta] = {
         "When chunks go to S3: through (after disk, asynchronously) or back (when evicted from disk; "
         "needs the disk tier)."
     ),
+    ("engine", "l3_admission"): Meta(
+        "Which chunks are written to S3: all (every chunk the write policy hands over) or read (only "
+        "chunks read at least once since they were stored: with write-through at their first read, "
+        "with write-back on disk eviction if they were read; the others are refused and counted). "
+        "read needs the disk tier; see docs/s3.md#admission for what it saves and costs."
+    ),
+    ("engine", "l3_admission_window"): Meta(
+        "Stored chunks --l3-admission read remembers while they wait for their first read (about "
+        "300 bytes each, the key included); the oldest are forgotten, and refused, beyond it. Size it to the disk's "
+        "chunks (its budget over the chunk size) so that a chunk is not forgotten while on disk.",
+        metavar="N",
+    ),
     ("engine", "write_queue_depth"): Meta(
         "Bound of each queue to a lower tier (write-through, and write-back to S3); a full queue "
         "drops and counts the write: under write-back the chunk is then lost (docs/caveats.md).",

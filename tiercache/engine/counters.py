@@ -28,6 +28,10 @@ class EngineCounters(Counters):
     writeback_lost_queue_full: int = 0
     writeback_lost_write_failed: int = 0
     writeback_lost_shutdown: int = 0
+    # L3 admission (--l3-admission): chunks handed to S3, and chunks the rule kept from it, by why.
+    l3_admitted: int = 0
+    l3_refused_unread: int = 0  # never read since stored
+    l3_refused_untracked: int = 0  # no mark: stored before start-up, or forgotten past the window
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0

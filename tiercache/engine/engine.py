@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from time import perf_counter
 
 import msgspec
 
 from tiercache.config.parts import EngineConfig
 from tiercache.engine.counters import EngineCounters, timed_pin
-from tiercache.engine.groups import GroupSpec
+from tiercache.engine.groups import GroupSpec, needed_keys
 from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
 from tiercache.engine.writes import WriteBehind
@@ -189,7 +189,18 @@ class TieredEngine:
         pinned once committed, if that happens within ``inflight_wait_s``. Poll with :meth:`poll`;
         release with :meth:`release_ticket`.
         """
-        return self._promoter.prefetch(hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant)
+        ticket = self._promoter.prefetch(
+            hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant
+        )
+        if self._writes.watches_reads:  # a prefetch is what a load reads: S3 admission ``read``
+            self._writes.read(needed_keys(groups, hashes, chunks))
+        return ticket
+
+    def note_reads(self, keys: Iterable[ObjectKey]) -> None:
+        """``keys`` were read by a client outside the engine's own calls (the server's pin of L1
+        objects), for S3 admission ``read``. Non-blocking."""
+        if self._writes.watches_reads:
+            self._writes.read(keys)
 
     def poll(self, ticket: PrefetchTicket) -> TicketState:
         """Where ``ticket`` stands. Non-blocking."""
@@ -210,6 +221,7 @@ class TieredEngine:
             handle = self._promoter.promote_one(key)
         if handle is None:
             return None
+        self.note_reads((key,))
         try:
             return bytes(handle.buffer)
         finally:

@@ -9,6 +9,10 @@ A write-through drop leaves the chunk in the tier above; a write-back drop (or f
 not, since the disk has already let it go: that chunk is *lost*, counted apart and warned about
 (:class:`WriteBackLosses`). Blocking the eviction instead would hold the disk's write transaction on
 S3 and only move the loss to the newest chunks (see docs/caveats.md).
+
+Which chunks S3 gets at all is the admission rule's call (:mod:`tiercache.engine.admission`): every
+one (``all``), or only those read since they were stored (``read``); a refused chunk is counted as
+refused, never as lost.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import monotonic, perf_counter
 from typing import Generic, Literal, TypeVar
 
-from tiercache.config.parts import EngineConfig, L3WritePolicy
+from tiercache.config.parts import EngineConfig, L3Admission, L3WritePolicy
+from tiercache.engine.admission import AdmissionRule
 from tiercache.engine.counters import EngineCounters, hold, timed_pin
 from tiercache.errors import CircuitOpenError, TierCacheError
 from tiercache.keys.object_key import ObjectKey
@@ -176,10 +181,16 @@ class WriteBehind:
         self._config = config
         self._counters = counters
         self._losses = WriteBackLosses(counters)
+        self._admission = AdmissionRule(config, counters)
         self._l2_queue: WorkQueue[ObjectKey] = WorkQueue(config.write_queue_depth)
         # Write-through items are keys (read back from L2); write-back items carry their payload.
         self._l3_queue: WorkQueue[ObjectKey | tuple[ObjectKey, bytes]] = WorkQueue(config.write_queue_depth)
         self._writers: list[threading.Thread] = []
+        if config.l3_admission is L3Admission.READ and self._l3 is None and any(t.remote for t in lower):
+            raise ValueError(
+                "--l3-admission read writes chunks read while on the disk tier, and there is none in "
+                "front of S3; use tiers l1,disk,s3 or --l3-admission all"
+            )
         if self._l3 is not None and config.l3_write_policy is L3WritePolicy.BACK:
             if self._l2 is None:
                 raise ValueError("write-back to S3 needs a tier in front of it to evict from")
@@ -213,10 +224,26 @@ class WriteBehind:
 
     def queue(self, key: ObjectKey) -> None:
         """Queue a committed L1 chunk for the first lower tier. Non-blocking; a full queue drops it."""
+        if self._l3 is not None:
+            self._admission.stored(key)  # before its disk write, so that a read meanwhile counts
         if not self._l2_queue.put_nowait(key):
             # Dropping the write-through means L1 no longer owes it: let it be evicted normally.
             self._counters.add("l2_queue_drops")
+            self._admission.forget(key)
             self._l1.settle(key)
+
+    @property
+    def watches_reads(self) -> bool:
+        """Whether :meth:`read` matters (S3 admission ``read``), so callers can skip collecting keys."""
+        return self._l3 is not None and self._admission.watches_reads
+
+    def read(self, keys: Iterable[ObjectKey]) -> None:
+        """``keys`` were read (prefetched, loaded, pinned): tell the admission rule, and queue for
+        S3 the chunks their first read admits (write-through). Non-blocking."""
+        if self._l3 is None:
+            return
+        for key in self._admission.read(keys):
+            self._enqueue_l3(key)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes reached their tiers; ``False`` if ``timeout`` passed first."""
@@ -240,8 +267,13 @@ class WriteBehind:
         self._losses.close()
 
     def depths(self) -> dict[str, int]:
-        """Writes waiting per queue (``l2_queue_depth``, ``l3_queue_depth``), for stats."""
-        return {"l2_queue_depth": self._l2_queue.qsize(), "l3_queue_depth": self._l3_queue.qsize()}
+        """Writes waiting per queue (``l2_queue_depth``, ``l3_queue_depth``) and chunks the admission
+        rule still waits to decide (``l3_admission_waiting``), for stats."""
+        return {
+            "l2_queue_depth": self._l2_queue.qsize(),
+            "l3_queue_depth": self._l3_queue.qsize(),
+            "l3_admission_waiting": self._admission.waiting(),
+        }
 
     def _write_l2(self, key: ObjectKey) -> None:
         """Copy one owed chunk from L1 to the first lower tier, then let L1 evict it again.
@@ -261,16 +293,22 @@ class WriteBehind:
             self._counters.add("l2_writes")
         except CircuitOpenError as exc:  # tiers l1,s3: see _write_l3
             self._counters.add("write_failures")
+            self._admission.forget(key)
             log.debug("write of %s to %s skipped: %s", key, l2.name, exc)
             return
         except TierCacheError as exc:
             self._counters.add("write_failures")
+            self._admission.forget(key)
             log.warning("write of %s to %s failed: %s", key, l2.name, exc)
             return
         finally:
             self._l1.release(pinned)
             self._l1.settle(key)
-        if self._l3 is not None and self._config.l3_write_policy is L3WritePolicy.THROUGH:
+        if (
+            self._l3 is not None
+            and self._config.l3_write_policy is L3WritePolicy.THROUGH
+            and self._admission.on_disk(key)
+        ):
             self._enqueue_l3(key)
 
     def _enqueue_l3(self, key: ObjectKey) -> None:
@@ -315,10 +353,13 @@ class WriteBehind:
                 self._losses.lost("write_failed")
 
     def _on_l2_evict(self, key: ObjectKey, payload: memoryview) -> None:
-        """Write-back: hand a chunk the disk tier is evicting to S3 (bounded queue; if it is full the
-        chunk is lost, counted and warned about, rather than stalling the disk's write transaction).
+        """Write-back: hand a chunk the disk tier is evicting to S3 if the admission rule admits it
+        (bounded queue; if it is full the chunk is lost, counted and warned about, rather than
+        stalling the disk's write transaction). A refused chunk is counted by the rule, not lost.
 
         Copies the payload because the view dies with the eviction's transaction.
         """
+        if not self._admission.evicted(key):
+            return
         if not self._l3_queue.put_nowait((key, bytes(payload))):
             self._losses.lost("queue_full")

@@ -220,6 +220,7 @@ class DataOps:
         t0 = time.perf_counter()
         handles = self._l1.pin_many(keys)
         hits = sum(1 for h in handles if h is not None)
+        self._engine.note_reads(h.key for h in handles if h is not None)  # S3 admission ``read``
         if hits:  # one lock round trip for all: each hit gets its share, as a "read" of L1
             share = (time.perf_counter() - t0) / hits
             for _ in range(hits):

@@ -18,6 +18,12 @@ with the tier as a label)::
                                                          reached S3 (write-back), so in no tier;
                                                          reason queue_full/write_failed/shutdown
                                                          (counter)
+    tiercache_engine_l3_admitted_total                   chunks the L3 admission rule handed to S3
+                                                         (counter)
+    tiercache_engine_l3_refused_total{reason="unread"}   chunks it kept from S3, by reason
+                                                         unread/untracked          (counter)
+    tiercache_engine_l3_admission_waiting                stored chunks waiting for a first read
+                                                         (--l3-admission read)     (gauge)
     tiercache_lookup_duration_seconds{outcome="hit"}     lookup arrival to reply sent, by
                                                          outcome hit/miss/error    (histogram)
     tiercache_tier_transfer_duration_seconds{tier="disk",op="read"}
@@ -69,6 +75,9 @@ _go_float = cast("Callable[[float], str]", floatToGoString)
 
 # Engine counters ``writeback_lost_<reason>``: one family with the reason as a label.
 _WRITEBACK_LOST = "writeback_lost_"
+# Engine counters ``l3_refused_<reason>`` (S3 admission): one family with the reason as a label.
+_L3_REFUSED = "l3_refused_"
+_L3_REFUSAL_REASONS = ("unread", "untracked")  # exported from zero, so alerts can be written first
 
 # Tier counters whose name is not already a Prometheus name (bytes go last: ``*_bytes_total``).
 _TIER_RENAMES = {"bytes_written": "written_bytes", "bytes_read": "read_bytes"}
@@ -182,15 +191,35 @@ class EngineCollector(Collector):
             "the S3 queue was full, the S3 write failed, or the engine closed first.",
             labels=["reason"],
         )
+        refused = CounterMetricFamily(
+            "tiercache_engine_l3_refused",
+            "Chunks the L3 admission rule (--l3-admission read) kept from S3, by reason: never read "
+            "since stored (unread), or no mark of it (untracked: stored before start-up, or forgotten "
+            "past --l3-admission-window).",
+            labels=["reason"],
+        )
+        refusals = {reason: 0 for reason in _L3_REFUSAL_REASONS}
         for name, value in sorted(engine.items()):
             if name.endswith("_queue_depth"):
                 depth.add_metric([name.removesuffix("_queue_depth")], value)
             elif name.startswith(_WRITEBACK_LOST):
                 lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
+            elif name.startswith(_L3_REFUSED):
+                refusals[name.removeprefix(_L3_REFUSED)] = value
+            elif name == "l3_admission_waiting":
+                yield GaugeMetricFamily(
+                    "tiercache_engine_l3_admission_waiting",
+                    "Stored chunks the L3 admission rule still waits to decide (their first read, or "
+                    "their eviction from disk under write-back).",
+                    value=value,
+                )
             else:
                 yield CounterMetricFamily(f"tiercache_engine_{name}", f"Engine counter {name}.", value=value)
+        for reason, value in refusals.items():
+            refused.add_metric([reason], value)
         yield depth
         yield lost
+        yield refused
 
         tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
         gauges = {
