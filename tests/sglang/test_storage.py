@@ -271,15 +271,13 @@ def test_a_page_size_that_is_not_the_servers_chunk_size_fails_the_start(tmp_path
             make(server.endpoint, MHALayoutHostPool(2, page_size=2 * PAGE))
 
 
-def test_a_hybrid_models_extra_pool_is_refused_at_start(tmp_path: Path, make: Make) -> None:
+def test_the_kv_pool_named_again_is_accepted(tmp_path: Path, make: Make) -> None:
+    """SGLang's hybrid controller registers the KV pool a second time by name: the same pool passes
+    (extra pools and refusals: test_hybrid)."""
     with running(server_spec(tmp_path, disk=False)) as server:
         pool = MHALayoutHostPool(2, page_size=PAGE)
         b = make(server.endpoint, pool)
-        b.register_mem_host_pool_v2(pool, "kv")  # the KV pool named again: the one it stores
-        with pytest.raises(ConfigError, match="mamba"):
-            b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "mamba")
-        with pytest.raises(ConfigError, match="'kv'"):
-            b.register_mem_host_pool_v2(MHALayoutHostPool(2, page_size=PAGE), "kv")  # another pool
+        b.register_mem_host_pool_v2(pool, "kv")
 
 
 def test_engines_whose_pages_differ_never_share_them(tmp_path: Path, make: Make) -> None:
