@@ -46,7 +46,8 @@ class Hybrid:
 
     def __init__(self, endpoint: str, **config: Any) -> None:
         self.kv = MHALayoutHostPool(PAGES, page_size=PAGE)
-        self.swa = MHALayoutHostPool(PAGES, page_size=PAGE, layer_num=1)
+        # The SWA pool laid out exactly as the KV pool: only the pool's name tells their pages apart.
+        self.swa = MHALayoutHostPool(PAGES, page_size=PAGE)
         self.mamba = mamba_host_pool(PAGES, **config.pop("mamba", {}))
         self.backend: HiCacheStorage = backend(endpoint, self.kv, **config)
         for name, pool in ((PoolName.KV, self.kv), (PoolName.SWA, self.swa), (PoolName.MAMBA, self.mamba)):
@@ -101,8 +102,9 @@ def test_kv_swa_and_mamba_pages_come_back_into_other_host_indices(
 
 def test_extra_pool_pages_are_objects_of_their_own(tmp_path: Path, hybrids: list[Hybrid]) -> None:
     """Under the very same SGLang page keys, a KV page, an SWA page and a Mamba state are three
-    objects: storing one makes neither other exist, and each pool has its own fingerprint. An engine
-    whose Mamba states differ (another state dtype) never finds the first engine's states."""
+    objects: storing one makes neither other exist, and each pool has its own fingerprint (the SWA
+    pool has the KV pool's very layout). An engine whose Mamba states differ only in a state's dtype
+    (float16 conv states, the same bytes) never finds the first engine's states."""
     with running(server_spec(tmp_path, disk=False)) as server:
         h = Hybrid(server.endpoint)
         hybrids.append(h)
@@ -121,7 +123,7 @@ def test_extra_pool_pages_are_objects_of_their_own(tmp_path: Path, hybrids: list
         assert b.batch_set_v2([h.swa_transfer(names[:1], [5])]) == {PoolName.SWA: [True]}
         assert b.batch_get_v2([h.mamba_transfer(names, [6, 7])]) == {PoolName.MAMBA: [True, True]}
 
-        other = Hybrid(server.endpoint, mamba={"temporal_dtype": torch.bfloat16})
+        other = Hybrid(server.endpoint, mamba={"conv_dtype": torch.float16})
         hybrids.append(other)
         assert isinstance(other.backend, TierCacheStorage)
         assert other.backend.pool_fingerprint("mamba") != prints["mamba"]
