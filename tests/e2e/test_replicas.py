@@ -1,6 +1,7 @@
 """Two replicas on one bucket: two nodes' worth on one machine, each a tiercache server (its own L1, its
-own disk (LMDB), the one S3 bucket and prefix they share: moto's server over real HTTP) behind its own
-vLLM OpenAI server (the multiprocess engine as ``vllm serve`` runs it). Nothing is mocked.
+own disk (LMDB), the one S3 bucket and prefix they share) behind its own vLLM OpenAI server (the
+multiprocess engine as ``vllm serve`` runs it). Nothing is mocked. The module runs twice: the bucket on
+moto's server over real HTTP, then on a throwaway Ceph cluster's RADOS Gateway (``rgw_server``).
 
 The claims:
 
@@ -31,7 +32,7 @@ The claims:
 
 The two nodes share the checkpoint directory (the layout fingerprint names the model by its path, as
 it would be the same path on every node of a fleet) and set the same ``weights_id``, as the operations
-guide recommends for a fleet. Two vLLM server starts (in parallel), ~1-2 minutes on two cores.
+guide recommends for a fleet. Two vLLM server starts (in parallel) per store, ~1-2 minutes each on two cores.
 
 Chunk 64, vLLM blocks 32. Prompts of 200, 150, 257 and 130 tokens: 3, 2, 4 and 2 full chunks, all
 stored by A; a fresh engine can take 192, 128, 256 and 128 prompt tokens of each from tiercache (vLLM
@@ -235,16 +236,23 @@ def vllm_argv(model: Path, endpoint: str) -> list[str]:
     return api_server_argv(model, *tiny_model_flags(128), f"--kv-transfer-config={json.dumps(transfer)}")
 
 
+@pytest.fixture(scope="module", params=["moto", "rgw"])
+def store(request: pytest.FixtureRequest) -> S3Endpoint:
+    """The object store behind the shared bucket: every claim is checked on moto and on Ceph RGW."""
+    endpoint: S3Endpoint = request.getfixturevalue("s3_server" if request.param == "moto" else "rgw_server")
+    return endpoint
+
+
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) -> Iterator[Replicas]:
+def replicas(tmp_path_factory: pytest.TempPathFactory, store: S3Endpoint) -> Iterator[Replicas]:
     tmp = tmp_path_factory.mktemp("replicas")
     bucket = f"e2e-replicas-{uuid.uuid4().hex[:8]}"
     model = tmp / "model"
     write_served_tiny_llama(model, seed=1234)
     ids = make_prompts(LENGTHS, seed=23, vocab=VOCAB)
     [probe] = make_prompts([PROBE_LENGTH], seed=29, vocab=VOCAB)
-    spec_a = node_spec(tmp, "node-a", "disk-a", s3_server, bucket)
-    spec_b = node_spec(tmp, "node-b", "disk-b", s3_server, bucket)
+    spec_a = node_spec(tmp, "node-a", "disk-a", store, bucket)
+    spec_b = node_spec(tmp, "node-b", "disk-b", store, bucket)
     started: list[ServerProcess | OpenAIServer] = []
     try:
         server_a = ServerProcess(spec_a)
@@ -265,7 +273,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Endpoint) ->
         vllm_b.wait_ready()
         r = Replicas(
             tmp,
-            s3_server,
+            store,
             bucket,
             ids,
             [token_text(p) for p in ids],
