@@ -375,6 +375,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         """Disconnect (SGLang calls it when the backend is detached)."""
         if self._link is not None:
             self._link.close()
+        # The tensor over the arena keeps its mapping (and the server's shared memory) alive.
+        self._arena = self._arena_bytes = None
 
     # -- plumbing ------------------------------------------------------------------------------
     def _count(self, **delta: int) -> None:
