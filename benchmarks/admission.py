@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import logging
 import os
 import shutil
 import sys
@@ -42,7 +41,6 @@ import time
 import types
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ from tests.server.serverproc import ServerProcess, ServerSpec  # noqa: E402
 from tiercache.config import L3Admission, L3WritePolicy  # noqa: E402
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher  # noqa: E402
 from tiercache.testing.fixtures import payload_for  # noqa: E402
+from tiercache.testing.s3 import s3_endpoint  # noqa: E402
 from tiercache.wire.client import Client  # noqa: E402
 from tiercache.wire.protocol import GroupRef, TicketStateName  # noqa: E402
 
@@ -395,21 +394,6 @@ def table(rows: list[RunResult]) -> str:
     return "\n".join(out)
 
 
-@contextlib.contextmanager
-def moto_endpoint() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 (a free port), torn down afterwards."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
 def reset_moto(url: str) -> None:
     """Drop every bucket moto holds (its memory): each pair of runs leaves ~100 chunks of 2 MiB."""
     import urllib.request
@@ -459,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[RunResult] = []
     root = Path(tempfile.mkdtemp(prefix="tiercache-admission-"))
     try:
-        with moto_endpoint() as url:
+        with s3_endpoint("moto") as url:
             for workload in workloads:
                 prompts = prefix_prompts(sargs) if workload == "prefix" else chat_prompts(serve, sargs)
                 one = argparse.Namespace(**{**vars(sargs), "workloads": [workload]})

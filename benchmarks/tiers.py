@@ -17,18 +17,16 @@ Against a real S3 endpoint use ``tiercache bench --tiers s3 --s3-bucket ... --s3
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from tiercache.cli import measure as bench
 from tiercache.config import S3Config
+from tiercache.testing.s3 import STORES, s3_endpoint
 
 #: What each tier's baseline is, printed under the table so a reader knows what the ratio compares.
 BASELINES = {
@@ -62,8 +60,6 @@ def profile_disk_puts(count: int, size: int) -> None:
     """Print where ``count`` overwriting ``DiskTier.put`` calls of ``size`` bytes spend their time."""
     import cProfile
     import pstats
-    import tempfile
-    from pathlib import Path
 
     import numpy as np
 
@@ -102,35 +98,6 @@ def profile_disk_puts(count: int, size: int) -> None:
     for name, n in sorted(calls.items(), key=lambda kv: -kv[1]):
         print(f"#   {n / count:5.2f}  {name}")
     stats.sort_stats("tottime").print_stats(12)
-
-
-@contextlib.contextmanager
-def s3_endpoint(store: str) -> Iterator[str]:
-    """An S3 endpoint URL on 127.0.0.1 for ``store`` ("moto" or "rgw"), torn down afterwards."""
-    if store == "moto":
-        import logging
-
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-    elif store == "rgw":
-        from tiercache.testing.rgw import RgwCluster
-
-        directory = Path(tempfile.mkdtemp(prefix="tiercache-bench-rgw-"))
-        with RgwCluster(directory, os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]) as c:
-            c.start()
-            print(f"# rgw up in {c.start_seconds:.1f} s at {c.url}")
-            yield c.url
-        shutil.rmtree(directory, ignore_errors=True)
-    else:
-        raise SystemExit(f"unknown --s3-stores entry {store!r}: use moto and/or rgw")
 
 
 def main() -> int:
@@ -181,7 +148,10 @@ def main() -> int:
     if "s3" in tiers:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        for store in (s.strip() for s in args.s3_stores.split(",")):
+        stores = [s.strip() for s in args.s3_stores.split(",")]
+        if unknown := [s for s in stores if s not in STORES]:
+            raise SystemExit(f"unknown --s3-stores entries {unknown}: use moto and/or rgw")
+        for store in stores:
             print(f"# s3 store: {store}")
             with s3_endpoint(store) as url:
                 cfg = S3Config(
