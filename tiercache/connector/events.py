@@ -1,26 +1,38 @@
-"""KV cache events for routers: which tiers of this node's server hold the chunks this engine stored.
+"""KV cache events for routers: which tiers of this node's server hold the chunks and tails this engine stored.
 
 KV-aware routers (llm-d's KV-cache indexer, Dynamo's KV router) place a request on the replica whose
 caches hold the longest prefix, learning that from vLLM's KV events (``--kv-events-config``). vLLM
 publishes its own GPU blocks; this module adds what tiercache holds, through vLLM's own stream (the
 scheduler half's ``take_events()``, merged by vLLM's scheduler into each step's batch):
 
-* ``BlockStored`` for the blocks of each chunk this engine stored, once per tier it lands in, with
-  the block hashes, parent hash, token ids, LoRA and extra keys vLLM itself publishes for those
-  blocks (so a router hashing like vLLM matches them) and ``medium`` naming the tier
-  (:data:`TIER_MEDIA`);
-* ``BlockRemoved`` for the same hashes and medium when that tier drops the chunk (evicted, failed
-  verification, deleted by ``tiercache clear``, expired); once every tier has, the router holds
-  nothing of it for this replica.
+* ``BlockStored`` for the blocks of each chunk this engine stored, and for the one block of each
+  tail (:mod:`tiercache.connector.tails`), once per tier it lands in, with the block hashes, parent
+  hash, token ids, LoRA and extra keys vLLM itself publishes for those blocks (so a router hashing
+  like vLLM matches them) and ``medium`` naming the tier (:data:`TIER_MEDIA`);
+* ``BlockRemoved`` for the same hashes and medium when that tier drops the object (evicted, failed
+  verification, deleted by ``tiercache clear``, expired, a tail superseded), except for the blocks
+  another object this tracker follows still holds in that tier: a tail and the chunk that covers it
+  share a block hash (vLLM's hash names the block's tokens and everything before them), so a tail
+  superseded by its chunk, once the chunk is reported there, is no removal at all.
+
+A router folds these events into a set of (block hash, medium) per replica; what the tracker
+publishes keeps that set equal to what the tiers hold, as of the last change of the log it has
+read. Removals are therefore decided once per ``take()``, after every change read in it: a
+tail's removal and its chunk's arrival in one batch, in either order, publish no removal; a
+removal read before the chunk's arrival is reported (a later batch) is published, and the
+chunk's ``BlockStored`` announces the block again when it comes (the disk's copy of a chunk
+lands after the commit that superseded its tails from the disk, so ``DISK`` does that).
 
 The server keeps a residency log (:mod:`tiercache.server.events`); this tracker follows it every
 ``kv_events_interval_s`` with one asynchronous request (never waiting on the engine loop), for the
-anchor object of each chunk (the first full-attention object group: present for every stored chunk).
+anchor object of each chunk and tail (the first full-attention object group: present for every
+stored one).
 
-What it cannot know, it retracts rather than leave a router routing to KV that may be gone: chunks
-beyond ``kv_events_chunks`` are published as removed when forgotten; after a server restart its L1
-medium is removed for every chunk; a gap in the log (this engine fell behind the server's bounded
-log) removes every medium of every chunk.
+What it cannot know, it retracts rather than leave a router routing to KV that may be gone: the
+oldest objects beyond ``kv_events_chunks`` chunks' worth of blocks (a tail counts its one block)
+are published as removed when forgotten; after a server restart its L1 medium is removed for every
+object; a gap in the log (this engine fell behind the server's bounded log) removes every medium of
+every object. Those removals too spare only blocks another followed object still holds.
 """
 
 from __future__ import annotations
@@ -51,8 +63,9 @@ CONFIRM_WITHIN_S = 5.0
 
 
 @dataclass(slots=True)
-class _Chunk:
-    """What a chunk's events say (as vLLM would publish its blocks), and which media hold it."""
+class _Object:
+    """What one stored object's events say (as vLLM would publish its blocks), and which media hold
+    it: a chunk's blocks, or a tail's one block."""
 
     block_hashes: list[Any]
     parent: Any
@@ -61,7 +74,15 @@ class _Chunk:
     lora_id: int | None
     lora_name: str | None
     extra_keys: list[Any] | None
+    #: Where the blocks lie: the hash of the first block of the chunk they are in (a chunk's own
+    #: first block; for a tail, its chunk's), and the position of ``block_hashes[0]`` in that chunk.
+    chunk_first: Any
+    offset: int
     media: set[str] = field(default_factory=set)
+
+    def hashes_at(self) -> list[tuple[int, Any]]:
+        """``(position in the chunk, block hash)`` of each block."""
+        return [(self.offset + i, h) for i, h in enumerate(self.block_hashes)]
 
 
 class KVEventTracker:
@@ -70,18 +91,28 @@ class KVEventTracker:
 
     def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
         self._interval = settings.kv_events_interval_s
-        self._capacity = settings.kv_events_chunks
+        self._capacity = settings.kv_events_chunks  # in chunks' worth of blocks (see remember)
         self._block_size = block_size
         self._anchor: tuple[Fingerprint, int] | None = None
-        self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()  # anchor key bytes → chunk
+        self._objects: OrderedDict[bytes, _Object] = OrderedDict()  # anchor key bytes → object, oldest first
+        #: The keys of the objects whose blocks lie in the chunk starting with this block hash (the
+        #: chunk and its tails): where to look for another holder of a block being removed.
+        self._by_chunk: dict[Any, list[bytes]] = {}
+        self._blocks = 0  # blocks of the objects in _objects
+        self._gone: list[tuple[_Object, str, str]] = []  # (object, tier, medium) dropped, to publish
         self._out: list[Any] = []  # events for the next take()
         self._instance: bytes | None = None
         self._cursor = -1  # -1: ask the server for its position first
         self._pending = 0  # request id of the events request in flight (0: none)
         self._next_at = 0.0
         self._connected: tuple[bytes, int] | None = None  # (instance, position) from on_connect
-        self._unconfirmed: dict[bytes, float] = {}  # stored chunks no tier reported yet → deadline
-        self.counts = {"stored_events": 0, "removed_events": 0, "retracted_chunks": 0}
+        self._unconfirmed: dict[bytes, float] = {}  # stored objects no tier reported yet → deadline
+        self.counts = {
+            "stored_events": 0,
+            "removed_events": 0,
+            "retracted_chunks": 0,  # objects forgotten beyond the bound (chunks and tails)
+            "covered_blocks": 0,  # removed blocks not published: another followed object holds them there
+        }
 
     @property
     def enabled(self) -> bool:
@@ -120,7 +151,24 @@ class KVEventTracker:
     # -- what was stored -----------------------------------------------------------------------
     def remember(self, request: Any, chunk: int, chunk_size: int, prefix_hash: bytes) -> None:
         """A store of ``request``'s chunk ``chunk`` was planned: keep what its events will say."""
-        if not self.enabled or self._anchor is None:
+        start = chunk * chunk_size
+        self._keep(request, prefix_hash, start, start + chunk_size, start, chunk_size)
+
+    def remember_tail(
+        self, request: Any, chunk: int, chunk_size: int, j: int, tail_size: int, prefix_hash: bytes
+    ) -> None:
+        """A store of tail ``j`` (``tail_size`` tokens) of ``request``'s chunk ``chunk`` was planned,
+        under ``prefix_hash`` (its tail hash): keep what its events will say."""
+        start = chunk * chunk_size + j * tail_size
+        self._keep(request, prefix_hash, start, start + tail_size, chunk * chunk_size, chunk_size)
+
+    def _keep(
+        self, request: Any, prefix_hash: bytes, start: int, end: int, chunk_start: int, chunk_size: int
+    ) -> None:
+        """Keep the events of the object ``prefix_hash`` holding tokens ``start .. end - 1`` of
+        ``request``, inside the chunk starting at token ``chunk_start``."""
+        size = self._block_size
+        if not self.enabled or self._anchor is None or size < 1 or start % size or end % size:
             return
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
@@ -128,38 +176,54 @@ class KVEventTracker:
             to_event_extra_keys,
         )
 
-        size = self._block_size
-        first, count = chunk * chunk_size // size, chunk_size // size
+        first, count = start // size, (end - start) // size
         hashes = list(getattr(request, "block_hashes", ()) or ())
         if count < 1 or len(hashes) < first + count:
             return  # vLLM has not hashed these blocks (nothing a router could match)
-        start = chunk * chunk_size
+        fingerprint, group = self._anchor
+        key = ObjectKey(fingerprint, group, prefix_hash).to_bytes()
+        self._unconfirmed[key] = time.monotonic() + CONFIRM_WITHIN_S
+        if key in self._objects:  # stored again (the same blocks): keep what the tiers reported
+            self._objects.move_to_end(key)
+            return
         extra = [
             generate_block_hash_extra_keys(request, start + i * size, start + (i + 1) * size, 0)[0]
             for i in range(count)
         ]
         lora = getattr(request, "lora_request", None)
-        fingerprint, group = self._anchor
-        key = ObjectKey(fingerprint, group, prefix_hash).to_bytes()
-        self._chunks[key] = _Chunk(
+        obj = _Object(
             block_hashes=[maybe_convert_block_hash(h) for h in hashes[first : first + count]],
             parent=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
-            token_ids=array("q", request.all_token_ids[start : start + chunk_size]),
+            token_ids=array("q", request.all_token_ids[start:end]),
             block_size=size,
             lora_id=lora.adapter_id if lora is not None else None,
             lora_name=lora.name if lora is not None else None,
             extra_keys=to_event_extra_keys(extra),
+            chunk_first=maybe_convert_block_hash(hashes[chunk_start // size]),
+            offset=first - chunk_start // size,
         )
-        self._chunks.move_to_end(key)
-        self._unconfirmed[key] = time.monotonic() + CONFIRM_WITHIN_S
-        while len(self._chunks) > self._capacity:
-            _, old = self._chunks.popitem(last=False)
-            self._remove_all(old)
+        self._objects[key] = obj
+        self._by_chunk.setdefault(obj.chunk_first, []).append(key)
+        self._blocks += count
+        limit = self._capacity * max(1, chunk_size // size)
+        while self._blocks > limit:
+            old_key, old = next(iter(self._objects.items()))
+            self._forget(old_key, old)
+            self._drop_all(old)
+            self._unconfirmed.pop(old_key, None)
             self.counts["retracted_chunks"] += 1
+
+    def _forget(self, key: bytes, obj: _Object) -> None:
+        del self._objects[key]
+        self._blocks -= len(obj.block_hashes)
+        keys = self._by_chunk[obj.chunk_first]
+        keys.remove(key)
+        if not keys:
+            del self._by_chunk[obj.chunk_first]
 
     # -- following the server ------------------------------------------------------------------
     def busy(self) -> bool:
-        """Whether chunks this engine stored are still to be reported by a tier (for at most
+        """Whether objects this engine stored are still to be reported by a tier (for at most
         :data:`CONFIRM_WITHIN_S` each: a dropped store never is). vLLM calls ``take_events()``
         only while its engine steps, so the connector keeps it stepping until then."""
         if not self._unconfirmed:
@@ -177,6 +241,7 @@ class KVEventTracker:
             except TierCacheError as exc:  # the next request retries; the link notices outages
                 log.debug("tiercache: following the server's residency log failed: %s", exc)
                 self._pending = 0
+        self._publish_removals()
         out, self._out = self._out, []
         return out
 
@@ -211,53 +276,83 @@ class KVEventTracker:
             self._retract()
         self._cursor = reply.next_seq
         for event in reply.events:
-            chunk = self._chunks.get(event.key)
-            if chunk is None:
+            obj = self._objects.get(event.key)
+            if obj is None:
                 continue  # another engine's store (same layout): it publishes its own
             medium = TIER_MEDIA.get(event.tier, event.tier.upper())
-            if event.kind is p.EventKind.STORED and medium not in chunk.media:
-                chunk.media.add(medium)
+            if event.kind is p.EventKind.STORED and medium not in obj.media:
+                obj.media.add(medium)
                 self._unconfirmed.pop(event.key, None)
-                self._out.append(self._stored(chunk, event.tier, medium))
+                self._out.append(self._stored(obj, event.tier, medium))
                 self.counts["stored_events"] += 1
-            elif event.kind is p.EventKind.REMOVED and medium in chunk.media:
-                self._publish_removal(chunk, event.tier, medium)
+            elif event.kind is p.EventKind.REMOVED and medium in obj.media:
+                self._drop(obj, event.tier, medium)
 
     def _retract(self, only: str | None = None) -> None:
-        for chunk in self._chunks.values():
-            self._remove_all(chunk, only)
+        for obj in self._objects.values():
+            self._drop_all(obj, only)
 
-    def _remove_all(self, chunk: _Chunk, only: str | None = None) -> None:
+    def _drop_all(self, obj: _Object, only: str | None = None) -> None:
         for tier, medium in TIER_MEDIA.items():
-            if medium in chunk.media and (only is None or tier == only):
-                self._publish_removal(chunk, tier, medium)
+            if medium in obj.media and (only is None or tier == only):
+                self._drop(obj, tier, medium)
 
-    def _publish_removal(self, chunk: _Chunk, tier: str, medium: str) -> None:
-        chunk.media.discard(medium)
-        self._out.append(self._removed(chunk, tier, medium))
-        self.counts["removed_events"] += 1
+    def _drop(self, obj: _Object, tier: str, medium: str) -> None:
+        """``medium`` no longer holds ``obj``: its blocks are published as removed by the next
+        :meth:`_publish_removals`, those no other object holds there by then."""
+        obj.media.discard(medium)
+        self._gone.append((obj, tier, medium))
+
+    def _holds(self, chunk_first: Any, at: int, block_hash: Any, medium: str) -> bool:
+        """Whether an object this tracker follows holds, in ``medium``, block ``at`` (``block_hash``)
+        of the chunk starting with block ``chunk_first``: the chunk itself or one of its tails."""
+        for key in self._by_chunk.get(chunk_first, ()):
+            obj = self._objects[key]
+            i = at - obj.offset
+            if medium in obj.media and 0 <= i < len(obj.block_hashes) and obj.block_hashes[i] == block_hash:
+                return True
+        return False
+
+    def _publish_removals(self) -> None:
+        """Publish the removals gathered since the last call: for each dropped object and medium,
+        its blocks that no followed object holds there now (each once)."""
+        gone, self._gone = self._gone, []
+        published: set[tuple[str, Any]] = set()
+        for obj, tier, medium in gone:
+            hashes = []
+            for at, h in obj.hashes_at():
+                if (medium, h) in published:
+                    continue
+                if self._holds(obj.chunk_first, at, h, medium):
+                    self.counts["covered_blocks"] += 1
+                    continue
+                published.add((medium, h))
+                hashes.append(h)
+            if hashes:
+                self._out.append(self._removed(hashes, tier, medium))
+                self.counts["removed_events"] += 1
 
     @staticmethod
-    def _stored(chunk: _Chunk, tier: str, medium: str) -> Any:
+    def _stored(obj: _Object, tier: str, medium: str) -> Any:
         from vllm.distributed.kv_events import BlockStored
 
         return BlockStored(
-            block_hashes=chunk.block_hashes,
-            parent_block_hash=chunk.parent,
-            token_ids=chunk.token_ids.tolist(),
-            block_size=chunk.block_size,
-            lora_id=chunk.lora_id,
+            block_hashes=obj.block_hashes,
+            parent_block_hash=obj.parent,
+            token_ids=obj.token_ids.tolist(),
+            block_size=obj.block_size,
+            lora_id=obj.lora_id,
             medium=medium,
-            lora_name=chunk.lora_name,
-            extra_keys=chunk.extra_keys,
+            lora_name=obj.lora_name,
+            extra_keys=obj.extra_keys,
             locality=TIER_LOCALITY.get(tier),
         )
 
     @staticmethod
-    def _removed(chunk: _Chunk, tier: str, medium: str) -> Any:
+    def _removed(block_hashes: list[Any], tier: str, medium: str) -> Any:
         from vllm.distributed.kv_events import BlockRemoved
 
-        return BlockRemoved(block_hashes=chunk.block_hashes, medium=medium, locality=TIER_LOCALITY.get(tier))
+        return BlockRemoved(block_hashes=block_hashes, medium=medium, locality=TIER_LOCALITY.get(tier))
 
 
 __all__ = ["TIER_LOCALITY", "TIER_MEDIA", "KVEventTracker"]

@@ -19,8 +19,8 @@ request in ``WAITING_FOR_REMOTE_KVS`` until the workers report it in ``finished_
 that retry with no hit). The ticket is kept until that report. Requests for which a store was scheduled are held (``request_finished`` returns True) until
 the workers report them in ``finished_sending``.
 
-With vLLM's ``--kv-events-config`` on, it also publishes which tiers hold the chunks it stored, as
-vLLM KV events (:mod:`tiercache.connector.events`; ``take_events``).
+With vLLM's ``--kv-events-config`` on, it also publishes which tiers hold the chunks and tails it
+stored, as vLLM KV events (:mod:`tiercache.connector.events`; ``take_events``).
 
 Recurrent (Mamba/GDN, ``mamba_cache_mode="align"``) groups: vLLM's block table for them is
 position-indexed but sparse (null 0s) and entries move, so the block holding the state at a chunk
@@ -793,6 +793,7 @@ class SchedulerHalf:
         for t in tail_blocks(st.block_ids, c, chunk, block, hashes, stored, last, store=True):
             ids = [list(i) if kv not in recurrent else [] for kv, i in enumerate(t.block_ids)]
             saves.append(ChunkSave(st.req_id, c, t.prefix_hash, ids, st.tenant, blocks=1))
+            self.events.remember_tail(st.request, c, chunk, t.j, block, t.prefix_hash)
             st.saves_scheduled += 1
             st.tail_saved = (c, t.j + 1)
 
@@ -886,7 +887,7 @@ class SchedulerHalf:
 
     def take_events(self) -> list[Any]:
         """KV events (vLLM's ``BlockStored`` / ``BlockRemoved``) for the tiers that gained or lost
-        chunks this engine stored, since the last call (see :mod:`tiercache.connector.events`)."""
+        chunks and tails this engine stored, since the last call (see :mod:`tiercache.connector.events`)."""
         return self.events.take(self._client())
 
     def shutdown(self) -> None:
