@@ -7,7 +7,13 @@ hashes equal the ones vLLM publishes for the same blocks, and a router recomputi
 the events' token ids finds them; once the server has evicted those chunks (an L1 of 15 objects, no
 lower tier) the stream carries ``BlockRemoved`` for the same hashes and medium.
 
-One vLLM server start (~40 s). Chunk 64 tokens, vLLM blocks 32, one object of 64 KiB per chunk.
+With ``tails`` on (a second engine and server, chunk 128, L1 and disk): a prompt's tails are
+announced, one ``BlockStored`` per tail and medium with the hash vLLM publishes for that block; a
+second turn that fills the chunk supersedes them (the server drops them from L1 and disk), and a
+router folding the stream still holds every block of both chunks in ``CPU`` and ``DISK``, never
+having been told a ``CPU`` block went.
+
+Two vLLM server starts (~40 s each). vLLM blocks 32; chunk 64 tokens (one object of 64 KiB), then 128.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,7 @@ from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe
 
 from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
 from tests.e2e.openai_server import OpenAIServer, api_server_argv, free_port, tiny_model_flags
+from tests.e2e.setup import engine_stats
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.testing.checkpoints import token_text
 from tiercache.testing.poll import wait_until
@@ -72,6 +80,10 @@ class Subscriber:
         with self._lock:
             return [e for e in self.events if isinstance(e, kind) and e.medium == medium]
 
+    def all(self) -> list[Any]:
+        with self._lock:
+            return list(self.events)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
@@ -85,13 +97,12 @@ class Stack:
     prompts: list[list[int]]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("kv-events")
+@contextmanager
+def serving(tmp: Any, server: ServerSpec, prompts: list[list[int]], **connector: Any) -> Iterator[Stack]:
+    """A tiercache server of ``server``, a vLLM OpenAI server with the connector (``connector``:
+    more of its settings) and vLLM's ZMQ publisher, and a subscriber to that."""
     model = tmp / "model"
     write_served_tiny_llama(model, seed=4321)
-    # L1 only, room for 15 objects: later prompts evict the first one's chunks from every tier.
-    server = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1 * MiB, options={"chunk_size": CHUNK})
     proc = ServerProcess(server)
     proc.wait_ready()
     port = free_port()
@@ -99,7 +110,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "kv_connector": "TierCacheConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": proc.endpoint, "kv_events_interval_s": 0.2},
+        "kv_connector_extra_config": {"server": proc.endpoint, "kv_events_interval_s": 0.2, **connector},
     }
     publisher = {
         "enable_kv_cache_events": True,
@@ -119,11 +130,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     events = Subscriber(f"tcp://127.0.0.1:{port}")
     try:
         engine.wait_ready()
-        yield Stack(proc, engine, events, make_prompts([FIRST] + [190] * 8, seed=23))
+        yield Stack(proc, engine, events, prompts)
     finally:
         events.close()
         engine.stop()
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("kv-events")
+    # L1 only, room for 15 objects: later prompts evict the first one's chunks from every tier.
+    server = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1 * MiB, options={"chunk_size": CHUNK})
+    with serving(tmp, server, make_prompts([FIRST] + [190] * 8, seed=23)) as s:
+        yield s
 
 
 def blocks_of(events: list[Any]) -> list[Any]:
@@ -174,3 +194,116 @@ def test_stored_chunks_are_published_with_vllms_own_block_hashes_and_removed_onc
     wait_until(lambda: removed() == wanted, timeout=60, what="BlockRemoved for the evicted chunks")
     with stack.server.client() as client:
         assert client.stats()["tiers"]["l1"]["evictions"].get("capacity", 0) >= FIRST // CHUNK
+
+
+# -- tails -------------------------------------------------------------------------------------
+
+TAIL_CHUNK = 128  # 4 blocks: a chunk's tails are its first 3
+TURN1 = TAIL_CHUNK + 3 * BLOCK + 10  # 234 tokens: chunk 0, then 3 full blocks of chunk 1 (its tails)
+TIERCACHE = ("CPU", "DISK")
+
+
+def fold(events: list[Any]) -> set[tuple[str, Any]]:
+    """What a router folding ``events`` believes this replica holds: (medium, block hash)."""
+    held: set[tuple[str, Any]] = set()
+    for e in events:
+        if isinstance(e, BlockStored):
+            held.update((e.medium, h) for h in e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            held.difference_update((e.medium, h) for h in e.block_hashes)
+    return held
+
+
+@pytest.fixture(scope="module")
+def tails_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("kv-events-tails")
+    server = ServerSpec(
+        listen=f"ipc://{tmp}/server.sock",
+        l1_bytes=64 * MiB,
+        disk_path=str(tmp / "lmdb"),
+        options={"chunk_size": TAIL_CHUNK},
+    )
+    turn1, marker = make_prompts([TURN1, TAIL_CHUNK + 12], seed=29)
+    turn2 = turn1 + make_prompts([TAIL_CHUNK - TURN1 % TAIL_CHUNK + 8], seed=31)[0]  # fills chunk 1
+    with serving(tmp, server, [turn1, turn2, marker], tails=True) as s:
+        yield s
+
+
+def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chunk_supersedes_them(
+    tails_stack: Stack,
+) -> None:
+    stack = tails_stack
+    turn1, turn2, marker = stack.prompts
+    per = TAIL_CHUNK // BLOCK
+    stack.engine.complete(token_text(turn1), 2)
+
+    def gpu_hashes(prompt: list[int], blocks: int) -> list[Any]:
+        """vLLM's own hashes of the prompt's first ``blocks`` blocks, from its GPU events."""
+        by_tokens = {
+            tuple(e.token_ids[i * BLOCK : (i + 1) * BLOCK]): h
+            for e in stack.events.of(BlockStored, "GPU")
+            for i, h in enumerate(e.block_hashes)
+        }
+        return [by_tokens.get(tuple(prompt[i * BLOCK : (i + 1) * BLOCK])) for i in range(blocks)]
+
+    # Turn 1: chunk 0 (4 blocks) and 3 tails of chunk 1, each announced in L1 and on disk.
+    turn1_blocks = TURN1 // BLOCK
+    wait_until(
+        lambda: (
+            {(m, h) for m in TIERCACHE for h in gpu_hashes(turn1, turn1_blocks)} <= fold(stack.events.all())
+        ),
+        timeout=60,
+        what="BlockStored for turn 1's chunk and tails in CPU and DISK",
+    )
+    hashes = gpu_hashes(turn1, turn1_blocks)
+    tails = [e for e in stack.events.of(BlockStored, "CPU") if len(e.block_hashes) == 1]
+    assert [e.block_hashes for e in tails] == [[h] for h in hashes[per:turn1_blocks]]
+    assert [e.token_ids for e in tails] == [
+        turn1[i * BLOCK : (i + 1) * BLOCK] for i in range(per, turn1_blocks)
+    ]
+    assert [e.parent_block_hash for e in tails] == hashes[per - 1 : turn1_blocks - 1]
+    # A router recomputes each tail's hash from its parent and token ids, as vLLM hashes.
+    sha256 = get_hash_fn_by_name("sha256")
+    init_none_hash(sha256)
+    parent = None
+    for i in range(turn1_blocks):
+        parent = hash_block_tokens(sha256, parent, turn1[i * BLOCK : (i + 1) * BLOCK], None)
+        assert maybe_convert_block_hash(parent) == hashes[i]
+    before = engine_stats(stack.server)["tails_superseded"]
+
+    # Turn 2 fills chunk 1: its commit supersedes the 3 tails (dropped from L1 and disk).
+    stack.engine.complete(token_text(turn2), 2)
+    wait_until(
+        lambda: engine_stats(stack.server)["tails_superseded"] - before == 2 * len(tails),
+        timeout=60,
+        what="the tails superseded from L1 and disk",
+    )
+
+    # A later prompt's chunk: once its CPU event comes, the tracker has read past the supersession.
+    # Short prompts keep the engine stepping (vLLM collects events only then) until chunk 1's disk
+    # copy is announced too.
+    def settled() -> bool:
+        stack.engine.complete(token_text(marker[:8]), 16)
+        chunk1 = gpu_hashes(turn2, 2 * per)[per:]
+        cpu = {h for e in stack.events.of(BlockStored, "CPU") for h in e.block_hashes}
+        on_disk = [e.block_hashes for e in stack.events.of(BlockStored, "DISK")]
+        return set(gpu_hashes(marker, per)) <= cpu and chunk1 in on_disk
+
+    stack.engine.complete(token_text(marker), 2)
+    wait_until(settled, timeout=60, what="the marker's CPU events and chunk 1's DISK event")
+    wanted = {(m, h) for m in TIERCACHE for h in gpu_hashes(turn2, 2 * per)}
+    events = stack.events.all()
+    ours = [e for e in events if getattr(e, "medium", None) in TIERCACHE]
+    removed = {
+        m: [h for e in ours if isinstance(e, BlockRemoved) and e.medium == m for h in e.block_hashes]
+        for m in TIERCACHE
+    }
+    print(
+        f"\n[e2e kv events tails] tiercache events {len(ours)}: BlockStored "
+        f"{sum(isinstance(e, BlockStored) for e in ours)} ({len(tails)} tails in CPU), BlockRemoved blocks "
+        f"CPU {len(removed['CPU'])}, DISK {len(removed['DISK'])}; tails superseded "
+        f"{engine_stats(stack.server)['tails_superseded'] - before}; folded holds {len(wanted & fold(events))} "
+        f"of {len(wanted)} (medium, block) of the two chunks"
+    )
+    assert not removed["CPU"]  # the chunk was in L1 before its tails left it
+    assert None not in wanted and wanted <= fold(events)
