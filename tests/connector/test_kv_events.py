@@ -525,3 +525,21 @@ def test_the_chunk_is_retracted_whole_when_forgotten_after_superseding_its_tails
     for c, h in enumerate(chunk_hashes(other.prompt_token_ids, CHUNK)):
         log.tracker.remember(other, c, CHUNK, h)  # 32 more blocks: the first request's are forgotten
     assert fold(log.step(), held) == set()
+
+
+def test_an_object_stored_anew_keeps_what_the_tiers_reported(chat: Any) -> None:
+    """Planning a store of an object already followed (the same blocks) must not forget that a
+    tier holds it: its later removal is still published."""
+    log = ScriptedLog()
+    request, _, chunk_hash = chat
+    log.tracker.remember(request, 1, CHUNK, chunk_hash)
+    chunk = log.key(chunk_hash)
+    held = fold(log.step(("stored", "disk", chunk)))
+    assert not log.tracker.busy()
+    log.tracker.remember(request, 1, CHUNK, chunk_hash)
+    assert log.tracker.busy()
+    held = fold(log.step(("stored", "l1", chunk)), held)  # (the disk's copy stays as it was)
+    assert not log.tracker.busy()
+    out = log.step(("removed", "disk", chunk))
+    assert removed_blocks(out, "DISK") == published(request)[PER : 2 * PER]
+    assert fold(out, held) == {("CPU", h) for h in published(request)[PER : 2 * PER]}

@@ -280,9 +280,10 @@ class KVEventTracker:
             if obj is None:
                 continue  # another engine's store (same layout): it publishes its own
             medium = TIER_MEDIA.get(event.tier, event.tier.upper())
+            if event.kind is p.EventKind.STORED:
+                self._unconfirmed.pop(event.key, None)
             if event.kind is p.EventKind.STORED and medium not in obj.media:
                 obj.media.add(medium)
-                self._unconfirmed.pop(event.key, None)
                 self._out.append(self._stored(obj, event.tier, medium))
                 self.counts["stored_events"] += 1
             elif event.kind is p.EventKind.REMOVED and medium in obj.media:
