@@ -26,9 +26,9 @@ Keys (all optional)::
                   tiers gained or lost the chunks it stored, to publish them as KV events; seconds,
                   0 publishes none (default 0.5)
     kv_events_chunks
-                  how many stored chunks the connector remembers for those events (their token ids
-                  and block hashes, about 14 bytes per token); the oldest beyond it are published as
-                  removed and forgotten (default 16384)
+                  how many chunks' worth of stored blocks the connector remembers for those events
+                  (a tail counts as one block; their token ids and block hashes, about 14 bytes per
+                  token); the oldest beyond it are published as removed and forgotten (default 16384)
     tails         also store and match, block by block, what lies past a request's last full chunk
                   (a prompt's tail; at a request's end, its generated tokens), so a hit ends where
                   vLLM's own prefix cache would end (default false while it is being measured; not
