@@ -7,12 +7,17 @@
 * what the shared secret costs on the hot path: the L1 lookup of 512 chunks and a store of 16 chunks
   (reserve, copy, commit) on a server with ``auth_secret`` (every message signed and checked both
   ways) against one without, both running, measured in alternation in the same run (ipc for both,
-  so only the signing differs).
+  so only the signing differs);
+* the lookup as the vLLM connector sends it (``--only-connector``): the scheduler's 512-chunk L1
+  lookup with ``prefetch``, ``max_chunks`` and ``inflight_wait_s`` as its defaults ask, answered with
+  a READY ticket and one pinned slot per chunk, sent with ``lookup_async`` and collected with
+  ``poll`` (its ticket released outside the timing), against the count-only lookup
+  (``prefetch=False``) and a bare ZMQ round trip over ipc measured in the same run, alternating.
 
 The server runs in its own process over an ipc socket, as in production. Usage::
 
     python benchmarks/protocol.py [--chunk-kb 2048] [--chunks 64] [--rounds 5] [--lookups 200]
-                                  [--no-s3] [--only-auth]
+                                  [--no-s3] [--only-auth] [--only-connector]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.config.connector import ConnectorSettings
 from tiercache.keys import (
     Fingerprint,
     GroupKind,
@@ -128,6 +134,116 @@ def auth_cost(start: Callable[..., ServerProcess], hashes: list[bytes], n: int) 
     return rows
 
 
+def zmq_round_trip(tmp: Path, n: int) -> list[float]:
+    """Bare DEALER → ROUTER → DEALER round trips of a small frame over ipc, to a server in its own
+    process (what any request pays before its handler runs), in seconds."""
+    import multiprocessing
+
+    import zmq
+
+    path = f"ipc://{tmp}/echo.sock"
+    ready = multiprocessing.get_context("spawn").Event()
+    echo = multiprocessing.get_context("spawn").Process(target=_echo, args=(path, n + 10, ready), daemon=True)
+    echo.start()
+    ready.wait(30)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(path)
+    samples = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        sock.send(b"x" * 64)
+        sock.recv()
+        if i >= 10:
+            samples.append(time.perf_counter() - t0)
+    sock.close(0)
+    ctx.term()
+    echo.join(10)
+    return samples
+
+
+def _echo(path: str, n: int, ready: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(path)
+    ready.set()
+    for _ in range(n):
+        sock.send_multipart(sock.recv_multipart())
+    sock.close(0)
+    ctx.term()
+
+
+def connector_lookup(
+    start: Callable[..., ServerProcess], hashes: list[bytes], n: int, tmp: Path
+) -> list[Row]:
+    """The scheduler's lookup of a 128k-token prompt, every chunk in L1, as the connector sends it,
+    against the count-only lookup in alternation (same server, same client)."""
+    settings = ConnectorSettings()
+    srv = start(l1_bytes=64 * MiB)
+    samples: dict[str, list[float]] = {"connector": [], "count": []}
+    slots = 0
+    with srv.client(timeout=60) as c:
+        [group] = c.register([(0, MANIFEST)])
+        store_small(c, group, hashes, 16 * 1024)
+
+        def as_connector() -> tuple[float, Any]:
+            t0 = time.perf_counter()
+            req = c.lookup_async(
+                hashes,
+                [group],
+                prefetch=True,
+                max_chunks=len(hashes),
+                inflight_wait_s=settings.inflight_wait_s,
+                tenant=b"",
+            )
+            while (result := c.poll(req, wait_s=1.0)) is None:
+                pass
+            return time.perf_counter() - t0, result
+
+        for _ in range(10):  # warm both paths
+            c.release_ticket(as_connector()[1].ticket)
+            c.lookup(hashes, [group], prefetch=False)
+        for i in range(n):
+            for which in ("connector", "count") if i % 2 == 0 else ("count", "connector"):
+                if which == "connector":
+                    dt, result = as_connector()
+                    assert result.state.value == "ready" and result.ready_chunks == len(hashes), result.state
+                    slots = len(result.slots)
+                    c.release_ticket(result.ticket)  # the scheduler releases it in a later step
+                else:
+                    t0 = time.perf_counter()
+                    c.lookup(hashes, [group], prefetch=False)
+                    dt = time.perf_counter() - t0
+                samples[which].append(dt)
+    srv.stop()
+    bare = zmq_round_trip(tmp, n)
+    p50 = {k: pct(v, 0.5) * 1e3 for k, v in samples.items()}
+    rt = pct(bare, 0.5) * 1e3
+    bound = "MET" if p50["connector"] < 1.0 else "MISSED"
+    return [
+        (
+            "512-chunk L1 lookup round trip p50 over ipc, as the connector sends it (prefetch, ticket, slots)",
+            f"{p50['connector']:.3f} ms",
+            f"p99 {pct(samples['connector'], 0.99) * 1e3:.3f} ms",
+            f"{slots} slots; < 1 ms {bound}",
+        ),
+        (
+            "512-chunk L1 lookup round trip p50 over ipc, count only (prefetch=False)",
+            f"{p50['count']:.3f} ms",
+            f"p99 {pct(samples['count'], 0.99) * 1e3:.3f} ms",
+            f"connector {p50['connector'] / p50['count']:.2f}x",
+        ),
+        (
+            "bare ZMQ DEALER/ROUTER round trip p50 over ipc (baseline)",
+            f"{rt:.3f} ms",
+            f"p99 {pct(bare, 0.99) * 1e3:.3f} ms",
+            f"connector {p50['connector'] / rt:.1f}x",
+        ),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-kb", type=int, default=2048, help="chunk size for the throughput rows")
@@ -136,6 +252,11 @@ def main() -> int:
     ap.add_argument("--lookups", type=int, default=200)
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--only-auth", action="store_true", help="only the shared secret's cost (about 30 s)")
+    ap.add_argument(
+        "--only-connector",
+        action="store_true",
+        help="only the lookup as the vLLM connector sends it (a few s)",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="tc-bench-"))
@@ -153,6 +274,10 @@ def main() -> int:
 
     moto = None
     try:
+        if not args.only_auth:
+            rows += connector_lookup(start, hashes, args.lookups, tmp)
+        if args.only_connector:
+            return report(rows)
         rows += auth_cost(start, hashes, args.lookups)
         if args.only_auth:
             return report(rows)
@@ -260,10 +385,11 @@ def main() -> int:
 
 def report(rows: list[Row]) -> int:
     print(f"# cpus={os.cpu_count()} python={sys.version.split()[0]}")
-    print(f"| {'case':<52} | {'p50 / ours':>12} | {'p99 / baseline':>20} | {'note':>14} |")
-    print(f"|{'-' * 54}|{'-' * 14}|{'-' * 22}|{'-' * 16}|")
+    width = max(52, *(len(r[0]) for r in rows))
+    print(f"| {'case':<{width}} | {'p50 / ours':>12} | {'p99 / baseline':>20} | {'note':>14} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 14}|{'-' * 22}|{'-' * 16}|")
     for r in rows:
-        print(f"| {r[0]:<52} | {r[1]:>12} | {r[2]:>20} | {r[3]:>14} |")
+        print(f"| {r[0]:<{width}} | {r[1]:>12} | {r[2]:>20} | {r[3]:>14} |")
     return 0
 
 
