@@ -109,6 +109,17 @@ def test_many_builds_the_same_keys_as_one_at_a_time_and_checks_the_same() -> Non
         ObjectKey.many(fp, 0, [b"short"])
 
 
+def test_raw_many_gives_the_binary_keys_many_would_build_and_checks_the_same() -> None:
+    fp = Fingerprint(bytes(range(16)))
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    assert ObjectKey.raw_many(fp, 3, hashes) == [k.raw for k in ObjectKey.many(fp, 3, hashes)]
+    assert ObjectKey(fp, 3, hashes[0]).raw == ObjectKey(fp, 3, hashes[0]).to_bytes()
+    with pytest.raises(KeyFormatError, match="outside"):
+        ObjectKey.raw_many(fp, 70000, hashes)
+    with pytest.raises(KeyFormatError, match="16 bytes, got 5"):
+        ObjectKey.raw_many(fp, 0, [*hashes, b"short"])
+
+
 def test_group_and_hash_reads_a_binary_key_without_building_it() -> None:
     key = ObjectKey(Fingerprint(bytes(range(16))), 513, b"h" * 16)
     assert ObjectKey.group_and_hash(key.to_bytes()) == (513, b"h" * 16)

@@ -89,6 +89,66 @@ def test_an_expired_lease_is_counted_and_no_longer_protects(make_l1, clock: Fake
         tier.slot_of(handle)
 
 
+def test_a_batch_of_holds_expires_together_each_lease_counted(make_l1, clock: FakeClock) -> None:
+    """The engine's holds of many keys (a ticket) share one deadline: every one of them expires
+    at it, each counted, and none protects its object after; a released one is not counted."""
+    tier = make_l1(size_bytes=8 * UNIT, lease_ttl_s=10.0)
+    keys = [make_key(i) for i in range(4)]
+    fill(tier, range(4))
+    held = tier.pin_many([*keys, make_key(99)], count=False)
+    assert held[-1] is None and all(held[:-1])
+    assert [bytes(h.buffer) for h in held[:-1] if h] == [payload_for(k, UNIT) for k in keys]
+    tier.release_many([held[0]])  # type: ignore[list-item]
+    clock.advance(10.0)
+    fill(tier, range(10, 18))  # churn through the whole arena
+    assert not any(tier.contains(k) for k in keys)
+    assert tier.stats.snapshot()["expired_leases"] == 3
+    assert tier.release_many([h for h in held if h]) == [False] * 4  # gone: none still held
+
+
+def test_lease_slots_names_each_open_lease_and_refuses_a_closed_one(make_l1) -> None:
+    tier = make_l1(size_bytes=8 * UNIT)
+    keys = [make_key(i) for i in range(3)]
+    fill(tier, range(3))
+    held = [h for h in tier.pin_many(keys, count=False) if h]
+    built = tier.lease_slots(held, lambda raw, offset, nbytes, token: (raw, offset, nbytes, token))
+    for handle, (raw, offset, nbytes, token) in zip(held, built, strict=True):
+        where = tier.slot_of(handle)
+        assert (raw, offset, nbytes, token) == (
+            handle.key.to_bytes(),
+            where.offset,
+            where.nbytes,
+            handle.token,
+        )
+    tier.release(held[1])
+    with pytest.raises(LeaseError, match="pin the key again"):
+        tier.lease_slots(held, lambda *a: a)
+
+
+def test_committed_keys_finds_committed_objects_by_their_binary_key(make_l1) -> None:
+    tier = make_l1(size_bytes=8 * UNIT)
+    fill(tier, range(2))
+    tier.reserve(make_key(5), UNIT)  # being written: not committed
+    found = tier.committed_keys([make_key(i).to_bytes() for i in (0, 5, 1, 7)])
+    assert found == [make_key(0), None, make_key(1), None]
+
+
+def test_a_new_version_is_read_through_its_own_view_and_the_old_pin_keeps_its_bytes(make_l1) -> None:
+    """Leases of one slot share its read-only view; a new version of the key is another slot."""
+    tier = make_l1(size_bytes=8 * UNIT)
+    key = make_key(0)
+    tier.put(key, b"a" * UNIT)
+    first, second = tier.pin(key), tier.pin_many([key], count=False)[0]
+    assert first is not None and second is not None and bytes(second.buffer) == b"a" * UNIT
+    tier.put(key, b"b" * UNIT)
+    third = tier.pin(key)
+    assert third is not None and bytes(third.buffer) == b"b" * UNIT
+    assert bytes(first.buffer) == bytes(second.buffer) == b"a" * UNIT
+    with pytest.raises(TypeError):
+        second.buffer[0] = 0  # read-only, like every pin's
+    tier.release_many([first, second, third])
+
+
 def test_each_pin_is_its_own_lease(make_l1) -> None:
     tier = make_l1(size_bytes=2 * UNIT)
     key = make_key(0)

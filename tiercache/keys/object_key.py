@@ -36,7 +36,9 @@ class ObjectKey:
     prefix_hash: bytes
     # Keys are hashed and encoded on every index, lease and frame operation: compute both once.
     _hash: int = field(init=False, repr=False, compare=False)
-    _raw: bytes = field(init=False, repr=False, compare=False)
+    #: The 35-byte binary form (what :meth:`to_bytes` returns), as a plain attribute: L1 indexes
+    #: objects by it, so a lookup hashes and compares bytes instead of calling Python methods.
+    raw: bytes = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
         return self._hash
@@ -45,7 +47,7 @@ class ObjectKey:
         # The 35-byte form holds every field: one bytes comparison instead of three field compares.
         if other.__class__ is not ObjectKey:
             return NotImplemented
-        return self._raw == other._raw
+        return self.raw == other.raw
 
     def __post_init__(self) -> None:
         if not 0 <= self.object_group <= MAX_OBJECT_GROUP:
@@ -58,12 +60,12 @@ class ObjectKey:
             + self.object_group.to_bytes(2, "big")
             + self.prefix_hash
         )
-        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "raw", raw)
         object.__setattr__(self, "_hash", hash(raw))
 
     def to_bytes(self) -> bytes:
         """The 35-byte binary form used as the LMDB key and inside object frames."""
-        return self._raw
+        return self.raw
 
     @classmethod
     def many(cls, fingerprint: Fingerprint, object_group: int, hashes: Sequence[bytes]) -> list[ObjectKey]:
@@ -93,6 +95,18 @@ class ObjectKey:
             set_code(key, hash(raw))
             out.append(key)
         return out
+
+    @staticmethod
+    def raw_many(fingerprint: Fingerprint, object_group: int, hashes: Sequence[bytes]) -> list[bytes]:
+        """The binary forms of :meth:`many`'s keys, without building the keys (checked as
+        :meth:`many` checks): what an index keyed by :attr:`raw` is asked with."""
+        if not 0 <= object_group <= MAX_OBJECT_GROUP:
+            raise KeyFormatError(f"object group {object_group} is outside 0..{MAX_OBJECT_GROUP}")
+        if not set(map(len, hashes)) <= {HASH_BYTES}:  # the lengths gathered in C
+            bad = next(h for h in hashes if len(h) != HASH_BYTES)
+            raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(bad)}")
+        head = bytes((KEY_VERSION,)) + fingerprint.raw + object_group.to_bytes(2, "big")
+        return [head + h for h in hashes]
 
     @classmethod
     def from_bytes(cls, raw: bytes | memoryview) -> ObjectKey:
@@ -140,5 +154,5 @@ class ObjectKey:
 _FINGERPRINT: Any = ObjectKey.__dict__["fingerprint"]
 _GROUP: Any = ObjectKey.__dict__["object_group"]
 _PREFIX: Any = ObjectKey.__dict__["prefix_hash"]
-_RAW: Any = ObjectKey.__dict__["_raw"]
+_RAW: Any = ObjectKey.__dict__["raw"]
 _CODE: Any = ObjectKey.__dict__["_hash"]

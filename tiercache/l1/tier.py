@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tiercache.config.parts import L1Config
 from tiercache.errors import (
@@ -48,6 +49,12 @@ from tiercache.tier.stats import EvictionReason
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+#: Builds a NamedTuple handle as its generated ``__new__`` does, minus that Python call (a ticket's
+#: holds build one per object of a long prompt).
+_new_tuple = tuple.__new__
+
 
 @dataclass(slots=True, eq=False)
 class _Slot:
@@ -60,11 +67,15 @@ class _Slot:
     pins: int = 0
     owed: bool = False
     visible: bool = False  # committed and currently the object readers get for ``key``
+    #: The read-only view of the committed bytes every lease of this slot hands out, made at its
+    #: first pin (views are never released by their holders; a slot's bytes never change while
+    #: it is visible or pinned): a hit costs no new view.
+    view: memoryview | None = None
 
 
 @dataclass(slots=True, eq=False)
 class _Ticket:
-    """An open reservation or read lease on a slot."""
+    """An open reservation on a slot (a read lease is its slot alone: its deadline is in the heap)."""
 
     slot: _Slot
     expires_at: float
@@ -117,14 +128,19 @@ class L1Tier(FrontTier):
         # All fields below are guarded by _lock: the index, the open reservations and leases and
         # their expiry heaps, the allocator, the policy and the byte count. Never held across I/O.
         self._lock = threading.Lock()
-        self._objects: dict[ObjectKey, _Slot] = {}  # visible (committed) objects
+        # Visible (committed) objects by their key's binary form (ObjectKey.raw): bytes hash and
+        # compare in C, where an ObjectKey would call its Python __hash__ and __eq__ on every probe.
+        self._objects: dict[bytes, _Slot] = {}
         self._reservations: dict[int, _Ticket] = {}  # token -> open reservation
         self._writing: dict[ObjectKey, int] = {}  # key -> how many of its reservations are open
         # Notified whenever a reservation ends (committed, aborted, expired): wait_written waits on it.
         self._written = threading.Condition(self._lock)
-        self._leases: dict[int, _Ticket] = {}  # token -> open read lease
+        # token -> the slot of an open read lease (its deadline is in _lease_deadlines)
+        self._leases: dict[int, _Slot] = {}
         self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
-        self._lease_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
+        # Heap of (expires_at, first token, last token): the leases of one batch (tokens drawn in a
+        # row under the lock, one deadline) share an entry.
+        self._lease_deadlines: list[tuple[float, int, int]] = []
         self._policy: EvictionPolicy[ObjectKey] = make_policy(config.eviction_policy)
         self._tenants = TenantLedger(config)  # bytes per tenant; quotas choose victims
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
@@ -159,14 +175,38 @@ class L1Tier(FrontTier):
                 ticket = self._reservations.get(handle.token)
                 if ticket is None or ticket.slot.key != handle.key:
                     raise ReservationError(self._reservation_gone(handle))
+                slot = ticket.slot
             else:
-                ticket = self._leases.get(handle.token)
-                if ticket is None or ticket.slot.key != handle.key:
+                leased = self._leases.get(handle.token)
+                if leased is None or leased.key != handle.key:
                     raise LeaseError(
                         f"read lease {handle.token} for {handle.key} is not open (released or expired "
                         f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
                     )
-            return ArenaSlot(ticket.slot.offset, ticket.slot.nbytes)
+                slot = leased
+            return ArenaSlot(slot.offset, slot.nbytes)
+
+    def lease_slots(
+        self, handles: Sequence[ReadHandle], build: Callable[[bytes, int, int, int], T]
+    ) -> list[T]:
+        """``build(key bytes, offset, nbytes, token)`` of each lease, where :meth:`slot_of` says it
+        lies, under one lock acquisition (a lookup's reply names one slot per pinned object: 512 for
+        a 128k-token prompt; ``build`` is the reply's slot type). Raises :class:`LeaseError` if any
+        lease is no longer open."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            leases = self._leases
+            out = []
+            for handle in handles:
+                slot = leases.get(handle.token)
+                if slot is None or (slot.key is not handle.key and slot.key != handle.key):
+                    raise LeaseError(
+                        f"read lease {handle.token} for {handle.key} is not open (released or expired "
+                        f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
+                    )
+                out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token))
+            return out
 
     def free_bytes(self) -> int:
         """Arena bytes not allocated to any slot (possibly fragmented), after expiring what is due."""
@@ -287,12 +327,12 @@ class L1Tier(FrontTier):
         slot = ticket.slot
         slot.owed = owed
         slot.visible = True
-        old = self._objects.get(slot.key)
+        old = self._objects.get(slot.key.raw)
         if old is not None:
             self._policy.on_remove(slot.key)
             self._tenants.on_remove(slot.key, old.tenant)
             self._hide(old)
-        self._objects[slot.key] = slot
+        self._objects[slot.key.raw] = slot
         self._policy.on_insert(slot.key)
         self._tenants.on_insert(slot.key, slot.tenant)
         return slot.nbytes
@@ -313,14 +353,22 @@ class L1Tier(FrontTier):
         """Whether ``key`` is committed here. O(1); does not count a hit or miss."""
         with self._lock:
             self._check_open()
-            return key in self._objects
+            return key.raw in self._objects
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Presence of each key under one lock acquisition. O(len(keys))."""
         with self._lock:
             self._check_open()
             objects = self._objects
-            return [key in objects for key in keys]
+            return [key.raw in objects for key in keys]
+
+    def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
+        """The committed objects' keys by their binary forms (``None`` where not committed), under
+        one lock acquisition and without building a key. O(len(raws))."""
+        with self._lock:
+            self._check_open()
+            objects = self._objects
+            return [None if (slot := objects.get(raw)) is None else slot.key for raw in raws]
 
     def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether a reservation of each key is open (its bytes are being written, not yet
@@ -354,7 +402,7 @@ class L1Tier(FrontTier):
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
-                if key not in self._objects:
+                if key.raw not in self._objects:
                     return i
             return len(keys)
 
@@ -374,10 +422,41 @@ class L1Tier(FrontTier):
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            return [self._pin_locked(key, now, count) for key in keys]
+            if count:
+                return [self._pin_locked(key, now) for key in keys]
+            return self._hold_locked(keys, now)
+
+    def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
+        """:meth:`_pin_locked` with ``count=False`` for many keys (a ticket pins every object of a
+        long prompt: 512 for 128k tokens), with the loop's lookups hoisted out of it. Each handle
+        names its slot's own key object (equal to the one asked for), so that the checks of a
+        later release or :meth:`lease_slots` find it by identity."""
+        objects, leases, deadlines, tokens = self._objects, self._leases, self._lease_deadlines, self._tokens
+        whole: memoryview | None = None
+        expires_at = now + self._config.lease_ttl_s
+        out: list[ReadHandle | None] = []
+        first = token = 0
+        for key in keys:
+            slot = objects.get(key.raw)
+            if slot is None:
+                out.append(None)
+                continue
+            slot.pins += 1
+            token = next(tokens)
+            first = first or token
+            leases[token] = slot
+            view = slot.view
+            if view is None:
+                if whole is None:  # one bounds check and one read-only view: slots lie in the arena
+                    whole = self._arena.view(0, self._arena.size).toreadonly()
+                view = slot.view = whole[slot.offset : slot.offset + slot.nbytes]
+            out.append(_new_tuple(ReadHandle, (slot.key, view, token, expires_at)))
+        if first:  # the tokens first..token were drawn in a row, under the lock: one heap entry
+            heapq.heappush(deadlines, (expires_at, first, token))
+        return out
 
     def _pin_locked(self, key: ObjectKey, now: float, count: bool = True) -> ReadHandle | None:
-        slot = self._objects.get(key)
+        slot = self._objects.get(key.raw)
         if slot is None:
             if count:
                 self.stats.add("misses")
@@ -385,13 +464,15 @@ class L1Tier(FrontTier):
         slot.pins += 1
         token = next(self._tokens)
         expires_at = now + self._config.lease_ttl_s
-        self._leases[token] = _Ticket(slot, expires_at)
-        heapq.heappush(self._lease_deadlines, (expires_at, token))
+        self._leases[token] = slot
+        heapq.heappush(self._lease_deadlines, (expires_at, token, token))
         if count:  # the engine's own holds are no use: S3-FIFO would take them for a second read
             self._policy.on_access(key)
             self._tenants.on_access(key, slot.tenant)
             self.stats.hit(slot.nbytes)
-        buffer = self._arena.view(slot.offset, slot.nbytes).toreadonly()
+        buffer = slot.view
+        if buffer is None:
+            buffer = slot.view = self._arena.view(slot.offset, slot.nbytes).toreadonly()
         return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
 
     def release(self, handle: ReadHandle) -> None:
@@ -408,10 +489,10 @@ class L1Tier(FrontTier):
                 return [False] * len(handles)
             self._sweep(self._clock())
             for handle in handles:
-                ticket = self._leases.get(handle.token)
-                if ticket is not None and ticket.slot.key == handle.key:
+                slot = self._leases.get(handle.token)
+                if slot is not None and (slot.key is handle.key or slot.key == handle.key):
                     del self._leases[handle.token]
-                    self._unpin(ticket.slot)
+                    self._unpin(slot)
                     held.append(True)
                 else:
                     held.append(False)
@@ -423,7 +504,7 @@ class L1Tier(FrontTier):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            slot = self._objects.pop(key, None)
+            slot = self._objects.pop(key.raw, None)
             if slot is None:
                 return False
             self._policy.on_remove(key)
@@ -435,7 +516,7 @@ class L1Tier(FrontTier):
     def settle(self, key: ObjectKey) -> None:
         """A lower tier now holds ``key``; it may be evicted from L1 again. O(1)."""
         with self._lock:
-            slot = self._objects.get(key)
+            slot = self._objects.get(key.raw)
             if slot is not None:
                 slot.owed = False
 
@@ -453,7 +534,7 @@ class L1Tier(FrontTier):
     def tenant_of(self, key: ObjectKey) -> bytes:
         """The tenant of the committed object ``key`` (the default tenant if there is none). O(1)."""
         with self._lock:
-            slot = self._objects.get(key)
+            slot = self._objects.get(key.raw)
             return DEFAULT_TENANT if slot is None else slot.tenant
 
     def tenants(self) -> dict[str, dict[str, int]]:
@@ -472,7 +553,7 @@ class L1Tier(FrontTier):
     def iter_keys(self) -> Iterator[ObjectKey]:
         """A snapshot of the committed keys. O(n) copy under the lock."""
         with self._lock:
-            return iter(list(self._objects))
+            return iter([slot.key for slot in self._objects.values()])
 
     def close(self) -> None:
         """Forget every object, unmap the arena and unlink it if this tier created it. Idempotent.
@@ -513,13 +594,14 @@ class L1Tier(FrontTier):
             if ticket is not None:
                 self._free(ticket.slot)
                 self.stats.add("expired_reservations")
-        heap = self._lease_deadlines
-        while heap and heap[0][0] <= now:
-            _, token = heapq.heappop(heap)
-            ticket = self._leases.pop(token, None)
-            if ticket is not None:
-                self.stats.add("expired_leases")
-                self._unpin(ticket.slot)
+        leases = self._lease_deadlines
+        while leases and leases[0][0] <= now:
+            _, first, last = heapq.heappop(leases)
+            for token in range(first, last + 1):  # one batch's leases (those released are gone)
+                slot = self._leases.pop(token, None)
+                if slot is not None:
+                    self.stats.add("expired_leases")
+                    self._unpin(slot)
 
     def _end_reservation(self, token: int) -> _Ticket | None:
         """Close reservation ``token`` (the caller frees or publishes its slot) and wake the waiters
@@ -537,14 +619,14 @@ class L1Tier(FrontTier):
         return ticket
 
     def _can_evict(self, key: ObjectKey) -> bool:
-        slot = self._objects.get(key)
+        slot = self._objects.get(key.raw)
         return slot is not None and slot.pins == 0 and not slot.owed
 
     def _tenant_of(self, key: ObjectKey) -> bytes:
-        return self._objects[key].tenant
+        return self._objects[key.raw].tenant
 
     def _evict(self, key: ObjectKey) -> None:
-        slot = self._objects.pop(key)
+        slot = self._objects.pop(key.raw)
         slot.visible = False
         self._tenants.evicted(slot.tenant)
         self._free(slot)
@@ -562,6 +644,7 @@ class L1Tier(FrontTier):
             self._free(slot)
 
     def _free(self, slot: _Slot) -> None:
+        slot.view = None  # its holders keep theirs; no new lease will hand it out
         self._allocator.free(slot.offset)
         self._bytes_held -= slot.nbytes
         self._tenants.refund(slot.tenant, slot.nbytes)

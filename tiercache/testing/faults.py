@@ -121,6 +121,9 @@ class FaultInjectingTier(WrapperTier):
             return None
         return super().pin(key, count=count)
 
+    def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
+        return [self.pin(key, count=count) for key in keys]  # each read may fail on its own
+
     def get(self, key: ObjectKey) -> bytes | None:
         if self._read_fault():
             return None
@@ -142,3 +145,9 @@ class FaultInjectingTier(WrapperTier):
         if self.plan.fail_reads:
             return [False] * len(keys)
         return super().contains_many(keys)
+
+    def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
+        self._delay()
+        if self.plan.fail_reads:
+            return [None] * len(raws)
+        return super().committed_keys(raws)

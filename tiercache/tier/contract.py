@@ -208,6 +208,17 @@ class Tier(ABC):
         """:meth:`contains` for each key; tiers override it to answer in one lock or transaction."""
         return [self.contains(key) for key in keys]
 
+    def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
+        """:meth:`pin` for each key; tiers override it to pin in one lock or transaction."""
+        return [self.pin(key, count=count) for key in keys]
+
+    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
+        """:meth:`release` each handle; tiers override it to release in one lock. Says, per handle,
+        whether its pin was still held (``True`` where the tier cannot tell)."""
+        for handle in handles:
+            self.release(handle)
+        return [True] * len(handles)
+
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` are present. Tiers with costly lookups override this."""
         for i, key in enumerate(keys):
@@ -285,6 +296,13 @@ class FrontTier(Tier):
         """The tenant whose object ``key`` is (what the engine passes on to the lower tiers it writes
         ``key`` to); the default tenant when unknown. Default: always the default tenant."""
         return DEFAULT_TENANT
+
+    def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
+        """The key of each committed object among the binary keys ``raws`` (:attr:`ObjectKey.raw
+        <tiercache.keys.object_key.ObjectKey.raw>`), ``None`` where none is: presence without
+        building the keys first. Default: parse them and ask :meth:`contains_many`."""
+        keys = [ObjectKey.from_bytes(raw) for raw in raws]
+        return [k if hit else None for k, hit in zip(keys, self.contains_many(keys), strict=True)]
 
     def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key has an open reservation: its bytes are being written and not yet

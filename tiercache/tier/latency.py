@@ -60,12 +60,12 @@ class LatencyHistogram:
         self._counts = [0] * (len(BUCKETS_S) + 1)  # guarded by _lock; last: above every bound
         self._sum = 0.0
 
-    def observe(self, seconds: float) -> None:
-        """Count one duration of ``seconds``."""
+    def observe(self, seconds: float, count: int = 1) -> None:
+        """Count ``count`` durations of ``seconds`` each (one batched call's share per item)."""
         i = bisect_left(BUCKETS_S, seconds)  # outside the lock: the bounds never change
         with self._lock:
-            self._counts[i] += 1
-            self._sum += seconds
+            self._counts[i] += count
+            self._sum += seconds * count
 
     def snapshot(self) -> HistogramSnapshot:
         """A consistent copy (msgpack/JSON friendly)."""
@@ -83,9 +83,10 @@ class LatencySet:
     def __init__(self, names: tuple[str, ...]) -> None:
         self._by_name = {name: LatencyHistogram() for name in names}
 
-    def observe(self, name: str, seconds: float) -> None:
-        """Count ``seconds`` under ``name`` (one of the names given at construction)."""
-        self._by_name[name].observe(seconds)
+    def observe(self, name: str, seconds: float, count: int = 1) -> None:
+        """Count ``count`` durations of ``seconds`` under ``name`` (one of the names given at
+        construction)."""
+        self._by_name[name].observe(seconds, count)
 
     def snapshot(self) -> dict[str, HistogramSnapshot]:
         """Every histogram's snapshot by name."""

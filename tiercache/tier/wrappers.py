@@ -120,6 +120,13 @@ class WrapperTier(FrontTier):
             self.inner.writing_many(keys) if isinstance(self.inner, FrontTier) else super().writing_many(keys)
         )
 
+    def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
+        return (
+            self.inner.committed_keys(raws)
+            if isinstance(self.inner, FrontTier)
+            else super().committed_keys(raws)
+        )
+
     def wait_written(self, keys: Sequence[ObjectKey], timeout: float) -> bool:
         if isinstance(self.inner, FrontTier):
             return self.inner.wait_written(keys, timeout)
@@ -127,6 +134,12 @@ class WrapperTier(FrontTier):
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return self.inner.contains_many(keys)
+
+    def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
+        return self.inner.pin_many(keys, count=count)
+
+    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
+        return self.inner.release_many(handles)
 
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         return self.inner.lookup_prefix(keys)
