@@ -122,6 +122,46 @@ def test_prefetch_pins_exactly_what_the_boundary_needs(make_engine: EngineFactor
     engine.release_ticket(ticket)
 
 
+def test_l1_answers_alone_only_when_it_holds_every_object_of_the_whole_chain(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    """``lookup_front`` is the lookup's own answer when L1 holds all of it, else ``None``: a hole,
+    a group's missing object, or a chunk only on disk leaves it to the full lookup."""
+    engine = make_engine(l1_tier(), disk_tier(tmp_path / "disk"))
+    hashes = prompt(6)
+    groups = [FULL, SW, REC]
+    store(engine, groups, hashes)
+    assert engine.flush(10.0)  # every object on disk too
+    found = engine.lookup_front(hashes, groups)
+    assert found is not None
+    assert found == engine.lookup(hashes, groups)
+    assert set(found.keys) == set(engine.prefetch(hashes, groups, 6).handles)
+    assert found.per_tier == {"l1": 6 + 2 + 1}
+    assert engine.lookup_front(hashes + prompt(1, salt=9), groups) is None  # the last chunk is nowhere
+    engine.delete(SW.key(hashes[4]))  # a hole inside the sliding window of the last chunk
+    assert engine.lookup_front(hashes, groups) is None
+    assert engine.lookup(hashes, groups).chunks == 4
+    engine.l1.delete(FULL.key(hashes[1]))  # on disk only: the full lookup finds it there
+    assert engine.lookup_front(hashes[:3], [FULL]) is None
+    assert engine.lookup(hashes[:3], [FULL]).per_tier == {"l1": 2, "disk": 1}
+
+
+def test_a_prefetch_given_the_lookups_keys_pins_the_same_objects(make_engine: EngineFactory) -> None:
+    engine = make_engine(l1_tier())
+    hashes = prompt(5)
+    groups = [FULL, SW, REC]
+    store(engine, groups, hashes)
+    found = engine.lookup_front(hashes, groups)
+    assert found is not None
+    given = engine.prefetch(hashes, groups, 5, keys=found.keys)
+    built = engine.prefetch(hashes, groups, 5)
+    assert engine.poll(given) is engine.poll(built) is TicketState.READY
+    assert set(given.handles) == set(built.handles) and given.chunks == built.chunks == 5
+    load_all(engine, given)
+    engine.release_ticket(given)
+    engine.release_ticket(built)
+
+
 # -- lower tiers ---------------------------------------------------------------------------------
 def restarted_on_disk(tmp_path: Path, make_engine: EngineFactory, hashes: list[bytes]) -> TieredEngine:
     """A fresh engine (empty L1) on the disk of a first one that stored ``hashes`` and closed."""

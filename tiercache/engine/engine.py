@@ -22,7 +22,7 @@ import msgspec
 
 from tiercache.config.parts import EngineConfig
 from tiercache.engine.counters import EngineCounters, timed_pin
-from tiercache.engine.groups import GroupSpec, needed_keys
+from tiercache.engine.groups import GroupSpec
 from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
 from tiercache.engine.writes import WriteBehind
@@ -173,6 +173,16 @@ class TieredEngine:
             self.counters.add("lookup_chunks_hit", found.chunks)
         return found
 
+    def lookup_front(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult | None:
+        """:meth:`lookup`'s answer when L1 alone gives it (every object of every chunk of ``hashes``
+        committed in L1), else ``None``: then call :meth:`lookup`. Counted as a lookup only when it
+        answers. Non-blocking: a request loop may call it."""
+        found = self._locator.lookup_front(hashes, groups)
+        if found is not None:
+            self.counters.add("lookups")
+            self.counters.add("lookup_chunks_hit", found.chunks)
+        return found
+
     def prefetch(
         self,
         hashes: Sequence[bytes],
@@ -181,19 +191,21 @@ class TieredEngine:
         *,
         inflight_wait_s: float = 0.0,
         tenant: bytes = DEFAULT_TENANT,
+        keys: Sequence[ObjectKey] | None = None,
     ) -> PrefetchTicket:
         """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
 
         Non-blocking: L1 hits are pinned at once; lower-tier objects are copied on the promotion
         executor (into L1 as objects of ``tenant``, the asker); objects being written into L1 are
         pinned once committed, if that happens within ``inflight_wait_s``. Poll with :meth:`poll`;
-        release with :meth:`release_ticket`.
+        release with :meth:`release_ticket`. ``keys``: the objects' keys when the caller has them
+        (:attr:`LookupResult.keys` of a lookup whose ``chunks`` equal these ``chunks``).
         """
         ticket = self._promoter.prefetch(
-            hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant
+            hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant, keys=keys
         )
         if self._writes.watches_reads:  # a prefetch is what a load reads: S3 admission ``read``
-            self._writes.read(needed_keys(groups, hashes, chunks))
+            self._writes.read(ticket.needed)
         return ticket
 
     def note_reads(self, keys: Iterable[ObjectKey]) -> None:

@@ -44,6 +44,11 @@ class GroupSpec:
         chunks = restore.needed_chunks(self.kind, boundary, self.window_chunks)
         return ObjectKey.many(self.fingerprint, self.object_group, hashes[chunks.start : chunks.stop])
 
+    def needed_raw(self, hashes: Sequence[bytes], boundary: int) -> list[bytes]:
+        """:meth:`needed`'s keys in their binary form (:attr:`ObjectKey.raw`), without building them."""
+        chunks = restore.needed_chunks(self.kind, boundary, self.window_chunks)
+        return ObjectKey.raw_many(self.fingerprint, self.object_group, hashes[chunks.start : chunks.stop])
+
 
 def needed_keys(groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:
     """Every key needed to restore ``boundary`` chunks for all ``groups``."""

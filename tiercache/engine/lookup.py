@@ -14,7 +14,7 @@ caller then waits for its commit (:mod:`tiercache.engine.promotion`) instead of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercache.engine.groups import GroupSpec
 from tiercache.keys.fingerprint import GroupKind
@@ -30,12 +30,15 @@ class LookupResult:
 
     ``per_tier`` counts the needed objects by the highest tier holding each one (``"l1"``, ``"disk"``,
     ``"s3"``), so a caller can report hits per tier; ``inflight`` of those counted under the front
-    tier are still being written there (only with ``inflight=True``).
+    tier are still being written there (only with ``inflight=True``). ``keys`` are those needed
+    objects' keys (each once), for a prefetch of the same ``chunks`` to pin without building them
+    again.
     """
 
     chunks: int
     per_tier: dict[str, int]
     inflight: int = 0
+    keys: tuple[ObjectKey, ...] = field(default=(), compare=False, repr=False)
 
 
 class Locator:
@@ -71,12 +74,33 @@ class Locator:
         if boundary == 0:
             return LookupResult(0, {})
         counts: dict[str, int] = {}
-        for key in [k for keys in full for k in keys[:boundary]] + partial_keys:
+        needed = [k for keys in full for k in keys[:boundary]] + partial_keys
+        for key in needed:
             counts[where[key]] = counts.get(where[key], 0) + 1
         writing = counts.pop(_INFLIGHT, 0)
         if writing and self._front is not None:
             counts[self._front.name] = counts.get(self._front.name, 0) + writing
-        return LookupResult(boundary, counts, writing)
+        return LookupResult(boundary, counts, writing, tuple(dict.fromkeys(needed)))
+
+    def lookup_front(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> LookupResult | None:
+        """:meth:`lookup`'s answer when the front tier alone gives it, else ``None`` (ask
+        :meth:`lookup`): when the front tier holds, committed, every object every group needs to
+        restore all of ``hashes``, the hit is the whole chain and no other tier is asked (as
+        :meth:`lookup` would not). Never blocks: a request loop may call it (the front tier never
+        does I/O). Each group's object of the last chunk is asked first, so a chain the front tier
+        does not end with costs a few keys, not all of them; the keys are asked in their binary
+        form, and the result's are the front tier's own (none is built)."""
+        front = self._front
+        if front is None or not groups or not hashes:
+            return None
+        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
+            return None
+        n = len(hashes)
+        needed = [r for g in groups for r in g.needed_raw(hashes, n)]
+        keys = front.committed_keys(list(dict.fromkeys(needed)))
+        if not all(keys):  # (a key is always true: no Python call per key, as ``None in`` makes)
+            return None
+        return LookupResult(n, {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]
 
     def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> None:
         """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier
