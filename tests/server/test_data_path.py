@@ -153,3 +153,30 @@ def test_a_lookup_then_a_load_of_its_chunks_counts_each_chunk_as_one_l1_hit(
         after = client.stats()["tiers"]["l1"]
     assert after["hits"] - before["hits"] == 4
     assert after["bytes_read"] - before["bytes_read"] == 4 * 64 * KiB
+
+
+def test_a_lookup_l1_answers_alone_replies_and_counts_as_one_the_disk_helps_answer(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """A lookup whose every chunk is in L1 is answered on the request loop, the others on the I/O
+    executor: both give the same kind of reply (a READY ticket whose slots hold the stored bytes)
+    and count the same way (engine lookups and hit chunks, the tenant's lookups)."""
+    server = start_server(disk_path=str(tmp_path / "disk"))
+    tenant = b"tenant-1"
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(6)
+        stored = store_prompt(client, group, hashes[:4])
+        for asked in (hashes[:4], hashes):  # all in L1; then two chunks nowhere (the disk is asked)
+            before = client.stats()
+            found = client.lookup(asked, [group], max_chunks=len(asked), tenant=tenant)
+            after = client.stats()
+            assert (found.chunks, found.per_tier, found.state) == (4, {"l1": 4}, TicketStateName.READY)
+            assert found.ready_chunks == 4 and len(found.slots) == 4
+            assert client.read_ticket(found) == stored
+            assert after["engine"]["lookups"] - before["engine"]["lookups"] == 1
+            assert after["engine"]["lookup_chunks_hit"] - before["engine"]["lookup_chunks_hit"] == 4
+            label = next(iter(set(after["tenants"]) - {"default", "other"}))
+            was = before["tenants"].get(label, {})
+            assert after["tenants"][label]["lookups"] - was.get("lookups", 0) == 1
+            assert after["tenants"][label]["hit_chunks"] - was.get("hit_chunks", 0) == 4

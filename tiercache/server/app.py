@@ -4,11 +4,12 @@ Threads:
 
 * ``tiercache-server-loop`` — the request loop. Owns the ROUTER socket and every piece of per-client
   state (:mod:`tiercache.server.sessions`; no lock needed: only this thread touches it). Does only
-  in-memory work: decoding, L1 reservations/pins/commits (L1 never blocks on I/O), bookkeeping.
+  in-memory work: decoding, L1 reservations/pins/commits (L1 never blocks on I/O), bookkeeping, and
+  the lookups L1 answers alone (every object of every chunk asked for is in L1).
 * ``tiercache-server-io-N`` — a bounded executor (``io_workers``) for anything that may touch L2/L3:
-  lookups, promotions, gets, stats, listing, explain, clear, warm, manifest registration. A finished job
-  puts its result on a queue and writes one byte to a wake-up pipe that the loop polls beside the
-  socket; the loop then builds and sends the reply. Jobs never touch per-client state.
+  other lookups, promotions, gets, stats, listing, explain, clear, warm, manifest registration. A
+  finished job puts its result on a queue and writes one byte to a wake-up pipe that the loop polls
+  beside the socket; the loop then builds and sends the reply. Jobs never touch per-client state.
 
 The requests themselves are handled by :mod:`tiercache.server.data_ops` (the data path) and
 :mod:`tiercache.server.management_ops` (stats, listing, explain, clear, warm); this module is the
@@ -67,10 +68,12 @@ _ZMTP_HEARTBEAT_MS = 2000
 class _Completion:
     identity: bytes
     req_id: int
-    future: Future[Any]
+    #: The executor's job, or ``None`` for a result computed on the loop (``result``).
+    future: Future[Any] | None
     finish: Callable[[Any], p._Msg | None]
     #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
     sent: Callable[[p._Msg | None], None] | None = None
+    result: Any = None
 
 
 class Server:
@@ -129,6 +132,7 @@ class Server:
             self._offload,
             lambda: self._received,
             self.tenant_lookups,
+            self._complete,
         )
         management = ManagementOps(
             engine, layouts, self.evictions, self._offload, self._server_stats, self.tenant_lookups
@@ -397,6 +401,19 @@ class Server:
 
         self._executor.submit(job).add_done_callback(done)
 
+    def _complete(
+        self,
+        session: Session,
+        req_id: int,
+        result: Any,
+        finish: Callable[[Any], p._Msg | None],
+        sent: Callable[[p._Msg | None], None] | None = None,
+    ) -> None:
+        """Queue a result computed on the loop (no I/O was needed) as an executor job's would be:
+        :meth:`_send_completions`, later in this loop iteration, finishes and sends it."""
+        self._inflight += 1
+        self._completed.put(_Completion(session.identity, req_id, None, finish, sent, result))
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
@@ -418,7 +435,7 @@ class Server:
                 return
             self._inflight -= 1
             try:
-                reply = c.finish(c.future.result())
+                reply = c.finish(c.result if c.future is None else c.future.result())
             except Exception as exc:
                 reply = error_reply(c.req_id, exc)
             if reply is not None:

@@ -2,7 +2,9 @@
 stores and loads, and bytes over the socket for tools.
 
 Stores and pins touch only L1, which never blocks: they are answered on the request loop. Anything
-that may touch L2/L3 (registration, lookups, gets, deletes) is offloaded to the I/O executor.
+that may touch L2/L3 (registration, lookups, gets, deletes) is offloaded to the I/O executor, save a
+lookup that L1 answers alone (every object of every chunk asked for is there: no other tier could
+lengthen the hit), answered on the loop too.
 """
 
 from __future__ import annotations
@@ -14,18 +16,24 @@ from collections.abc import Callable
 from tiercache.config.connector import MAX_INFLIGHT_WAIT_S
 from tiercache.config.parts import ServerOptions
 from tiercache.engine import (
+    GroupSpec,
     LookupResult,
     PrefetchTicket,
     TicketState,
     TieredEngine,
-    needed_keys,
 )
 from tiercache.errors import TierFullError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
-from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.tier import L1Tier
 from tiercache.server.layouts import Layouts, check_hashes
-from tiercache.server.replies import Handler, Offload, Refused, parse_key, parse_tenant_id
+from tiercache.server.replies import (
+    Complete,
+    Handler,
+    Offload,
+    Refused,
+    parse_key,
+    parse_tenant_id,
+)
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups
 from tiercache.tier.contract import ReadHandle, WriteHandle
@@ -49,6 +57,7 @@ class DataOps:
         offload: Offload,
         arrival: Callable[[], float],
         tenants: TenantLookups,
+        complete: Complete,
     ) -> None:
         self._engine = engine
         self._l1 = l1
@@ -58,6 +67,7 @@ class DataOps:
         self._offload = offload
         self._arrival = arrival  # perf_counter() when the request being handled arrived
         self._tenants = tenants
+        self._complete = complete  # answers computed on the loop go out as the executor's do
         #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
         self.lookup_latency = LatencySet(LOOKUP_OUTCOMES)
 
@@ -100,20 +110,27 @@ class DataOps:
                 p.ErrorCode.INVALID,
                 f"inflight_wait_s={msg.inflight_wait_s} is outside 0..{MAX_INFLIGHT_WAIT_S} seconds",
             )
-        wait_s = msg.inflight_wait_s
+        wait = msg.inflight_wait_s if msg.prefetch else 0.0
         tenant = parse_tenant_id(msg.tenant)
 
-        def job() -> tuple[LookupResult, PrefetchTicket | None]:
-            specs = self._layouts.resolve(msg.groups)
+        def rule(specs: list[GroupSpec]) -> list[GroupSpec]:
             if msg.every_object:
-                specs = [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
-            wait = wait_s if msg.prefetch else 0.0
-            found = engine.lookup(msg.hashes, specs, inflight=wait > 0)
+                return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
+            return specs
+
+        def answer(specs: list[GroupSpec], found: LookupResult) -> tuple[LookupResult, PrefetchTicket | None]:
             ticket = None
             if msg.prefetch and found.chunks > 0:
                 target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
-                ticket = engine.prefetch(msg.hashes, specs, target, inflight_wait_s=wait, tenant=tenant)
+                keys = found.keys if target == found.chunks else None  # the lookup built them
+                ticket = engine.prefetch(
+                    msg.hashes, specs, target, inflight_wait_s=wait, tenant=tenant, keys=keys
+                )
             return found, ticket
+
+        def job() -> tuple[LookupResult, PrefetchTicket | None]:
+            specs = rule(self._layouts.resolve(msg.groups))
+            return answer(specs, engine.lookup(msg.hashes, specs, inflight=wait > 0))
 
         identity = session.identity
         received = self._arrival()
@@ -139,6 +156,13 @@ class DataOps:
             self._sessions.hold_ticket(owner, ticket)
             return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
 
+        known = self._layouts.resolve_known(msg.groups)
+        if known is not None:
+            specs = rule(known)
+            found = engine.lookup_front(msg.hashes, specs)
+            if found is not None:  # all in L1: the executor's answer too, and nothing blocks
+                self._complete(session, msg.req_id, answer(specs, found), finish, sent)
+                return
         self._offload(session, msg.req_id, job, finish, sent)
 
     def _ticket_reply(self, ticket: PrefetchTicket, reply: p.LookupReply) -> p.LookupReply:
@@ -149,16 +173,8 @@ class DataOps:
             reply.awaiting = ticket.awaiting
         if state is TicketState.READY:
             reply.ready_chunks = ticket.chunks
-            slots = []
-            seen: set[ObjectKey] = set()
-            for key in needed_keys(ticket.groups, ticket.hashes, ticket.chunks):
-                if key in seen:
-                    continue
-                seen.add(key)
-                handle = ticket.handles[key]
-                where = self._l1.slot_of(handle)
-                slots.append(p.Slot(key.to_bytes(), where.offset, where.nbytes, handle.token))
-            reply.slots = slots
+            # Once settled, the ticket pins the objects of its ready chunks and nothing else.
+            reply.slots = self._l1.lease_slots(list(ticket.handles.values()), p.Slot)
         return reply
 
     def poll_ticket(self, session: Session, msg: p.PollTicket) -> p._Msg:
@@ -222,9 +238,7 @@ class DataOps:
         hits = sum(1 for h in handles if h is not None)
         self._engine.note_reads(h.key for h in handles if h is not None)  # S3 admission ``read``
         if hits:  # one lock round trip for all: each hit gets its share, as a "read" of L1
-            share = (time.perf_counter() - t0) / hits
-            for _ in range(hits):
-                self._l1.stats.latency.observe("read", share)
+            self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / hits, hits)
         for handle in handles:
             if handle is None:
                 slots.append(None)

@@ -81,6 +81,13 @@ class Layouts:
         with self._lock:
             return {fp for fp, _ in self._specs}
 
+    def resolve_known(self, refs: list[p.GroupRef]) -> list[GroupSpec] | None:
+        """Group specs for ``refs`` if every one is known here already, else ``None`` (then
+        :meth:`resolve` reads the manifests). No I/O: the request loop may call it."""
+        with self._lock:
+            specs = [self._specs.get((ref.fingerprint, ref.object_group)) for ref in refs]
+        return None if None in specs else specs  # type: ignore[return-value]
+
     def resolve(self, refs: list[p.GroupRef]) -> list[GroupSpec]:
         """Group specs for ``refs``; I/O executor (may read a manifest from L2/L3)."""
         specs = []
@@ -109,6 +116,6 @@ class Layouts:
 
 def check_hashes(hashes: list[bytes]) -> None:
     """Refuse chunk hashes of the wrong length (``invalid``)."""
-    for h in hashes:
-        if len(h) != HASH_BYTES:
-            raise Refused(p.ErrorCode.INVALID, f"a chunk hash is {HASH_BYTES} bytes, got {len(h)}")
+    if not set(map(len, hashes)) <= {HASH_BYTES}:  # the lengths gathered in C: 512 for 128k tokens
+        bad = next(h for h in hashes if len(h) != HASH_BYTES)
+        raise Refused(p.ErrorCode.INVALID, f"a chunk hash is {HASH_BYTES} bytes, got {len(bad)}")

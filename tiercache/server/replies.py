@@ -69,6 +69,21 @@ class Offload(Protocol):
     ) -> None: ...
 
 
+class Complete(Protocol):
+    """Hand ``result``, computed on the request loop without I/O, to ``finish`` as an offloaded
+    job's result would be: ``finish(result)`` runs on the loop, its reply is sent, then
+    ``sent(reply)`` is called, all before the loop waits again."""
+
+    def __call__(
+        self,
+        session: Any,
+        req_id: int,
+        result: Any,
+        finish: Callable[[Any], p._Msg | None],
+        sent: Callable[[p._Msg | None], None] | None = None,
+    ) -> None: ...
+
+
 def parse_key(raw: bytes) -> ObjectKey:
     """The object key encoded in ``raw``, or :class:`Refused` (``invalid``)."""
     try:
