@@ -34,7 +34,9 @@ def test_a_late_lookup_reply_releases_its_ticket(start_server: StartServer) -> N
         wait_until(lambda: owner.stats()["engine"]["lookups"] == 1, timeout=10, what="the late lookup")
 
         def released() -> bool:
-            impatient.ping()
+            # Its own generous bound: a ping late by the impatient 0.3 s would reset the socket, and
+            # the late reply (with the ticket to release) would go with it.
+            impatient.ping(timeout=10)
             return owner.stats()["server"]["tickets"] == 0
 
         wait_until(released, timeout=10, what="the late ticket released")
