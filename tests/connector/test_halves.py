@@ -895,6 +895,7 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
         arena=lambda: arena,
         release=lambda tokens: len(tokens),
         release_leases=lambda tokens: set(),  # every lease was held for the whole copy
+        release_leases_pinned_at=lambda tokens, pinned_at: set(),
     )
     w = WorkerHalf(None, None, ConnectorSettings(overlap_loads=True), link=link_to(client))
     w.use_layout(

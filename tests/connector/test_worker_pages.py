@@ -79,6 +79,9 @@ class FakeClient:
     def release_leases(self, tokens: list[int]) -> set[int]:
         return self.expired.intersection(tokens)
 
+    def release_leases_pinned_at(self, tokens: list[int], pinned_at: float) -> set[int]:
+        return self.release_leases(tokens)  # the server is asked every time: expired is its answer
+
 
 def _kv() -> torch.Tensor:
     """A FlashAttention-style vLLM 0.32 cache split into kernel blocks: ``[B*k, H, N, K|V]``."""

@@ -91,6 +91,7 @@ class _StepLoad:
     client: Client | None
     tokens: list[int]  # pins to release once the writes are done
     started: float
+    pinned_at: float = 0.0  # time.monotonic() just before the pin was sent (see _release)
     chunk_tokens: dict[int, list[int]] = field(default_factory=dict)  # per chunk: its pins' tokens
     planned: list[bool] = field(default_factory=list)  # per chunk: its writes are in the job
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
@@ -241,12 +242,13 @@ class WorkerHalf:
         ]
         client = self.link.client()
         slots: list[Any] = [None] * len(keys)
+        pinned_at = time.monotonic()
         if client is not None and keys:
             try:
                 slots = client.pin(keys)
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
-        load = _StepLoad(meta, owner, client, [s.token for s in slots if s is not None], started)
+        load = _StepLoad(meta, owner, client, [s.token for s in slots if s is not None], started, pinned_at)
         try:
             arena = client.arena() if client is not None else None
             plan: list[list[PageWrite]] = [[] for _ in self._layer_order]
@@ -366,7 +368,8 @@ class WorkerHalf:
         if not load.tokens or load.client is None:
             return set()
         try:
-            lost = load.client.release_leases(load.tokens)
+            # A copy done well inside its leases needs no reply (Client.release_leases_pinned_at).
+            lost = load.client.release_leases_pinned_at(load.tokens, load.pinned_at)
         except TierCacheError as exc:  # the leases expire by themselves; nothing vouches for the copy
             self.link.failed("release after a load", exc)
             lost = set(load.tokens)

@@ -118,6 +118,7 @@ class Sessions:
             arena_size=self._l1.arena.size,
             heartbeat_timeout_s=opts.heartbeat_timeout_s,
             max_message_bytes=opts.max_message_bytes,
+            lease_ttl_s=self._l1.config.lease_ttl_s,
         )
 
     def verify(self, session: Session, frame: bytes, tag: bytes | None) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -469,6 +470,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
 
         def load(client: Client) -> list[int]:
             everything = [o for _, objects, _ in parts for o in objects]
+            pinned_at = time.monotonic()
             slots = client.pin(everything)
             loaded = [0] * len(parts)
             whole: list[int] = []  # the parts wholly in L1, copied under the pin
@@ -489,7 +491,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             except BaseException:
                 client.release(held)
                 raise
-            lost = client.release_leases(held) if held else set()
+            # A copy done well inside its leases needs no reply (Client.release_leases_pinned_at).
+            lost = client.release_leases_pinned_at(held, pinned_at) if held else set()
             for n in whole:
                 a, _ = cuts[n]
                 # A slot whose lease expired may have been reused: a miss from there on.

@@ -648,6 +648,36 @@ class Client:
         made under one must be thrown away. Raises like every call; then no lease is confirmed."""
         return self._call(p.Release(tokens=list(tokens)), lambda r: set(r.lost), timeout)
 
+    def release_leases_pinned_at(self, tokens: Sequence[int], pinned_at: float) -> set[int]:
+        """:meth:`release_leases` for leases whose pin was sent at ``pinned_at`` (``time.monotonic()``
+        just before the pin call), called once their copy is done.
+
+        The server starts a lease's TTL, and counts its session's silence, only once the pin has
+        arrived, so neither can have ended a lease before ``min(lease_ttl_s, heartbeat_timeout_s)``
+        has passed since ``pinned_at``. Inside half of that every lease held for the whole copy: the
+        release is sent without waiting for its reply (a round trip less per load) and nothing is
+        reported lost. Later, or from a server that does not say its lease TTL, the release waits
+        for the server to name the leases that expired, as :meth:`release_leases` does.
+        """
+        if not tokens:
+            return set()
+        with self._lock:
+            info = self._state.hello
+            sock = self._state.sock
+            if info is not None and sock is not None and info.lease_ttl_s > 0:
+                vouched = 0.5 * min(info.lease_ttl_s, info.heartbeat_timeout_s)
+                if time.monotonic() - pinned_at < vouched:
+                    msg = p.Release(tokens=list(tokens))
+                    msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
+                    try:
+                        self._write(sock, msg)
+                    except zmq.ZMQError:
+                        pass  # the leases end by themselves; they held for the whole copy
+                    else:
+                        self._state.last_send = time.monotonic()
+                    return set()
+        return self.release_leases(tokens)
+
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
         """The server's L1 arena mapped into this process (attached on first use)."""

@@ -368,6 +368,10 @@ class HelloReply(_Msg, tag="hello_ok"):
     arena_size: int
     heartbeat_timeout_s: float
     max_message_bytes: int
+    #: How long the server's L1 read leases last (0: not said, a server from before this field). A
+    #: lease cannot end before the shorter of this and ``heartbeat_timeout_s`` has passed since its
+    #: pin was sent, so a copy that ended well inside that needs no reply to its release.
+    lease_ttl_s: float = 0.0
 
 
 class ChallengeReply(_Msg, tag="challenge_ok"):
