@@ -50,16 +50,10 @@ class ObjectKey:
         return self.raw == other.raw
 
     def __post_init__(self) -> None:
-        if not 0 <= self.object_group <= MAX_OBJECT_GROUP:
-            raise KeyFormatError(f"object group {self.object_group} is outside 0..{MAX_OBJECT_GROUP}")
+        head = _head(self.fingerprint, self.object_group)
         if len(self.prefix_hash) != HASH_BYTES:
             raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(self.prefix_hash)}")
-        raw = (
-            bytes((KEY_VERSION,))
-            + self.fingerprint.raw
-            + self.object_group.to_bytes(2, "big")
-            + self.prefix_hash
-        )
+        raw = head + self.prefix_hash
         object.__setattr__(self, "raw", raw)
         object.__setattr__(self, "_hash", hash(raw))
 
@@ -76,9 +70,7 @@ class ObjectKey:
         per-field ``object.__setattr__``."""
         if cls is not ObjectKey:
             return [cls(fingerprint, object_group, h) for h in hashes]
-        if not 0 <= object_group <= MAX_OBJECT_GROUP:
-            raise KeyFormatError(f"object group {object_group} is outside 0..{MAX_OBJECT_GROUP}")
-        head = bytes((KEY_VERSION,)) + fingerprint.raw + object_group.to_bytes(2, "big")
+        head = _head(fingerprint, object_group)
         new = object.__new__
         set_fp, set_group, set_hash = _FINGERPRINT.__set__, _GROUP.__set__, _PREFIX.__set__
         set_raw, set_code = _RAW.__set__, _CODE.__set__
@@ -100,12 +92,10 @@ class ObjectKey:
     def raw_many(fingerprint: Fingerprint, object_group: int, hashes: Sequence[bytes]) -> list[bytes]:
         """The binary forms of :meth:`many`'s keys, without building the keys (checked as
         :meth:`many` checks): what an index keyed by :attr:`raw` is asked with."""
-        if not 0 <= object_group <= MAX_OBJECT_GROUP:
-            raise KeyFormatError(f"object group {object_group} is outside 0..{MAX_OBJECT_GROUP}")
+        head = _head(fingerprint, object_group)
         if not set(map(len, hashes)) <= {HASH_BYTES}:  # the lengths gathered in C
             bad = next(h for h in hashes if len(h) != HASH_BYTES)
             raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(bad)}")
-        head = bytes((KEY_VERSION,)) + fingerprint.raw + object_group.to_bytes(2, "big")
         return [head + h for h in hashes]
 
     @classmethod
@@ -148,6 +138,14 @@ class ObjectKey:
 
     def __str__(self) -> str:
         return self.text()
+
+
+def _head(fingerprint: Fingerprint, object_group: int) -> bytes:
+    """The first 19 bytes of every key of ``object_group`` under ``fingerprint`` (version,
+    fingerprint, group); raises :class:`KeyFormatError` for a group outside the range."""
+    if not 0 <= object_group <= MAX_OBJECT_GROUP:
+        raise KeyFormatError(f"object group {object_group} is outside 0..{MAX_OBJECT_GROUP}")
+    return bytes((KEY_VERSION,)) + fingerprint.raw + object_group.to_bytes(2, "big")
 
 
 # The slots' descriptors, for ObjectKey.many.
