@@ -16,6 +16,7 @@ from pathlib import Path
 from tests.conftest import S3Endpoint
 from tests.reliability.test_s3_outage import CHUNKS, Driver, MiB
 from tests.server.conftest import StartServer, manifest
+from tests.server.serverproc import ServerProcess
 from tiercache.testing.poll import wait_until
 
 BUCKET = "tiercache-rgw-outage"
@@ -28,21 +29,25 @@ def test_a_server_whose_radosgw_stops_and_returns_keeps_serving_and_loses_nothin
     rgw_server.reset()
     cluster = rgw_server.cluster
     assert cluster is not None
-    s3_options = dict(
-        connect_timeout_s=0.5,
-        read_timeout_s=1.0,
-        max_attempts=1,
-        breaker_failures=3,
-        breaker_cooldown_s=1.0,
-        missing_ttl_s=0.2,
-    )
-    node = start_server(
-        l1_bytes=8 * MiB,
-        disk_path=str(tmp_path / "disk"),
-        s3_url=rgw_server.url,
-        s3_bucket=BUCKET,
-        s3_options=s3_options,
-    )
+
+    def start_node(disk: str) -> ServerProcess:
+        """A node with its own L1 and disk directory ``disk`` on the one bucket, short S3 timeouts."""
+        return start_server(
+            l1_bytes=8 * MiB,
+            disk_path=str(tmp_path / disk),
+            s3_url=rgw_server.url,
+            s3_bucket=BUCKET,
+            s3_options=dict(
+                connect_timeout_s=0.5,
+                read_timeout_s=1.0,
+                max_attempts=1,
+                breaker_failures=3,
+                breaker_cooldown_s=1.0,
+                missing_ttl_s=0.2,
+            ),
+        )
+
+    node = start_node("disk")
     with node.client(timeout=10.0) as client:
         [group] = client.register([(0, manifest())])
         d = Driver(client, group)
@@ -87,13 +92,7 @@ def test_a_server_whose_radosgw_stops_and_returns_keeps_serving_and_loses_nothin
     )
 
     # A fresh node on the same bucket (empty L1, empty disk) finds every chunk written before the outage.
-    fresh = start_server(
-        l1_bytes=8 * MiB,
-        disk_path=str(tmp_path / "fresh-disk"),
-        s3_url=rgw_server.url,
-        s3_bucket=BUCKET,
-        s3_options=s3_options,
-    )
+    fresh = start_node("fresh-disk")
     with fresh.client(timeout=10.0) as client:
         [group] = client.register([(0, manifest())])
         d = Driver(client, group)
