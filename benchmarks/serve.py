@@ -65,6 +65,7 @@ import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ impo
 
 from benchmarks.serve_figure import write_figure  # noqa: E402
 from benchmarks.serve_plan import (  # noqa: E402  (the fairness rules, tested without vLLM)
+    Install,
     Probe,
     Settled,
     Unit,
@@ -878,6 +879,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_json(
+    args: argparse.Namespace,
+    path: Path,
+    install: Install,
+    ws: int,
+    load: list[float],
+    runs: list[RunLog],
+    phases: list[Phase],
+    failures: list[str],
+) -> None:
+    """Everything measured so far (the table's rows and the targets from ``phases``) as JSON."""
+    _, out_rows = table(rows_of(phases))
+    path.write_text(
+        json.dumps(
+            {
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "working_set_tokens": ws,
+                "budgets_gb": {b: budget_gb(args, b) for b in args.budgets},
+                "floor_blocks": floor_blocks(args),
+                "runs_done": len(runs),
+                "load_average_after_each_run": load,
+                "install": {"python": install.python, "versions": install.versions},
+                "runs": [{"run": r.run, "order": r.order, "settles": r.settles} for r in runs],
+                "rows": out_rows,
+                "targets": [g.as_dict() for g in targets(phases)],
+                "failures": failures,
+                "phases": [
+                    {
+                        "system": p.system,
+                        "budget": p.budget,
+                        "phase": p.phase,
+                        "run": p.run,
+                        "start_s": p.start_s,
+                    }
+                    for p in phases
+                ],
+            },
+            indent=1,
+            default=str,
+        )
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every system ran, 1 when one failed, 2 on a wrong environment."""
     args = parse_args(argv)
@@ -934,8 +978,12 @@ def main(argv: list[str] | None = None) -> int:
         phases += got
         runs.append(record)
         load.append(os.getloadavg()[0])
+        if args.json is not None and run + 1 < args.runs:
+            # The runs so far, so an interrupted benchmark (these take hours) keeps what it measured.
+            write_json(args, args.json, install, ws, load, runs, phases, failures)
+            log(f"wrote {args.json} (runs 1-{run + 1} of {args.runs})")
     rows = rows_of(phases)
-    text, out_rows = table(rows)
+    text, _ = table(rows)
     title = (
         f"Serving benchmark: {args.runs} run(s), medians; tiny Llama hidden {args.hidden}, {args.layers} layers, "
         f"float32, block {args.block_size}, chunk {args.chunk_size}; vLLM KV capped at {args.blocks} blocks "
@@ -955,34 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png is not None:
         log(write_figure(rows, args.png, title))
     if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "working_set_tokens": ws,
-                    "budgets_gb": {b: budget_gb(args, b) for b in args.budgets},
-                    "floor_blocks": floor_blocks(args),
-                    "load_average_after_each_run": load,
-                    "install": {"python": install.python, "versions": install.versions},
-                    "runs": [{"run": r.run, "order": r.order, "settles": r.settles} for r in runs],
-                    "rows": out_rows,
-                    "targets": [g.as_dict() for g in goals],
-                    "failures": failures,
-                    "phases": [
-                        {
-                            "system": p.system,
-                            "budget": p.budget,
-                            "phase": p.phase,
-                            "run": p.run,
-                            "start_s": p.start_s,
-                        }
-                        for p in phases
-                    ],
-                },
-                indent=1,
-                default=str,
-            )
-        )
+        write_json(args, args.json, install, ws, load, runs, phases, failures)
         log(f"wrote {args.json}")
     if args.keep:
         log(f"kept {work}")
