@@ -12,6 +12,7 @@ nothing and says so; the benchmark's table and JSON do not need it.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 
 from benchmarks.serve_report import WORKLOADS, Row
@@ -74,7 +75,8 @@ def write_figure(rows: list[Row], path: Path, title: str) -> str:
         tput_ax.set_xlabel("total tok/s (bar: median of runs, line: min-max)")
         tput_ax.set_title(f"{wl}: throughput per system and phase")
         tput_ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+    # The title names the whole setup: wrapped, or a wide one runs off the figure's edges.
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
