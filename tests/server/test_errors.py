@@ -8,6 +8,8 @@ working meanwhile.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from typing import Any
 
 import msgspec
@@ -150,3 +152,23 @@ def test_the_fuzzed_server_still_serves_a_normal_client(server: ServerProcess, r
     with server.client() as client:
         [group] = client.register([(0, manifest())])
         assert group.object_group == 0
+
+
+def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(start_server: StartServer) -> None:
+    """A server stalled (here: stopped) for longer than the client's timeout but shorter than the
+    heartbeat timeout leaves the client's session, and what it holds, alone: a heartbeat whose
+    reply is late is no reason to start a new session (which orphaned every reservation and lease
+    of the old one, and its next commit failed with ``unknown_token``)."""
+    server = start_server(options={"heartbeat_timeout_s": 6.0})  # the client pings every 2 s of quiet
+    client = server.client(timeout=0.3)
+    try:
+        [slot] = client.reserve([(key(3), 4096)])
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.5)  # a ping goes out 2-3 s after the reserve, unanswered past 0.3 s
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert client.commit([slot.token], timeout=10) == 1
+        assert client.get(key(3), timeout=10) is not None
+    finally:
+        client.close()

@@ -14,7 +14,9 @@ Runs in the caller's process (a vLLM scheduler or worker, a tool). One ZMQ ``DEA
   :meth:`Client.read_ticket` (pin or lookup → copy out → release). The arena is attached lazily.
 
 A background thread (``tiercache-client-heartbeat``) pings while the client is idle so the server
-keeps its reservations and leases. If the server restarts, the socket reconnects by itself and the
+keeps its reservations and leases. A ping only has to arrive: it is never waited for, so a server
+stalled past the client's timeout (but not past the heartbeat timeout) keeps the session and what
+it holds, where a timed-out ping would have dropped the socket and started a new session. If the server restarts, the socket reconnects by itself and the
 next request says hello again (the server answers ``hello_required``); calls made while it is down
 raise :class:`ServerUnavailableError`.
 """
@@ -260,11 +262,27 @@ class Client:
             if not self._lock.acquire(timeout=0.1):
                 continue  # someone is talking to the server: that is a heartbeat too
             try:
-                self.ping(timeout=min(self.timeout, interval))
+                self._send_ping()
             except Exception:  # down or restarting: the next real call reports it
                 pass
             finally:
                 self._lock.release()
+
+    def _send_ping(self) -> None:
+        """Send a ping and forget it (its reply is dropped when it comes). Caller holds the lock.
+
+        Not a round trip: a late reply must not reset the socket (a new routing id is a new
+        session, which would orphan the reservations and leases this client still uses), and the
+        server counts the ping as a sign of life when it arrives, whenever it answers."""
+        st = self._state
+        if st.hello is None or st.sock is None:
+            return  # nothing held yet, or the next real call says hello first
+        self._drain(0)  # the earlier pings' replies (an idle client's socket would pile them up)
+        req_id = self._send(p.Ping(), lambda r: r, None)
+        st.pending.pop(req_id, None)
+        if len(st.abandoned) >= _MAX_ABANDONED:
+            st.abandoned.clear()
+        st.abandoned.add(req_id)
 
     # -- request machinery -----------------------------------------------------------------------
     def _send(
