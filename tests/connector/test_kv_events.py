@@ -207,13 +207,16 @@ def test_the_engine_keeps_stepping_until_its_stores_are_reported(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # vLLM collects take_events() only while its engine steps: the connector reports pending work
-    # (has_pending_push_work) from a store's planning until a tier reports the chunk.
+    # (has_pending_push_work) from a store's planning until every local tier the server writes a
+    # chunk to (L1, then this server's disk by write-behind) reports it, so an idle engine does
+    # not hold the DISK event back until its next request.
     engine = Engine(server)
     request = vllm_request(list(range(90, 90 + CHUNK + 1)))
     assert not engine.tracker.busy()
     engine.store(request, 1)
     assert engine.tracker.busy()
-    engine.events(until=1)
+    got = engine.events(until=2)
+    assert sorted(e.medium for e in got) == ["CPU", "DISK"]
     assert not engine.tracker.busy()
     # A store the server dropped is never reported: it stops holding the engine after a while.
     monkeypatch.setattr(events_module, "CONFIRM_WITHIN_S", 0.0)
@@ -361,6 +364,8 @@ class ScriptedLog:
     def events(self) -> p.EventsReply:
         return p.EventsReply(instance=self.INSTANCE, next_seq=0)
 
+    local_tiers: list[str] = []  # what the scripted server says every object lands in
+
     def events_async(self, since: int, fingerprints: list[bytes]) -> int:
         self._asked = True
         return 1
@@ -384,7 +389,11 @@ class ScriptedLog:
         for kind, tier, key in changes:
             self._seq += 1
             events.append(p.ResidencyEvent(self._seq, p.EventKind(kind), tier, key))
-        self._replies.append(p.EventsReply(instance=instance, next_seq=self._seq, events=events, lost=lost))
+        self._replies.append(
+            p.EventsReply(
+                instance=instance, next_seq=self._seq, events=events, lost=lost, local_tiers=self.local_tiers
+            )
+        )
         out: list[Any] = []
         while self._replies:
             out.extend(self.tracker.take(self))  # type: ignore[arg-type]
@@ -543,3 +552,25 @@ def test_an_object_stored_anew_keeps_what_the_tiers_reported(chat: Any) -> None:
     out = log.step(("removed", "disk", chunk))
     assert removed_blocks(out, "DISK") == published(request)[PER : 2 * PER]
     assert fold(out, held) == {("CPU", h) for h in published(request)[PER : 2 * PER]}
+
+
+def test_an_object_holds_the_engine_until_each_local_tier_the_server_names_reported_it(chat: Any) -> None:
+    log = ScriptedLog()
+    log.local_tiers = ["l1", "disk"]
+    request, _tails, chunk = chat
+    log.tracker.remember(request, 1, CHUNK, chunk)
+    log.step(("stored", "l1", log.key(chunk)))
+    assert log.tracker.busy()  # the disk's copy is still to come: keep stepping to publish it
+    log.step(("stored", "disk", log.key(chunk)))
+    assert not log.tracker.busy()
+    # Stored again once both reported it: nothing new will come, so it holds nothing.
+    log.tracker.remember(request, 1, CHUNK, chunk)
+    assert not log.tracker.busy()
+
+
+def test_a_server_that_names_no_local_tiers_confirms_an_object_at_its_first_report(chat: Any) -> None:
+    log = ScriptedLog()  # a server from before EventsReply.local_tiers
+    request, _tails, chunk = chat
+    log.tracker.remember(request, 1, CHUNK, chunk)
+    log.step(("stored", "l1", log.key(chunk)))
+    assert not log.tracker.busy()

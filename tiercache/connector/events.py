@@ -106,7 +106,10 @@ class KVEventTracker:
         self._pending = 0  # request id of the events request in flight (0: none)
         self._next_at = 0.0
         self._connected: tuple[bytes, int] | None = None  # (instance, position) from on_connect
-        self._unconfirmed: dict[bytes, float] = {}  # stored objects no tier reported yet → deadline
+        self._unconfirmed: dict[bytes, float] = {}  # stored objects not yet reported everywhere → deadline
+        #: The media every stored object lands in (the server's ``local_tiers``); an object is
+        #: confirmed once all of them reported it (by the first report, from an older server).
+        self._expected: set[str] = set()
         self.counts = {
             "stored_events": 0,
             "removed_events": 0,
@@ -182,10 +185,13 @@ class KVEventTracker:
             return  # vLLM has not hashed these blocks (nothing a router could match)
         fingerprint, group = self._anchor
         key = ObjectKey(fingerprint, group, prefix_hash).to_bytes()
-        self._unconfirmed[key] = time.monotonic() + CONFIRM_WITHIN_S
-        if key in self._objects:  # stored again (the same blocks): keep what the tiers reported
+        held = self._objects.get(key)
+        if held is not None:  # stored again (the same blocks): keep what the tiers reported
             self._objects.move_to_end(key)
+            if not (self._expected and self._expected <= held.media):
+                self._unconfirmed[key] = time.monotonic() + CONFIRM_WITHIN_S
             return
+        self._unconfirmed[key] = time.monotonic() + CONFIRM_WITHIN_S
         extra = [
             generate_block_hash_extra_keys(request, start + i * size, start + (i + 1) * size, 0)[0]
             for i in range(count)
@@ -223,9 +229,11 @@ class KVEventTracker:
 
     # -- following the server ------------------------------------------------------------------
     def busy(self) -> bool:
-        """Whether objects this engine stored are still to be reported by a tier (for at most
-        :data:`CONFIRM_WITHIN_S` each: a dropped store never is). vLLM calls ``take_events()``
-        only while its engine steps, so the connector keeps it stepping until then."""
+        """Whether objects this engine stored are still to be reported by a local tier they land
+        in (L1, and the disk by write-behind; for at most :data:`CONFIRM_WITHIN_S` each: a dropped
+        store never is). vLLM calls ``take_events()`` only while its engine steps, so the
+        connector keeps it stepping until then: an idle engine would otherwise publish a chunk's
+        ``DISK`` copy only at its next request."""
         if not self._unconfirmed:
             return False
         now = time.monotonic()
@@ -268,6 +276,7 @@ class KVEventTracker:
             self._cursor = -1  # numbering restarts: take the new server's position first
             return
         self._instance = reply.instance
+        self._expected = {TIER_MEDIA.get(t, t.upper()) for t in reply.local_tiers}
         if reply.lost:
             log.warning(
                 "tiercache: fell behind the server's residency log; publishing every chunk as removed "
@@ -280,12 +289,12 @@ class KVEventTracker:
             if obj is None:
                 continue  # another engine's store (same layout): it publishes its own
             medium = TIER_MEDIA.get(event.tier, event.tier.upper())
-            if event.kind is p.EventKind.STORED:
-                self._unconfirmed.pop(event.key, None)
             if event.kind is p.EventKind.STORED and medium not in obj.media:
                 obj.media.add(medium)
                 self._out.append(self._stored(obj, event.tier, medium))
                 self.counts["stored_events"] += 1
+            if event.kind is p.EventKind.STORED and self._expected <= obj.media:
+                self._unconfirmed.pop(event.key, None)
             elif event.kind is p.EventKind.REMOVED and medium in obj.media:
                 self._drop(obj, event.tier, medium)
 

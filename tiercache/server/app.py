@@ -113,7 +113,8 @@ class Server:
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
         #: What each tier gained and lost, for clients that follow it (KV events for routers).
-        self.residency = ResidencyLog()
+        # A committed object lands in L1, then by write-behind in the first lower tier (if local).
+        self.residency = ResidencyLog(local_tiers=[t.name for t in engine.tiers[:2] if not t.remote])
         for tier in engine.tiers:
             tier.stats.listener = chain_removals(
                 self.evictions.listener(tier.name), self.residency.removed(tier.name)

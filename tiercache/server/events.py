@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import islice
 
 from tiercache.keys.object_key import ObjectKey
@@ -29,10 +29,11 @@ MAX_EVENTS_PER_REPLY = 10_000
 class ResidencyLog:
     """Thread-safe bounded log of residency changes (see the module docstring)."""
 
-    def __init__(self, capacity: int = 262_144) -> None:
+    def __init__(self, capacity: int = 262_144, local_tiers: Sequence[str] = ()) -> None:
         if capacity < 1:
             raise ValueError(f"the residency log needs room for at least one change, got {capacity}")
         self.instance = secrets.token_bytes(8)  # tells clients a restarted server from this one
+        self._local_tiers = list(local_tiers)  # EventsReply.local_tiers
         self._lock = threading.Lock()
         self._log: deque[tuple[int, p.EventKind, str, ObjectKey]] = deque(maxlen=capacity)  # guarded
         self._last = 0  # seq of the newest change recorded (guarded by _lock)
@@ -62,7 +63,9 @@ class ResidencyLog:
             if msg.since < 0 or msg.since >= self._last:
                 # A start, a caught-up client, or one numbering from a previous server instance.
                 return p.EventsReply(
-                    instance=self.instance, next_seq=self._last if msg.since < 0 else msg.since
+                    instance=self.instance,
+                    next_seq=self._last if msg.since < 0 else msg.since,
+                    local_tiers=self._local_tiers,
                 )
             first = self._log[0][0] if self._log else self._last + 1
             lost = msg.since + 1 < first
@@ -76,7 +79,12 @@ class ResidencyLog:
         ]
         next_seq = scanned[-1][0] if scanned else msg.since
         return p.EventsReply(
-            instance=self.instance, next_seq=next_seq, events=events, more=next_seq < last, lost=lost
+            instance=self.instance,
+            next_seq=next_seq,
+            events=events,
+            more=next_seq < last,
+            lost=lost,
+            local_tiers=self._local_tiers,
         )
 
 

@@ -473,6 +473,10 @@ class EventsReply(_Msg, tag="events_ok"):
     events: list[ResidencyEvent] = []
     more: bool = False
     lost: bool = False
+    #: The tiers of this node every committed object lands in (``l1``, then the first lower tier
+    #: by write-behind when it is local, e.g. ``disk``): a follower waits for each of them before it
+    #: takes an object as reported. Empty from a server before this field.
+    local_tiers: list[str] = []
 
 
 Reply = (
