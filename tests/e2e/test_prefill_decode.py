@@ -3,9 +3,11 @@
 behind a small proxy that sends each request to the prefill engine with ``max_tokens=1`` and then,
 at once, to the decode engine.
 
-The prefill engine stores slowly (``tests/e2e/slow_store_site``: every store's copy sleeps
-``TIERCACHE_TEST_PD_STORE_DELAY_S``, 0.2 s unless set), so its stores are still in flight when its
-responses return, as they are under load.
+The prefill engine's stores wait at a gate (``tests/e2e/slow_store_site``: every store's copy waits
+until the test creates a file, then sleeps ``TIERCACHE_TEST_PD_STORE_DELAY_S``, 0.2 s unless set).
+The test opens the gate only once the server has counted a decode lookup waiting for a store in
+flight, so the race every shared-store P/D setup has is played every run, whatever the machine's
+load (a fixed delay alone let a busy machine's slower proxy hop commit every store first).
 
 The claims: for every prompt the decode engine loads all its full chunks (its response's cached
 tokens say so: it computes only the rest), its lookups waiting for the stores still in flight (the
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,9 +52,9 @@ BLOCK = 32  # tiny_model_flags' --block-size
 LENGTHS = [200, 300, 257, 450, 129, 380]  # full chunks: 3, 4, 4, 7, 2, 5 (at least one token is computed)
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
-#: Seconds each of the prefill engine's stores is slowed by (tests/e2e/slow_store_site), so its stores
-#: are still in flight when the decode engine asks: the race every shared-store P/D setup has. 0 turns
-#: it off; docs/vllm.md says what it found on this two-core machine.
+#: Seconds each of the prefill engine's stores is slowed by once the gate is open
+#: (tests/e2e/slow_store_site), so the stores after the first ones are in flight too; docs/vllm.md
+#: says what slow stores found on this two-core machine.
 STORE_DELAY_S = float(os.environ.get("TIERCACHE_TEST_PD_STORE_DELAY_S", "0.2"))
 SLOW_STORE_SITE = Path(__file__).parent / "slow_store_site"
 
@@ -81,6 +85,22 @@ class PD:
     proxy: PDProxy
     prompts: list[str]
     tails: bool
+    gate: Path  # the prefill engine's stores wait until this file exists
+
+    def open_gate_once_a_lookup_waits(self, before: int, timeout: float = 240.0) -> threading.Thread:
+        """Open the gate once the server counts more in-flight waits than ``before`` (or after
+        ``timeout`` seconds, so a run that never waits fails its assertion instead of hanging)."""
+
+        def watch() -> None:
+            end = time.monotonic() + timeout
+            with self.server.client() as c:
+                while time.monotonic() < end and c.stats()["engine"]["inflight_waits"] <= before:
+                    time.sleep(0.05)
+            self.gate.touch()
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        return thread
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["chunks", "tails"])
@@ -97,6 +117,7 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         engine_argv(model, "kv_producer", server.endpoint, tails),
         tmp / "producer.log",
         env={
+            "TIERCACHE_TEST_STORE_GATE": str(tmp / "gate"),
             "TIERCACHE_TEST_STORE_DELAY_S": str(STORE_DELAY_S),
             "PYTHONPATH": os.pathsep.join(
                 [str(SLOW_STORE_SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]
@@ -109,7 +130,7 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         consumer.wait_ready()
         proxy = PDProxy(producer.url, consumer.url)
         prompts = [token_text(p) for p in make_prompts(LENGTHS, seed=11)]
-        yield PD(server, producer, consumer, proxy, prompts, tails)
+        yield PD(server, producer, consumer, proxy, prompts, tails, tmp / "gate")
         proxy.close()
     finally:
         producer.stop()
@@ -144,9 +165,12 @@ def through_proxy(proxy: PDProxy, prompt: str) -> Completion:
 
 def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd: PD) -> None:
     before = engine_stats(pd.server)
-    # All at once: the prefill engine's stores of one prompt are in flight while others are decoded.
+    # All at once, behind the shut gate: the prefill engine's responses return with every store in
+    # flight, and the gate opens once a decode lookup waits for one.
+    watcher = pd.open_gate_once_a_lookup_waits(before["inflight_waits"])
     with ThreadPoolExecutor(len(pd.prompts)) as pool:
         decoded = list(pool.map(lambda p: through_proxy(pd.proxy, p), pd.prompts))
+    watcher.join()
     assert pd.proxy.prefills == len(pd.prompts)
     full = [(n - 1) // (BLOCK if pd.tails else CHUNK) * (BLOCK if pd.tails else CHUNK) for n in LENGTHS]
     assert [d.prompt_tokens for d in decoded] == LENGTHS
@@ -161,10 +185,8 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
     # Each engine said at start-up (in vLLM's own log format) what its role makes it do.
     assert "tiercache: kv_role kv_producer: stores every full prompt chunk" in pd.producer.log_text()
     assert "tiercache: kv_role kv_consumer: loads" in pd.consumer.log_text()
-    # Whether a lookup met a store in flight depends on timing (18-21 waits with slowed stores, 0 on
-    # a busy machine whose slower proxy hop let every store commit first); none may have run out.
-    if STORE_DELAY_S > 0:
-        assert after["inflight_waits"] > before["inflight_waits"]
+    # A lookup met a store in flight (the gate stayed shut until one did); none may have run out.
+    assert after["inflight_waits"] > before["inflight_waits"]
     assert after["inflight_wait_misses"] == before["inflight_wait_misses"]
 
     # A single engine (the prefill one, asked for the whole completion) gives the same outputs.
