@@ -1167,3 +1167,107 @@ def test_a_finished_request_stores_its_generated_tokens_and_supersedes_the_promp
     meta = sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
     assert [(s.chunk_index, s.block_ids, s.blocks) for s in meta.saves] == [(2, [[5, 6]], 0)]
     assert meta.saves[0].supersedes == [prompt_tail.prefix_hash]
+
+
+def _four_block_tails_scheduler(client: object, **kw: object) -> object:
+    """A dense scheduler (chunk 768 = 4 blocks of 192, one layer of 196608 bytes a block) with tails on."""
+    return _recurrent_scheduler(  # type: ignore[arg-type]
+        768, 192, client=client, recurrent=False, settings=ConnectorSettings(tails=True), **kw
+    )
+
+
+class _SequencedClient(_LookupClient):
+    """Answers the lookups with ``replies`` in turn (each a reply, or a function of the hashes asked)."""
+
+    def __init__(self, *replies: object) -> None:
+        super().__init__(None)
+        self._replies = list(replies)
+
+    def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
+        self.reply = self._replies.pop(0)
+        return super().lookup_async(hashes, refs, **how)
+
+
+def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_first_blocks() -> None:
+    """2000 tokens: 2 full chunks, then 2 full blocks of chunk 2 short of the last token. The server
+    holds chunk 2 whole (stored by a longer request): its block index answers the tail lookup with
+    that object, keyed by a hash this prompt cannot name, and the load reads its first 2 blocks."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.keys import ObjectKey
+    from tiercache.keys.fingerprint import Fingerprint
+    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
+
+    chunk2 = b"\x07" * 16  # the whole chunk's prefix hash
+    tail_reply = LookupReply(
+        chunks=2,
+        per_tier={"l1": 1},
+        state=TicketStateName.READY,
+        ticket=HIT_TICKET + 1,
+        ready_chunks=1,
+        slots=[Slot(ObjectKey(Fingerprint(bytes(16)), 0, chunk2).to_bytes(), 0, 4 * 196608, 200)],
+    )
+    client = _SequencedClient(_hit_reply(chunks=2), tail_reply)
+    sched = _four_block_tails_scheduler(client)
+    assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768 + 2 * 192, False)  # type: ignore[attr-defined]
+    ids = list(range(1, 12))
+    sched.update_state_after_alloc(
+        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
+    )  # type: ignore[attr-defined]
+    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
+    tail = load.chunks[-1]
+    assert (tail.prefix_hash, tail.positions, tail.block_ids, tail.blocks) == (chunk2, [[0, 1]], [[9, 10]], 4)
+
+
+def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> None:
+    """An object that cannot hold the blocks the reply counts (here 1 block for 2) is never loaded."""
+    pytest.importorskip("vllm")
+    from tiercache.keys import ObjectKey
+    from tiercache.keys.fingerprint import Fingerprint
+    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
+
+    short = LookupReply(
+        chunks=2,
+        per_tier={"l1": 1},
+        state=TicketStateName.READY,
+        ticket=HIT_TICKET + 1,
+        ready_chunks=1,
+        slots=[Slot(ObjectKey(Fingerprint(bytes(16)), 0, b"\x07" * 16).to_bytes(), 0, 196608, 200)],
+    )
+    client = _SequencedClient(_hit_reply(chunks=2), short)
+    sched = _four_block_tails_scheduler(client)
+    assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768, False)  # type: ignore[attr-defined]
+    assert HIT_TICKET + 1 in client.released or sched._reqs["r"].tail_probe.ticket == 0  # type: ignore[attr-defined]
+
+
+def test_a_tail_is_one_object_of_the_chunks_first_blocks_superseding_the_shorter_one() -> None:
+    """A producer's prompt of 2000 tokens stores chunk 2's first 2 blocks as one object keyed by the
+    second's tail hash; the request ends with 3 full blocks there, stored as one object of all 3
+    that supersedes the first. Each names the blocks it holds, for the server's block index."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.keys import ExtraKeys, PrefixHasher, tail_hashes
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _four_block_tails_scheduler(client)
+    request = _prompt_request(2000)
+    sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 13)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_output([new], {}, {"r": 2000}))  # type: ignore[attr-defined]
+    tokens = [*range(2000), *range(200)]
+    hasher = PrefixHasher(768, ExtraKeys())
+    hasher.update(tokens)
+    t = tail_hashes(hasher.before(2), tokens[1536 : 1536 + 3 * 192], 192)
+    chunk0, _chunk1, prompt_tail = meta.saves
+    assert (prompt_tail.chunk_index, prompt_tail.block_ids, prompt_tail.blocks) == (2, [[9, 10]], 2)
+    assert (prompt_tail.prefix_hash, prompt_tail.holds, prompt_tail.supersedes) == (t[1], t[:2], t[:1])
+    # A full chunk holds its first 3 blocks' tails and supersedes them.
+    assert len(chunk0.holds) == len(chunk0.supersedes) == 3 and chunk0.holds == chunk0.supersedes
+    done = SimpleNamespace(**vars(request), all_token_ids=tokens, num_computed_tokens=2199)
+    assert sched.request_finished(done) == (True, None)  # type: ignore[attr-defined]
+    (end_tail,) = sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]
+    assert (end_tail.chunk_index, end_tail.block_ids, end_tail.blocks) == (2, [[9, 10, 11]], 3)
+    assert (end_tail.prefix_hash, end_tail.holds, end_tail.supersedes) == (t[2], t, t[:2])

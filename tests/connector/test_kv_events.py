@@ -259,35 +259,50 @@ def store_objects(
     assert client.commit([s.token for s in slots if s is not None], supersedes=supersedes or ()) == len(keys)
 
 
-def test_a_stored_tail_is_published_per_tier_with_the_block_vllm_would_publish(server: ServerProcess) -> None:
+def test_a_stored_tail_is_published_per_tier_with_the_blocks_vllm_would_publish(
+    server: ServerProcess,
+) -> None:
+    """A tail is one object of its chunk's first blocks (here 3), keyed by the tail hash of its
+    last: one ``BlockStored`` per tier with those blocks' hashes, as vLLM publishes them."""
     engine = Engine(server)
     tokens = list(range(300, 300 + CHUNK + 3 * BLOCK + 5))  # chunk 0, then 3 full blocks of chunk 1
     request = vllm_request(tokens, salt="tenant-a")
-    keys = tail_keys(engine.fingerprint, tokens, 1, 3)
-    for j, key in enumerate(keys):
-        engine.tracker.remember_tail(request, 1, CHUNK, j, BLOCK, key.prefix_hash)
+    tail = tail_keys(engine.fingerprint, tokens, 1, 3)[-1]
+    engine.tracker.remember_tail(request, 1, CHUNK, 0, 3 * BLOCK, tail.prefix_hash)
     salted = tail_keys(engine.fingerprint, tokens, 0, 1)  # (a salted request's tiercache keys differ)
     engine.tracker.remember_tail(request, 0, CHUNK, 0, BLOCK, salted[0].prefix_hash)
-    store_objects(engine.client, keys + salted, 256)
-    events = engine.events(until=8)  # 4 tails x (L1, then disk by write-through)
+    store_objects(engine.client, [tail, *salted], 256)
+    events = engine.events(until=4)  # 2 tails x (L1, then disk by write-through)
     assert all(isinstance(e, BlockStored) for e in events)
-    assert sorted(e.medium for e in events) == ["CPU"] * 4 + ["DISK"] * 4
+    assert sorted(e.medium for e in events) == ["CPU"] * 2 + ["DISK"] * 2
     hashes = published(request)
     for e in events:
-        [h] = e.block_hashes
-        at = hashes.index(h)
-        assert at in (0, PER, PER + 1, PER + 2)
+        at = hashes.index(e.block_hashes[0])
+        assert e.block_hashes == hashes[at : at + len(e.block_hashes)]
+        assert (at, len(e.block_hashes)) in ((0, 1), (PER, 3))
         assert e.parent_block_hash == (hashes[at - 1] if at else None)
-        assert e.token_ids == tokens[at * BLOCK : (at + 1) * BLOCK]
+        assert e.token_ids == tokens[at * BLOCK : (at + len(e.block_hashes)) * BLOCK]
         assert e.block_size == BLOCK and e.locality == "LOCAL"
         # The salt on the prompt's first block only, untagged, like vLLM's own events.
-        assert e.extra_keys == ([("tenant-a",)] if at == 0 else [None])
-    # A router hashing like vLLM finds the tail's hash from its parent and token ids alone.
-    e = next(e for e in events if e.block_hashes == [hashes[PER + 1]])
-    parent = request.block_hashes[PER]
-    assert (
-        maybe_convert_block_hash(hash_block_tokens(sha256_cbor, parent, e.token_ids, None)) == hashes[PER + 1]
-    )
+        assert e.extra_keys == ([("tenant-a",)] if at == 0 else [None] * 3)
+    # A router hashing like vLLM finds the tail's hashes from its parent and token ids alone.
+    e = next(e for e in events if e.block_hashes[0] == hashes[PER])
+    parent = request.block_hashes[PER - 1]
+    for i, h in enumerate(e.block_hashes):
+        parent = hash_block_tokens(sha256_cbor, parent, e.token_ids[i * BLOCK : (i + 1) * BLOCK], None)
+        assert maybe_convert_block_hash(parent) == h
+
+
+def test_a_tail_superseded_by_a_longer_one_is_never_published_as_removed(chat: Any) -> None:
+    """A request's tail of 2 blocks, then (the request went on) one of 3 that supersedes it."""
+    log = ScriptedLog()
+    request, tails, _chunk = chat
+    log.tracker.remember_tail(request, 1, CHUNK, 0, 2 * BLOCK, tails[1])
+    held = fold(log.step(("stored", "l1", log.key(tails[1]))))
+    log.tracker.remember_tail(request, 1, CHUNK, 0, 3 * BLOCK, tails[2])
+    events = log.step(("stored", "l1", log.key(tails[2])), ("removed", "l1", log.key(tails[1])))
+    assert not removed_blocks(events, "CPU")
+    assert fold(events, held) == {("CPU", h) for h in published(request)[PER : PER + 3]}
 
 
 def test_tails_superseded_by_their_chunk_are_never_published_as_removed(server: ServerProcess) -> None:
@@ -358,13 +373,12 @@ class ScriptedLog:
         self.tracker.on_connect(self)  # type: ignore[arg-type]
         self._replies: list[p.EventsReply] = []
         self._seq = 0
+        self.local_tiers: list[str] = []  # what the scripted server says every object lands in
         self._asked = False
 
     # -- what the tracker calls ----------------------------------------------------------------
     def events(self) -> p.EventsReply:
         return p.EventsReply(instance=self.INSTANCE, next_seq=0)
-
-    local_tiers: list[str] = []  # what the scripted server says every object lands in
 
     def events_async(self, since: int, fingerprints: list[bytes]) -> int:
         self._asked = True

@@ -50,7 +50,8 @@ class FakeClient:
     def arena(self) -> SharedArena:
         return self._arena
 
-    def reserve(self, items: list[tuple[Any, int]], tenants: Any = ()) -> list[Slot]:
+    def reserve(self, items: list[tuple[Any, int]], tenants: Any = (), holds: Any = ()) -> list[Slot]:
+        self.holds = list(holds)  # the last reservation's (prefix hash, blocks) for the block index
         slots = []
         for key, nbytes in items:
             slot = Slot(self._next, nbytes, len(self.pending) + len(self.objects) + 1)
@@ -307,7 +308,7 @@ class GatedClient(FakeClient):
         super().__init__(arena)
         self.gate, self.reserved, self.timeout = threading.Event(), threading.Event(), timeout
 
-    def reserve(self, items: list[tuple[Any, int]], tenants: Any = ()) -> list[Slot]:
+    def reserve(self, items: list[tuple[Any, int]], tenants: Any = (), holds: Any = ()) -> list[Slot]:
         from tiercache.errors import ServerUnavailableError
 
         if not self.gate.wait(self.timeout):

@@ -7,9 +7,9 @@ hashes equal the ones vLLM publishes for the same blocks, and a router recomputi
 the events' token ids finds them; once the server has evicted those chunks (an L1 of 15 objects, no
 lower tier) the stream carries ``BlockRemoved`` for the same hashes and medium.
 
-With ``tails`` on (a second engine and server, chunk 128, L1 and disk): a prompt's tails are
-announced, one ``BlockStored`` per tail and medium with the hash vLLM publishes for that block; a
-second turn that fills the chunk supersedes them (the server drops them from L1 and disk), and a
+With ``tails`` on (a second engine and server, chunk 128, L1 and disk): a prompt's tail is
+announced, one ``BlockStored`` per medium with the hashes vLLM publishes for its blocks; a
+second turn that fills the chunk supersedes it (the server drops them from L1 and disk), and a
 router folding the stream still holds every block of both chunks in ``CPU`` and ``DISK``, never
 having been told a ``CPU`` block went.
 
@@ -246,7 +246,7 @@ def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chu
         }
         return [by_tokens.get(tuple(prompt[i * BLOCK : (i + 1) * BLOCK])) for i in range(blocks)]
 
-    # Turn 1: chunk 0 (4 blocks) and 3 tails of chunk 1, each announced in L1 and on disk.
+    # Turn 1: chunk 0 (4 blocks) and a tail of chunk 1's first 3 blocks, each announced in L1 and on disk.
     turn1_blocks = TURN1 // BLOCK
     wait_until(
         lambda: (
@@ -256,12 +256,11 @@ def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chu
         what="BlockStored for turn 1's chunk and tails in CPU and DISK",
     )
     hashes = gpu_hashes(turn1, turn1_blocks)
-    tails = [e for e in stack.events.of(BlockStored, "CPU") if len(e.block_hashes) == 1]
-    assert [e.block_hashes for e in tails] == [[h] for h in hashes[per:turn1_blocks]]
-    assert [e.token_ids for e in tails] == [
-        turn1[i * BLOCK : (i + 1) * BLOCK] for i in range(per, turn1_blocks)
-    ]
-    assert [e.parent_block_hash for e in tails] == hashes[per - 1 : turn1_blocks - 1]
+    # The tail is one object of chunk 1's 3 full blocks: one event (per medium) with their hashes.
+    tails = [e for e in stack.events.of(BlockStored, "CPU") if e.block_hashes[0] == hashes[per]]
+    assert [e.block_hashes for e in tails] == [hashes[per:turn1_blocks]]
+    assert [e.token_ids for e in tails] == [turn1[per * BLOCK : turn1_blocks * BLOCK]]
+    assert [e.parent_block_hash for e in tails] == [hashes[per - 1]]
     # A router recomputes each tail's hash from its parent and token ids, as vLLM hashes.
     sha256 = get_hash_fn_by_name("sha256")
     init_none_hash(sha256)
@@ -271,7 +270,7 @@ def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chu
         assert maybe_convert_block_hash(parent) == hashes[i]
     before = engine_stats(stack.server)["tails_superseded"]
 
-    # Turn 2 fills chunk 1: its commit supersedes the 3 tails (dropped from L1 and disk).
+    # Turn 2 fills chunk 1: its commit supersedes the tail (dropped from L1 and disk).
     stack.engine.complete(token_text(turn2), 2)
     wait_until(
         lambda: engine_stats(stack.server)["tails_superseded"] - before == 2 * len(tails),
@@ -300,7 +299,7 @@ def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chu
     }
     print(
         f"\n[e2e kv events tails] tiercache events {len(ours)}: BlockStored "
-        f"{sum(isinstance(e, BlockStored) for e in ours)} ({len(tails)} tails in CPU), BlockRemoved blocks "
+        f"{sum(isinstance(e, BlockStored) for e in ours)} ({len(tails)} tail in CPU), BlockRemoved blocks "
         f"CPU {len(removed['CPU'])}, DISK {len(removed['DISK'])}; tails superseded "
         f"{engine_stats(stack.server)['tails_superseded'] - before}; folded holds {len(wanted & fold(events))} "
         f"of {len(wanted)} (medium, block) of the two chunks"

@@ -97,8 +97,9 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         server.wait_ready()
         w = World(tmp, model, server, prompts, Run([], [], []), request.param)
         w.cold = w.run("cold", prompts, local_cache=True, **TAILS)
-        # Full chunks: 1 + 1 + 2 + 0; tails: A 2, B 2 (+1 at its end), C 1, D 3 blocks.
-        wait_for_stores(server, (4 + 9) * GROUPS[request.param])
+        # Full chunks: 1 + 1 + 2 + 0; tails, one object each: A's of 2 blocks, B's of 2 (then one
+        # of 3 at its end), C's of 1, D's of 3.
+        wait_for_stores(server, (4 + 5) * GROUPS[request.param])
         yield w
     finally:
         server.stop()
@@ -167,17 +168,30 @@ def _tails_of(prompt: list[int], chunk: int, blocks: int) -> list[bytes]:
 
 
 def test_storing_the_full_chunk_supersedes_the_tails_it_covers(world: World, fresh: Fresh) -> None:
-    """A third turn of B's chat fills B's chunk 1: the 3 tails B and T stored in it are dropped;
-    A's tails, another prefix, stay."""
-    a = world.cold_prompts[0]
+    """A third turn of B's chat fills B's chunk 1.
+
+    Dense: the chunk's commit drops B's tail of 3 blocks (stored at B's end, it had superseded B's
+    prompt's tail of 2); A's tail, another prefix, stays. Sliding: B's end came after its sliding
+    group's first block of chunk 1 left the window, so B's tail of 3 holds zeros there, names only
+    its last block for the block index and superseded nothing; the third turn's engine, which
+    loaded B's blocks, stores the chunk without that group's object (out of its window too), so the
+    chunk replaces no tail and both of B's stay (they still serve B's and T's prompts)."""
+    a, b = world.cold_prompts[0], world.cold_prompts[1]
     turn3 = fresh.prompts[5] + _tokens(60, random.Random(11))
-    covered = _tails_of(turn3, 1, CHUNK // BLOCK - 1)
-    others = _tails_of(a, 1, 2)
+    b_end = _tails_of(turn3, 1, CHUNK // BLOCK - 1)[-1]  # B's end tail: T and turn 3 share its blocks
+    b_prompt = _tails_of(b, 1, 2)[-1]
+    a_tail = _tails_of(a, 1, 2)[-1]
     held = _l1_hashes(world.server)
-    assert set(covered) <= held and set(others) <= held
+    dense = world.name == "dense"
+    assert {b_end, a_tail} <= held
+    assert (b_prompt in held) is not dense
     before = engine_stats(world.server)["tails_superseded"]
     world.run("turn3", [turn3], **TAILS)  # its commit's reply comes once the tails are dropped
     held = _l1_hashes(world.server)
-    assert not set(covered) & held
-    assert set(others) <= held
-    assert engine_stats(world.server)["tails_superseded"] - before == len(covered) * GROUPS[world.name]
+    assert a_tail in held
+    if dense:
+        assert b_end not in held
+        assert engine_stats(world.server)["tails_superseded"] - before == GROUPS[world.name]
+    else:
+        assert {b_end, b_prompt} <= held
+        assert engine_stats(world.server)["tails_superseded"] == before

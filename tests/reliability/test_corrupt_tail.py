@@ -1,7 +1,8 @@
-"""Specification: a tail object (one block past a request's last full chunk, keyed by
-:func:`tiercache.keys.tail_hashes`) damaged at rest on the disk is a miss, as every object is: the
-connector's tail lookup (``every_object``) restores the blocks before it and none after, every byte
-of those right, and the server counts the failed verification and drops the object.
+"""Specification: a tail object (the first blocks of a chunk a request did not fill, keyed by the
+tail hash of its last block: :func:`tiercache.keys.tail_hashes`) damaged at rest on the disk is a
+miss, as every object is: the connector's tail lookup (``every_object``) that meets it loads
+nothing, the server counts the failed verification and drops the object, and asked again the hit
+is what remains intact (here an older, shorter tail of the same chunk), every byte of it right.
 """
 
 from __future__ import annotations
@@ -19,17 +20,24 @@ from tiercache.wire import protocol as p
 from tiercache.wire.client import Client, LookupResult
 
 BLOCK = 16  # the manifest's kernel block size
-TAIL_BLOCKS = 3
-DAMAGED = 1  # the second tail block
+BLOCK_BYTES = 4096
 
 
-def block_payload(key: ObjectKey) -> bytes:
-    """One block's object, named by its key: any mix-up of bytes shows."""
-    return key.prefix_hash * 256  # 4 KiB
+def tail_payload(key: ObjectKey, blocks: int) -> bytes:
+    """A tail object of ``blocks`` blocks, named by its key: any mix-up of bytes shows."""
+    return key.prefix_hash * (BLOCK_BYTES * blocks // 16)
+
+
+def store_tail(client: Client, key: ObjectKey, holds: list[bytes]) -> None:
+    """Store one tail object holding the blocks ``holds`` (as the connector's worker does)."""
+    payload = tail_payload(key, len(holds))
+    [slot] = client.reserve([(key, len(payload))], holds=[(key.prefix_hash, holds)])
+    client.arena().view(slot.offset, slot.nbytes)[:] = payload
+    assert client.commit([slot.token]) == 1
 
 
 def tail_lookup(client: Client, hashes: list[bytes], group: p.GroupRef) -> LookupResult:
-    """The connector's tail lookup: every object of the blocks asked for, prefetched."""
+    """The connector's tail lookup: the object holding most of these blocks, prefetched."""
     req = client.lookup_async(hashes, [group], every_object=True)
     deadline = time.monotonic() + 10
     while (found := client.poll(req, 0.05)) is None:
@@ -39,41 +47,40 @@ def tail_lookup(client: Client, hashes: list[bytes], group: p.GroupRef) -> Looku
     return found  # type: ignore[no-any-return]
 
 
-def test_a_damaged_tail_block_on_disk_is_a_miss_and_the_hit_ends_before_it(
+def test_a_damaged_tail_on_disk_is_a_miss_and_an_intact_shorter_one_is_found_after(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     disk = tmp_path / "disk"
     rng = random.Random(3)
-    tokens = [rng.randrange(3, 512) for _ in range(TAIL_BLOCKS * BLOCK)]  # a prompt shorter than a chunk
+    tokens = [rng.randrange(3, 512) for _ in range(3 * BLOCK)]  # three blocks of a chunk, no more
     hashes = tail_hashes(PrefixHasher(CHUNK, ExtraKeys()).before(0), tokens, BLOCK)
     node = start_server(disk_path=str(disk))
     with node.client() as client:
         [group] = client.register([(0, manifest())])
-        keys = [ObjectKey(Fingerprint(group.fingerprint), group.object_group, h) for h in hashes]
-        client.store_chunks(keys, [block_payload(k) for k in keys])
-        wait_until(lambda: client.stats()["engine"]["l2_writes"] == len(keys), what="the tails on disk")
-    node.stop()  # L1 gone; the tails are on the disk only
+        fingerprint = Fingerprint(group.fingerprint)
+        short, long = (ObjectKey(fingerprint, group.object_group, h) for h in (hashes[0], hashes[2]))
+        store_tail(client, short, hashes[:1])  # one request's tail of one block
+        store_tail(client, long, hashes)  # another's of three, the same blocks first
+        wait_until(lambda: client.stats()["engine"]["l2_writes"] == 2, what="both tails on disk")
+        assert client.clear_batch(100, tier="l1") == 2  # on the disk only now
 
-    env = lmdb.open(str(disk), max_dbs=8, map_size=1 << 30)
-    data = env.open_db(b"data")
-    with env.begin(write=True) as txn:
-        k = keys[DAMAGED].to_bytes()
-        value = bytearray(txn.get(k, db=data))
-        value[len(value) // 2] ^= 0x10
-        txn.put(k, bytes(value), db=data)
-    env.close()
+        env = lmdb.open(str(disk), max_dbs=8, map_size=1 << 30)  # beside the running server
+        data = env.open_db(b"data")
+        with env.begin(write=True) as txn:
+            value = bytearray(txn.get(long.to_bytes(), db=data))
+            value[len(value) // 2] ^= 0x10
+            txn.put(long.to_bytes(), bytes(value), db=data)
+        env.close()
 
-    node = start_server(disk_path=str(disk))
-    with node.client() as client:
-        [group] = client.register([(0, manifest())])
         found = tail_lookup(client, hashes, group)
-        assert found.state is p.TicketStateName.READY
-        assert found.ready_chunks == DAMAGED, "the hit ends at the damaged block"
-        copies = client.read_ticket(found)
-        assert copies == {k: block_payload(k) for k in keys[:DAMAGED]}
-        disk_stats = client.stats()["tiers"]["disk"]
-        assert disk_stats["verify_failures"] == 1
-        # Dropped: asked again, the damaged block and the ones after it stay misses.
+        assert found.state is p.TicketStateName.MISS and not found.ready_chunks, (
+            "the damaged tail is never loaded"
+        )
+        client.release_ticket(found.ticket)
+        assert client.stats()["tiers"]["disk"]["verify_failures"] == 1
+        # Dropped: asked again, the intact one-block tail is the hit, byte for byte.
         again = tail_lookup(client, hashes, group)
-        assert again.ready_chunks == DAMAGED
-        client.read_ticket(again)
+        assert again.state is p.TicketStateName.READY
+        assert (again.chunks, again.ready_chunks) == (1, 1)
+        assert client.read_ticket(again) == {short: tail_payload(short, 1)}
+        assert client.stats()["tiers"]["disk"]["verify_failures"] == 1

@@ -154,7 +154,9 @@ def test_the_fuzzed_server_still_serves_a_normal_client(server: ServerProcess, r
         assert group.object_group == 0
 
 
-def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(start_server: StartServer) -> None:
+def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(
+    start_server: StartServer,
+) -> None:
     """A server stalled (here: stopped) for longer than the client's timeout but shorter than the
     heartbeat timeout leaves the client's session, and what it holds, alone: a heartbeat whose
     reply is late is no reason to start a new session (which orphaned every reservation and lease

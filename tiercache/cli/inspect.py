@@ -276,6 +276,11 @@ def _summary_view(data: dict[str, Any]) -> Any:
             parts.append(_writeback_lost_line(e))
         if "l3_admitted" in e and "s3" in data["tiers"]:  # (absent from older servers)
             parts.append(_l3_admission_line(e))
+        if e.get("tail_lookups", 0) or e.get("tails_superseded", 0):  # tails on in some engine
+            parts.append(
+                f"tails: lookups {e.get('tail_lookups', 0)}, blocks found {e.get('tail_blocks_hit', 0)}, "
+                f"superseded {e.get('tails_superseded', 0)}, block index {e.get('tail_index_blocks', 0)} blocks"
+            )
         parts.append(
             f"server: clients {srv.get('clients', 0)}, requests {srv.get('requests', 0)}, "
             f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"

@@ -241,6 +241,9 @@ class EngineConfig:
     #: forgotten first; a forgotten chunk is refused): bounds the rule's memory (~300 B a chunk,
     #: ~20 MB at the default).
     l3_admission_window: int = 65536
+    #: How many block hashes the block index remembers (tails: which stored object holds a block;
+    #: ~170 B each, ~45 MB at the default), least recently asked forgotten first.
+    tail_index_blocks: int = 262144
     write_queue_depth: int = 256
     promote_workers: int = 4
     write_workers: int = 2
@@ -251,6 +254,12 @@ class EngineConfig:
             "--l3-admission-window",
             self.l3_admission_window,
             "; use e.g. the disk budget divided by the chunk size",
+        )
+        _at_least_one(
+            "tail_index_blocks",
+            "--tail-index-blocks",
+            self.tail_index_blocks,
+            "; use e.g. 262144 (the default)",
         )
         _at_least_one(
             "write_queue_depth", "--write-queue-depth", self.write_queue_depth, "; use e.g. 256 (the default)"

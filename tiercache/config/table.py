@@ -210,6 +210,14 @@ META: dict[tuple[str, str], Meta] = {
         "chunks (its budget over the chunk size) so that a chunk is not forgotten while on disk.",
         metavar="N",
     ),
+    ("engine", "tail_index_blocks"): Meta(
+        "Block hashes the block index remembers (about 170 bytes each): for tails (the vLLM "
+        "connector's tails setting), which stored object holds each block of a chunk, so a prompt "
+        "shorter than a stored tail or chunk loads the blocks it shares with it. The least recently "
+        "asked are forgotten beyond it; size it to about the blocks past the last full chunk of the "
+        "requests the cache holds, times the blocks per chunk.",
+        metavar="N",
+    ),
     ("engine", "write_queue_depth"): Meta(
         "Bound of each queue to a lower tier (write-through, and write-back to S3); a full queue "
         "drops and counts the write: under write-back the chunk is then lost (docs/caveats.md).",

@@ -29,8 +29,9 @@ class ChunkLoad:
     positions: list[list[int]]
     block_ids: list[list[int]]
     state: bool = False
-    #: 0: a whole chunk's objects. ``k > 0``: tail objects (see :mod:`tiercache.connector.tails`),
-    #: each holding ``k`` blocks of its group; ``positions`` then index those ``k`` blocks.
+    #: 0: a whole chunk's objects. ``k > 0``: objects of ``k`` blocks each (a tail, or a chunk whose
+    #: first blocks a tail lookup found: :mod:`tiercache.connector.tails`); ``positions`` then index
+    #: those ``k`` blocks.
     blocks: int = 0
 
 
@@ -67,9 +68,13 @@ class ChunkSave:
     prefix_hash: bytes
     block_ids: list[list[int]]
     tenant: bytes = b""  # the request's tenant id (tiercache.keys.tenant): whose quota it uses
-    blocks: int = 0  # 0: a full chunk; k > 0: a tail object of k blocks per group (``block_ids``)
-    #: A full chunk's tails (their prefix hashes): dropped once this chunk is committed.
+    blocks: int = 0  # 0: a full chunk; k > 0: a tail object of the chunk's first k blocks per group
+    #: The shorter tails of this chunk this object covers (their prefix hashes): dropped once it is
+    #: committed.
     supersedes: list[bytes] = field(default_factory=list)
+    #: The tail hashes of the blocks this object holds, from its first (the server's block index:
+    #: a tail lookup naming one of them finds this object). Empty with tails off.
+    holds: list[bytes] = field(default_factory=list)
 
 
 @dataclass

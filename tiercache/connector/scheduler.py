@@ -62,6 +62,7 @@ from tiercache.connector.tails import (
     askable_blocks,
     tail_block_size,
     tail_blocks,
+    tail_holds,
     unsupported,
 )
 from tiercache.errors import TierCacheError
@@ -126,6 +127,8 @@ class _Request:
     tail_hashes: list[bytes] = field(default_factory=list)  # its blocks' tail hashes, asked for
     tail_probe: _Probe = field(default_factory=lambda: _Probe())  # the tail's lookup in flight
     tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
+    tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
+    tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
     def hashes(self, chunk_size: int) -> list[bytes]:
@@ -446,24 +449,33 @@ class SchedulerHalf:
         if result.state is not p.TicketStateName.READY or not result.ready_chunks or self.layout is None:
             self._drop_tail(st)
             return True
-        index = {h: j for j, h in enumerate(st.tail_hashes)}
-        found: dict[int, set[int]] = {}
+        # One object holds the blocks found, at its first positions: a tail, or the chunk itself
+        # (found through the server's block index). Every group's object of it is pinned (a
+        # sliding group's too: the tail is the newest part of its window), all of one size in
+        # blocks, holding at least the blocks the reply counts.
+        blocks = min(result.chunks, len(st.tail_hashes))
+        by_group = {}
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
-            j = index.get(prefix_hash)
-            if j is not None:
-                found.setdefault(j, set()).add(group)
-        # Every group's object of every block up to the end of the hit (a sliding group's too: the
-        # tail is the newest part of its window).
-        needed = {g.object_group for g in self.layout.groups}
-        blocks = 0
-        while blocks < result.ready_chunks and needed <= found.get(blocks, set()):
-            blocks += 1
+            by_group[group] = (prefix_hash, slot.nbytes)
+        targets = {h for h, _ in by_group.values()}
+        sizes = set()
+        for g in self.layout.groups:
+            held = by_group.get(g.object_group)
+            per_block = len(g.layer_names) * g.page_bytes
+            if held is None or not per_block or held[1] % per_block:
+                sizes.add(-1)
+            else:
+                sizes.add(held[1] // per_block)
+        object_blocks = sizes.pop() if len(sizes) == 1 else -1
+        if len(targets) != 1 or not blocks <= object_blocks <= self.layout.chunk_size // self._tail_block:
+            blocks = 0
         st.tail_blocks = blocks
         st.tail_saved = (st.tail_chunk, blocks)  # the server holds these: never stored again
         if blocks == 0:
             self._drop_tail(st)
         else:
+            st.tail_target, st.tail_object_blocks = targets.pop(), object_blocks
             self.stats.add("hit_tokens", blocks * self._tail_block)
         return True
 
@@ -609,15 +621,15 @@ class SchedulerHalf:
                 store=False,
                 sliding=self.layout.kv_group_windows().keys(),
             )
-            chunks += [
-                ChunkLoad(
-                    t.prefix_hash,
-                    [[0] if ids else [] for ids in t.block_ids],
-                    [list(i) for i in t.block_ids],
-                    blocks=1,
+            if tails:  # one object holds them all, block j at its position j
+                chunks.append(
+                    ChunkLoad(
+                        st.tail_target,
+                        [[t.j for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
+                        [[t.block_ids[g][0] for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
+                        blocks=st.tail_object_blocks,
+                    )
                 )
-                for t in tails
-            ]
             complete = complete and len(tails) == upto - first
         if recurrent and complete:
             # The state at the boundary goes where vLLM put it for a hit of ``end`` tokens; a null
@@ -755,8 +767,11 @@ class SchedulerHalf:
             for kv in recurrent:
                 ids[kv] = [state.get(kv, 0)]
             save = ChunkSave(st.req_id, c, hashes[c], ids, st.tenant)
-            if self._tail_block:
+            if self._tail_block and all(all(x) for kv, x in enumerate(ids) if kv not in recurrent):
+                # Every group's object is stored: the chunk holds every tail of it, and a tail
+                # lookup finds its blocks in it.
                 save.supersedes = self._chunk_tails(st, c)
+                save.holds = save.supersedes
             saves.append(save)
             self.events.remember(st.request, c, chunk, hashes[c])
             st.saves_scheduled += 1
@@ -765,14 +780,23 @@ class SchedulerHalf:
             self._plan_tail_saves(st, computed, before, saves)
 
     def _chunk_tails(self, st: _Request, c: int) -> list[bytes]:
-        """The tail hashes of chunk ``c``'s blocks short of its end: what storing it supersedes."""
+        """The tail hashes of chunk ``c``'s blocks short of its end: the keys of the tails storing
+        it supersedes, and the blocks a tail lookup finds in it."""
         assert self.layout is not None and st.hasher is not None
         chunk, block = self.layout.chunk_size, self._tail_block
         return tail_hashes(st.hasher.before(c), st.prompt[c * chunk : (c + 1) * chunk - block], block)
 
     def _plan_tail_saves(self, st: _Request, computed: int, before: int, saves: list[ChunkSave]) -> None:
-        """Stores for the full blocks below ``computed`` of the chunk it ends in, once every chunk
-        before is stored or scheduled; each block is one object per group (``blocks=1``)."""
+        """The store of the full blocks below ``computed`` of the chunk it ends in, once every
+        chunk before is stored or scheduled: one object (per group) of the chunk's first ``k``
+        blocks, keyed by the tail hash of its last, holding every block from the chunk's first
+        (lookups ask from there) and superseding the shorter tails of the chunk. Nothing when the
+        server already holds that many of them (stored by this request, or found).
+
+        A sliding group's first blocks may already be freed (out of the window: a request's end,
+        after its decode moved on): the object holds zeros there, it names for the block index
+        only the blocks whose hit needs none of them (:func:`tail_holds`), and it supersedes
+        nothing (a shorter tail still serves the shorter hits)."""
         layout = self.layout
         assert layout is not None
         chunk, block = layout.chunk_size, self._tail_block
@@ -781,21 +805,39 @@ class SchedulerHalf:
             return
         stored = st.tail_saved[1] if st.tail_saved[0] == c else 0
         last = min((computed - c * chunk) // block, chunk // block - 1)
-        # A sliding group's blocks before its window may already be freed: a tail must start at
-        # the chunk's first block (lookups ask from there), so a freed one ends this chunk's tails.
-        freed = max((freed_blocks(before, w, block) for w in layout.kv_group_windows().values()), default=0)
-        if last <= stored or freed > c * (chunk // block) + stored:
+        if last <= stored:
             return
         st.hashes(chunk)
         assert st.hasher is not None
         hashes = tail_hashes(st.hasher.before(c), st.prompt[c * chunk : c * chunk + last * block], block)
+        tails = tail_blocks(st.block_ids, c, chunk, block, hashes, 0, last, store=True)
+        k = len(tails)
+        if k <= stored:
+            return
         recurrent = layout.recurrent_kv_groups()
-        for t in tail_blocks(st.block_ids, c, chunk, block, hashes, stored, last, store=True):
-            ids = [list(i) if kv not in recurrent else [] for kv, i in enumerate(t.block_ids)]
-            saves.append(ChunkSave(st.req_id, c, t.prefix_hash, ids, st.tenant, blocks=1))
-            self.events.remember_tail(st.request, c, chunk, t.j, block, t.prefix_hash)
-            st.saves_scheduled += 1
-            st.tail_saved = (c, t.j + 1)
+        windows = layout.kv_group_windows()
+        # Per sliding group, its blocks of this chunk vLLM may have freed (a prefix of them).
+        gone = {
+            kv: min(k, max(0, freed_blocks(before, w, block) - c * (chunk // block)))
+            for kv, w in windows.items()
+        }
+        ids = [
+            []
+            if kv in recurrent
+            else [0 if j < gone.get(kv, 0) else t.block_ids[kv][0] for j, t in enumerate(tails)]
+            for kv in range(len(st.block_ids))
+        ]
+        held = hashes[:k]
+        holds = tail_holds(held, c, chunk, block, windows, gone)
+        if not holds:
+            return  # no hit could use it
+        covers = held[:-1] if not any(gone.values()) else []
+        saves.append(
+            ChunkSave(st.req_id, c, held[-1], ids, st.tenant, blocks=k, supersedes=covers, holds=holds)
+        )
+        self.events.remember_tail(st.request, c, chunk, 0, k * block, held[-1])
+        st.saves_scheduled += 1
+        st.tail_saved = (c, k)
 
     def _collect_orphans(self) -> None:
         client = self.link.client()

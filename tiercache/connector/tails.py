@@ -1,26 +1,29 @@
-"""Tails: what lies past a request's last full chunk, stored and matched block by block.
+"""Tails: what lies past a request's last full chunk, stored as one object and matched block by block.
 
 tiercache keeps chunk-sized objects for the bulk of a prompt. What follows the last full chunk (a
 question after a document, a chat turn's end and its answer) would be recomputed by every request,
 where vLLM's own prefix cache reuses every full block. With the ``tails`` setting the connector also
-stores, for chunk ``c`` that a request does not fill, one object per full block ``j`` of it (per
-object group, ``[layers, 1, page]``), keyed by :func:`tiercache.keys.tail_hashes`: a chain over the
-blocks' tokens that continues from the chunk chain before ``c``. A lookup then asks, after the full
-chunks it found, for the blocks of the next chunk, and the hit ends at the last block found: where
-vLLM's own prefix cache would end.
+stores, for chunk ``c`` that a request does not fill, one object (per object group) of the chunk's
+first ``k`` full blocks, keyed by the tail hash of its last (:func:`tiercache.keys.tail_hashes`: a
+chain over the blocks' tokens that continues from the chunk chain before ``c``), and names the
+blocks it holds for the server's block index (:mod:`tiercache.engine.blocks`). A lookup then asks,
+after the full chunks it found, for the blocks of the next chunk; the server answers with the
+object holding the longest prefix of them (a tail, a longer one, or the chunk itself, stored by a
+longer request), and the worker loads its first blocks: the hit ends where vLLM's own prefix cache
+would end.
 
-A chunk's tails are superseded when the chunk itself is stored: the commit names them and the
-server drops them from its local tiers (:meth:`tiercache.wire.client.Client.commit`).
+A chunk's shorter tails are superseded when the chunk, or a longer tail, is stored: the commit names
+them and the server drops them from its local tiers (:meth:`tiercache.wire.client.Client.commit`).
 
 Plain Python (no vLLM, no torch): the scheduler half plans with these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercache.connector.blockmap import NULL_BLOCK
+from tiercache.connector.blockmap import NULL_BLOCK, freed_blocks
 from tiercache.connector.layout import EngineLayout
 
 
@@ -93,4 +96,31 @@ def tail_blocks(
                 return out
             ids.append((b,) if b != NULL_BLOCK else ())
         out.append(TailBlock(j, hashes[j], tuple(ids)))
+    return out
+
+
+def tail_holds(
+    hashes: Sequence[bytes],
+    tail_chunk: int,
+    chunk_size: int,
+    block_size: int,
+    windows: Mapping[int, int],
+    gone: Mapping[int, int],
+) -> list[bytes]:
+    """The blocks a tail object of ``len(hashes)`` blocks of chunk ``tail_chunk`` names for the
+    server's block index (their tail hashes): each block ``j`` whose hit (ending after it) needs
+    none of the blocks the object lacks. ``gone[kv]``: the leading blocks of sliding KV-cache group
+    ``kv`` (window ``windows[kv]`` tokens) freed before the store, held as zeros; a hit ending at
+    token ``e`` needs that group's blocks from :func:`~tiercache.connector.blockmap.freed_blocks`
+    ``(e)`` on."""
+    per_chunk = chunk_size // block_size
+    out = []
+    for j, h in enumerate(hashes):
+        end = tail_chunk * chunk_size + (j + 1) * block_size
+        if all(
+            freed_blocks(end, windows[kv], block_size) - tail_chunk * per_chunk >= gone[kv]
+            for kv in gone
+            if gone[kv]
+        ):
+            out.append(h)
     return out

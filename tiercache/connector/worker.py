@@ -515,14 +515,22 @@ class WorkerHalf:
                 dst = self._copy.host(arena, slot.offset, slot.nbytes)
                 dst = dst.view(len(g.layer_names), n, g.page_bytes)
                 ids = save.block_ids[g.kv_group]
-                if 0 in ids:
-                    raise ValueError("refusing to store the null block")
                 if len(ids) != n:
                     raise ValueError(
                         f"the object of KV-cache group {g.kv_group} is {n} blocks, the save has {len(ids)}"
                     )
+                # A tail's sliding group: its first blocks may be gone (zeros, which the tail's
+                # block index entries never let a load read); never a null block anywhere else.
+                zeros = next((i for i, b in enumerate(ids) if b), n) if _zeros_allowed(save, g) else 0
+                if 0 in ids[zeros:]:
+                    raise ValueError("refusing to store the null block")
+                if zeros:
+                    dst[:, :zeros].zero_()
                 self._copy.save(
-                    ready, self._pages[g.kv_group], torch.tensor(ids, dtype=torch.long), list(dst)
+                    ready,
+                    self._pages[g.kv_group],
+                    torch.tensor(ids[zeros:], dtype=torch.long),
+                    [rows[zeros:] for rows in dst],
                 )
         except BaseException:
             try:
@@ -530,7 +538,7 @@ class WorkerHalf:
             except TierCacheError:
                 pass
             raise
-        # The tails the committed full chunks cover (every block-per-block group's objects of them).
+        # The shorter tails the committed chunks and tails cover (every KV group's objects of them).
         covered = [
             ObjectKey(self._fingerprints[g.object_group], g.object_group, h)
             for save in batch
@@ -558,7 +566,8 @@ class WorkerHalf:
         sources: list[tuple[GroupLayout, ChunkSave]] = []
         for save in batch:
             for g in self._groups:
-                if not save.block_ids[g.kv_group] or 0 in save.block_ids[g.kv_group]:
+                ids = save.block_ids[g.kv_group]
+                if not any(ids) or (0 in ids and not _zeros_allowed(save, g)):
                     continue  # a sliding group's blocks out of the window, or no state kept: no object
                 n = save.blocks or g.blocks_per_chunk
                 items.append(
@@ -571,8 +580,9 @@ class WorkerHalf:
                 sources.append((g, save))
         if not items:
             return _Reservation()
+        holds = [(save.prefix_hash, save.holds) for save in batch if save.holds]
         try:
-            slots = client.reserve(items, tenants=tenants)
+            slots = client.reserve(items, tenants=tenants, holds=holds)
             return _Reservation(client=client, slots=slots, sources=sources)
         except TierCacheError as exc:
             if getattr(exc, "code", "") in ("tier_full", "busy"):
@@ -630,3 +640,10 @@ class WorkerHalf:
         self.link.close()
         if self._copy is not None:
             self._copy.close()
+
+
+def _zeros_allowed(save: ChunkSave, g: GroupLayout) -> bool:
+    """Whether ``save`` may hold zeros for ``g``'s null blocks: a tail's sliding group, whose first
+    blocks vLLM freed before the store (:meth:`SchedulerHalf._plan_tail_saves
+    <tiercache.connector.scheduler.SchedulerHalf._plan_tail_saves>`)."""
+    return save.blocks > 0 and g.is_sliding

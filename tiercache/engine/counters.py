@@ -35,7 +35,11 @@ class EngineCounters(Counters):
     l2_writes: int = 0
     l3_writes: int = 0
     write_failures: int = 0
-    tails_superseded: int = 0  # tail objects dropped from a local tier once their full chunk was stored
+    tails_superseded: int = (
+        0  # tail objects dropped from a local tier once an object covering them was stored
+    )
+    tail_lookups: int = 0  # lookups of the blocks of one chunk (tails)
+    tail_blocks_hit: int = 0  # blocks those found, in stored tails and chunks
 
 
 def timed_pin(tier: Tier, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:

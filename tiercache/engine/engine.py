@@ -5,7 +5,9 @@ What it adds on top of the tiers, and nothing else:
 * **lookup** of the longest *restorable* prefix across all tiers (:mod:`tiercache.engine.lookup`);
 * **promotion** of lower-tier hits into L1, pinned for the caller, all-or-nothing
   (:mod:`tiercache.engine.promotion`);
-* **write-behind** of committed chunks to the lower tiers (:mod:`tiercache.engine.writes`).
+* **write-behind** of committed chunks to the lower tiers (:mod:`tiercache.engine.writes`);
+* the **block index** of tails: which stored object holds a given block of a chunk
+  (:mod:`tiercache.engine.blocks`).
 
 The engine knows tiers only through the contract (:class:`~tiercache.tier.Tier`, and
 :class:`~tiercache.tier.FrontTier` for L1).
@@ -16,11 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from time import perf_counter
 
 import msgspec
 
 from tiercache.config.parts import EngineConfig
+from tiercache.engine.blocks import BlockIndex
 from tiercache.engine.counters import EngineCounters, timed_pin
 from tiercache.engine.groups import GroupSpec
 from tiercache.engine.lookup import Locator, LookupResult
@@ -34,6 +38,20 @@ from tiercache.tier.contract import FrontTier, Tier, WriteHandle
 from tiercache.tier.latency import HistogramSnapshot
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TailLookup:
+    """A tail lookup's answer: the object ``target`` (a prefix hash) holds the first ``blocks`` of
+    the blocks asked for, at its first ``blocks`` positions; ``found`` is the lookup of ``target``
+    as a one-chunk chain (where its objects are, for a :meth:`TieredEngine.prefetch` of it)."""
+
+    blocks: int
+    target: bytes
+    found: LookupResult
+
+
+_NO_TAIL = TailLookup(0, b"", LookupResult(0, {}))
 
 
 class TieredEngine:
@@ -59,6 +77,7 @@ class TieredEngine:
         self._locator = Locator(self.tiers)
         self._writes = WriteBehind(l1, self.lower, self.config, self.counters)
         self._promoter = Promoter(l1, self.lower, self.config.promote_workers, self.counters)
+        self._blocks = BlockIndex(self.config.tail_index_blocks)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -183,6 +202,35 @@ class TieredEngine:
             self.counters.add("lookup_chunks_hit", found.chunks)
         return found
 
+    def index_blocks(self, target: bytes, blocks: Sequence[bytes]) -> None:
+        """The objects under prefix hash ``target`` (every group's) hold ``blocks[j]`` (tail
+        hashes) at position ``j``: a tail lookup naming one of them finds ``target``
+        (:mod:`tiercache.engine.blocks`). Non-blocking."""
+        self._blocks.add(target, blocks)
+
+    def lookup_tail(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], *, inflight: bool = False
+    ) -> TailLookup:
+        """The stored object holding the longest prefix of ``hashes``, the tail hashes of blocks
+        ``0 .. m-1`` of one chunk (:func:`tiercache.keys.tail_hashes`), for every group (every
+        group needs that object: a tail's blocks are the newest of a sliding window too).
+
+        The block index names the candidates; each is checked against the tiers like a one-chunk
+        lookup, and one no tier holds any more is forgotten. With ``inflight``, an object still
+        being written into L1 counts (a prefetch then waits for its commit). Blocking like
+        :meth:`lookup`.
+        """
+        self.counters.add("tail_lookups")
+        for j in range(len(hashes) - 1, -1, -1):
+            for target in self._blocks.targets(hashes[j]):
+                found = self._locator.lookup([target], groups, inflight=True)
+                if not found.chunks:
+                    self._blocks.forget(hashes[j], target)  # gone from every tier (or a group's is)
+                elif inflight or not found.inflight:
+                    self.counters.add("tail_blocks_hit", j + 1)
+                    return TailLookup(j + 1, target, found)
+        return _NO_TAIL
+
     def prefetch(
         self,
         hashes: Sequence[bytes],
@@ -296,7 +344,11 @@ class TieredEngine:
                 **tier.stats.snapshot(),
             }
         return {
-            "engine": {**self.counters.snapshot(), **self._writes.depths()},
+            "engine": {
+                **self.counters.snapshot(),
+                **self._writes.depths(),
+                "tail_index_blocks": len(self._blocks),
+            },
             "tiers": tiers,
             "tenants": tenants,
         }

@@ -113,11 +113,6 @@ class DataOps:
         wait = msg.inflight_wait_s if msg.prefetch else 0.0
         tenant = parse_tenant_id(msg.tenant)
 
-        def rule(specs: list[GroupSpec]) -> list[GroupSpec]:
-            if msg.every_object:
-                return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
-            return specs
-
         def answer(specs: list[GroupSpec], found: LookupResult) -> tuple[LookupResult, PrefetchTicket | None]:
             ticket = None
             if msg.prefetch and found.chunks > 0:
@@ -129,8 +124,26 @@ class DataOps:
             return found, ticket
 
         def job() -> tuple[LookupResult, PrefetchTicket | None]:
-            specs = rule(self._layouts.resolve(msg.groups))
+            specs = self._layouts.resolve(msg.groups)
             return answer(specs, engine.lookup(msg.hashes, specs, inflight=wait > 0))
+
+        if msg.every_object:
+            # A tail: the one object holding the most of these blocks, every group's (a tail's
+            # blocks are the newest of a sliding window too), pinned alone.
+            def tail_job() -> tuple[LookupResult, PrefetchTicket | None]:
+                specs = [
+                    dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION)
+                    for s in self._layouts.resolve(msg.groups)
+                ]
+                tail = engine.lookup_tail(msg.hashes, specs, inflight=wait > 0)
+                ticket = None
+                if msg.prefetch and tail.blocks:
+                    ticket = engine.prefetch(
+                        [tail.target], specs, 1, inflight_wait_s=wait, tenant=tenant, keys=tail.found.keys
+                    )
+                return LookupResult(tail.blocks, tail.found.per_tier), ticket
+
+            job = tail_job
 
         identity = session.identity
         received = self._arrival()
@@ -153,12 +166,13 @@ class DataOps:
             if owner is None:  # the client went away while we looked
                 engine.release_ticket(ticket)
                 return None
-            self._sessions.hold_ticket(owner, ticket)
+            # Its polls say what it pins (a chunk lookup) or how many blocks the object holds (a tail).
+            self._sessions.hold_ticket(owner, ticket, found.chunks if msg.every_object else ticket.target)
             return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
 
-        known = self._layouts.resolve_known(msg.groups)
+        known = None if msg.every_object else self._layouts.resolve_known(msg.groups)
         if known is not None:
-            specs = rule(known)
+            specs = known
             found = engine.lookup_front(msg.hashes, specs)
             if found is not None:  # all in L1: the executor's answer too, and nothing blocks
                 self._complete(session, msg.req_id, answer(specs, found), finish, sent)
@@ -179,7 +193,8 @@ class DataOps:
 
     def poll_ticket(self, session: Session, msg: p.PollTicket) -> p._Msg:
         ticket = self._sessions.ticket(session, msg.ticket)
-        return self._ticket_reply(ticket, p.LookupReply(chunks=ticket.target, per_tier={}))
+        found = session.found.get(msg.ticket, ticket.target)
+        return self._ticket_reply(ticket, p.LookupReply(chunks=found, per_tier={}))
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p._Msg:
         self._engine.release_ticket(self._sessions.drop_ticket(session, msg.ticket))
@@ -195,11 +210,15 @@ class DataOps:
                     p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}"
                 )
             items.append((parse_key(raw), nbytes))
+        for target, blocks in msg.holds:
+            check_hashes([target, *blocks])
         try:
             handles = self._l1.reserve_many(items, tenants=tenants)
         except TierFullError:
             self._engine.counters.add("stores_dropped", len(items))
             raise
+        for target, blocks in msg.holds:
+            self._engine.index_blocks(target, blocks)
         slots: list[p.Slot | None] = []
         for handle in handles:
             self._sessions.hold_reservation(session, handle)

@@ -206,6 +206,13 @@ class EngineCollector(Collector):
                 lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
             elif name.startswith(_L3_REFUSED):
                 refusals[name.removeprefix(_L3_REFUSED)] = value
+            elif name == "tail_index_blocks":
+                yield GaugeMetricFamily(
+                    "tiercache_engine_tail_index_blocks",
+                    "Block hashes the block index remembers (tails: which stored object holds each "
+                    "block; bounded by --tail-index-blocks).",
+                    value=value,
+                )
             elif name == "l3_admission_waiting":
                 yield GaugeMetricFamily(
                     "tiercache_engine_l3_admission_waiting",

@@ -44,6 +44,9 @@ class Session:
     reservations: dict[int, WriteHandle] = field(default_factory=dict)
     leases: dict[int, ReadHandle] = field(default_factory=dict)
     tickets: dict[int, PrefetchTicket] = field(default_factory=dict)
+    #: What each ticket's lookup reported found (chunks, or a tail lookup's blocks), said again by
+    #: its polls.
+    found: dict[int, int] = field(default_factory=dict)
     #: The session key's seal (shared-secret servers only): requests must carry its tag.
     seal: SessionSeal | None = None
 
@@ -140,8 +143,10 @@ class Sessions:
         session.leases[handle.token] = handle
         self._owner[handle.token] = session.identity
 
-    def hold_ticket(self, session: Session, ticket: PrefetchTicket) -> None:
+    def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: int) -> None:
+        """``session`` holds ``ticket``, whose lookup reported ``found`` (its polls say it again)."""
         session.tickets[ticket.ticket_id] = ticket
+        session.found[ticket.ticket_id] = found
         self._ticket_owner[ticket.ticket_id] = session.identity
 
     def claim_reservations(self, session: Session, tokens: list[int]) -> list[WriteHandle]:
@@ -177,6 +182,7 @@ class Sessions:
         """Remove and return the client's open ticket ``ticket_id``."""
         ticket = self.ticket(session, ticket_id)
         del session.tickets[ticket_id]
+        session.found.pop(ticket_id, None)
         self._ticket_owner.pop(ticket_id, None)
         return ticket
 
@@ -230,6 +236,7 @@ class Sessions:
         session.reservations.clear()
         session.leases.clear()
         session.tickets.clear()
+        session.found.clear()
 
     # -- observation ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

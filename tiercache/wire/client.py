@@ -497,11 +497,12 @@ class Client:
         inflight_wait_s: float = 0.0,
         tenant: bytes = b"",
         timeout: float | None = None,
+        every_object: bool = False,
     ) -> LookupResult:
         """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
         ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`),
-        asked for ``tenant``. One round trip."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant)
+        asked for ``tenant``. ``every_object``: a tail lookup (the same). One round trip."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
         return self._call(msg, timeout=timeout)
 
     def lookup_async(
@@ -630,15 +631,21 @@ class Client:
         timeout: float | None = None,
         *,
         tenants: Sequence[bytes] = (),
+        holds: Sequence[tuple[bytes, Sequence[bytes]]] = (),
     ) -> list[p.Slot]:
         """Reserve arena slots for ``(key, nbytes)``, all or nothing (``ServerError`` code
         ``tier_full`` when L1 has no room). ``tenants``: each item's tenant id, or empty for the
-        default tenant's."""
+        default tenant's. ``holds``: ``(prefix hash, block hashes)`` of the tails and chunks being
+        stored, for the server's block index (:class:`~tiercache.wire.protocol.Reserve`)."""
         if tenants and len(tenants) != len(items):
             raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
         # All the default tenant's: say nothing (an older server accepts the message too).
         named = list(tenants) if any(tenants) else []
-        msg = p.Reserve(items=[(k.to_bytes(), n) for k, n in items], tenants=named)
+        msg = p.Reserve(
+            items=[(k.to_bytes(), n) for k, n in items],
+            tenants=named,
+            holds=[(target, list(blocks)) for target, blocks in holds],
+        )
         return self._call(msg, lambda r: r.slots, timeout)
 
     def commit(

@@ -31,7 +31,11 @@ import msgspec
 #: a shared-secret session carry a tag frame, and :class:`Hello` a client nonce. 3: a :class:`Slot`
 #: is an array ``[key, offset, nbytes, token]``, not a map (a lookup's reply holds 512 of them for a
 #: 128k-token prompt: a third fewer bytes, encoded and decoded faster).
-PROTOCOL_VERSION = 3
+#: 4: tails are objects of several blocks found through the server's block index:
+#: ``Reserve.holds`` names the blocks each stored object holds, and a ``Lookup`` with
+#: ``every_object`` (a tail lookup) answers with the one object holding the longest prefix of the
+#: blocks asked for (``LookupReply.chunks``: how many of them).
+PROTOCOL_VERSION = 4
 
 
 class ErrorCode(enum.StrEnum):
@@ -188,8 +192,11 @@ class Lookup(_Msg, tag="lookup"):
     max_chunks: int = 0
     inflight_wait_s: float = 0.0
     tenant: bytes = b""
-    #: Every group needs every hash's object (a tail lookup: the blocks of one chunk, where the
-    #: sliding-window rule, counted in chunks, does not apply).
+    #: A tail lookup: ``hashes`` are the tail hashes of blocks ``0 .. m-1`` of one chunk
+    #: (:func:`tiercache.keys.tail_hashes`). The answer is the one stored object (every group's)
+    #: holding the longest prefix of them, found through the block index (``Reserve.holds``):
+    #: ``LookupReply.chunks`` is how many blocks it holds of those asked, and a prefetch pins that
+    #: object alone (``ready_chunks`` 1), whose key names it. ``max_chunks`` does not apply.
     every_object: bool = False
 
 
@@ -210,11 +217,17 @@ class Reserve(_Msg, tag="reserve"):
 
     items: list[tuple[bytes, int]]
     tenants: list[bytes] = []
+    #: ``(prefix hash, block hashes)``: the objects under that prefix hash (every group's) hold
+    #: those blocks (tail hashes), in order from position 0. The server's block index remembers it
+    #: (from the reservation on, so a tail lookup waits for an object in flight), and a tail lookup
+    #: naming one of those blocks finds the object.
+    holds: list[tuple[bytes, list[bytes]]] = []
 
 
 class Commit(_Msg, tag="commit"):
     """Make reservations visible. ``supersedes`` (object keys) are dropped from the local tiers
-    once the commit is done: the tails (per-block objects) that a committed full chunk covers."""
+    once the commit is done: the shorter tails of the same chunk that a committed chunk or tail
+    covers."""
 
     tokens: list[int]
     supersedes: list[bytes] = []
