@@ -1148,13 +1148,15 @@ def test_a_producer_stores_its_prompts_tail_and_never_asks_for_one() -> None:
 
 
 def test_a_finished_request_stores_its_generated_tokens_and_supersedes_the_prompts_tail() -> None:
+    """A producer stores its prompt's tail once computed; when the request ends its generated
+    tokens fill chunk 2, whose store supersedes that tail."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from tiercache.wire.protocol import LookupReply
 
     client = _LookupClient(LookupReply(chunks=0, per_tier={}))
-    sched = _tails_scheduler(client)
+    sched = _tails_scheduler(client, loads=False)
     request = _prompt_request(2000)
     sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
     new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 8)),), num_computed_tokens=0)
@@ -1167,6 +1169,30 @@ def test_a_finished_request_stores_its_generated_tokens_and_supersedes_the_promp
     meta = sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
     assert [(s.chunk_index, s.block_ids, s.blocks) for s in meta.saves] == [(2, [[5, 6]], 0)]
     assert meta.saves[0].supersedes == [prompt_tail.prefix_hash]
+
+
+def test_a_request_stores_its_tail_once_at_its_end_with_its_prompts_blocks() -> None:
+    """kv_both, a full-attention model: no tail when the prompt is computed; at the request's end,
+    one object of the prompt's and the answer's full blocks of the last chunk."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _four_block_tails_scheduler(client)
+    request = _prompt_request(2000)
+    request.max_tokens = 201  # type: ignore[attr-defined]  # (its answer may add blocks to the tail)
+    sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 13)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_output([new], {}, {"r": 2000}))  # type: ignore[attr-defined]
+    assert [s.blocks for s in meta.saves] == [0, 0]  # the two full chunks only
+    done = SimpleNamespace(
+        **vars(request), all_token_ids=[*range(2000), *range(200)], num_computed_tokens=2199
+    )
+    assert sched.request_finished(done) == (True, None)  # type: ignore[attr-defined]
+    (tail,) = sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]
+    assert (tail.chunk_index, tail.block_ids, tail.blocks) == (2, [[9, 10, 11]], 3)
 
 
 def _four_block_tails_scheduler(client: object, **kw: object) -> object:
@@ -1243,7 +1269,7 @@ def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> 
 
 def test_a_tail_is_one_object_of_the_chunks_first_blocks_superseding_the_shorter_one() -> None:
     """A producer's prompt of 2000 tokens stores chunk 2's first 2 blocks as one object keyed by the
-    second's tail hash; the request ends with 3 full blocks there, stored as one object of all 3
+    second's tail hash; the request ends (here after more tokens) with 3 full blocks there, stored as one object of all 3
     that supersedes the first. Each names the blocks it holds, for the server's block index."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
@@ -1252,7 +1278,7 @@ def test_a_tail_is_one_object_of_the_chunks_first_blocks_superseding_the_shorter
     from tiercache.wire.protocol import LookupReply
 
     client = _LookupClient(LookupReply(chunks=0, per_tier={}))
-    sched = _four_block_tails_scheduler(client)
+    sched = _four_block_tails_scheduler(client, loads=False)  # a producer: its prompt's tail at once
     request = _prompt_request(2000)
     sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
     new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 13)),), num_computed_tokens=0)
@@ -1271,3 +1297,25 @@ def test_a_tail_is_one_object_of_the_chunks_first_blocks_superseding_the_shorter
     (end_tail,) = sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]
     assert (end_tail.chunk_index, end_tail.block_ids, end_tail.blocks) == (2, [[9, 10, 11]], 3)
     assert (end_tail.prefix_hash, end_tail.holds, end_tail.supersedes) == (t[2], t, t[:2])
+
+
+def test_a_request_whose_answer_cannot_add_a_block_stores_its_tail_once_its_prompt_is_computed() -> None:
+    """max_tokens 8 after 2000 tokens (blocks of 192): the KV at the end stays inside the prompt's
+    last block, so the end's tail would be the prompt's: stored at once (not lost if no step
+    follows the request's end, as after an offline generate call's last request)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.wire.protocol import LookupReply
+
+    client = _LookupClient(LookupReply(chunks=0, per_tier={}))
+    sched = _four_block_tails_scheduler(client)
+    request = _prompt_request(2000)
+    request.max_tokens = 8  # type: ignore[attr-defined]
+    sched.get_num_new_matched_tokens(request, 0)  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(list(range(1, 13)),), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_output([new], {}, {"r": 2000}))  # type: ignore[attr-defined]
+    assert [(s.chunk_index, s.blocks) for s in meta.saves] == [(0, 0), (1, 0), (2, 2)]
+    done = SimpleNamespace(**vars(request), all_token_ids=[*range(2000), *range(8)], num_computed_tokens=2007)
+    assert sched.request_finished(done) == (True, None)  # type: ignore[attr-defined]
+    assert not sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]

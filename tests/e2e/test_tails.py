@@ -80,6 +80,7 @@ class World:
 
 MODELS = {"dense": write_tiny_llama, "sliding": write_tiny_gemma3}
 GROUPS = {"dense": 1, "sliding": 2}  # object groups: every tail and chunk is one object per group
+TAIL_STORES = {"dense": 4, "sliding": 5}  # tail objects the cold run stores (see ``world``)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -97,9 +98,10 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         server.wait_ready()
         w = World(tmp, model, server, prompts, Run([], [], []), request.param)
         w.cold = w.run("cold", prompts, local_cache=True, **TAILS)
-        # Full chunks: 1 + 1 + 2 + 0; tails, one object each: A's of 2 blocks, B's of 2 (then one
-        # of 3 at its end), C's of 1, D's of 3.
-        wait_for_stores(server, (4 + 5) * GROUPS[request.param])
+        # Full chunks: 1 + 1 + 2 + 0; tails, one object each at each request's end: A's of 2 blocks,
+        # B's of 3, C's of 1, D's of 3 (the sliding model also stores each prompt's tail once
+        # computed: B's of 2 too).
+        wait_for_stores(server, (4 + TAIL_STORES[request.param]) * GROUPS[request.param])
         yield w
     finally:
         server.stop()
@@ -170,10 +172,10 @@ def _tails_of(prompt: list[int], chunk: int, blocks: int) -> list[bytes]:
 def test_storing_the_full_chunk_supersedes_the_tails_it_covers(world: World, fresh: Fresh) -> None:
     """A third turn of B's chat fills B's chunk 1.
 
-    Dense: the chunk's commit drops B's tail of 3 blocks (stored at B's end, it had superseded B's
-    prompt's tail of 2); A's tail, another prefix, stays. Sliding: B's end came after its sliding
-    group's first block of chunk 1 left the window, so B's tail of 3 holds zeros there, names only
-    its last block for the block index and superseded nothing; the third turn's engine, which
+    Dense: the chunk's commit drops B's tail of 3 blocks (stored at B's end, B's only); A's tail,
+    another prefix, stays. Sliding: B's prompt's tail of 2 was stored once computed, and B's end
+    came after its sliding group's first block of chunk 1 left the window, so B's tail of 3 holds
+    zeros there, names only its last block for the block index and superseded nothing; the third turn's engine, which
     loaded B's blocks, stores the chunk without that group's object (out of its window too), so the
     chunk replaces no tail and both of B's stay (they still serve B's and T's prompts)."""
     a, b = world.cold_prompts[0], world.cold_prompts[1]

@@ -183,6 +183,7 @@ class SchedulerHalf:
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
         self._async_loads = False  # set at connect: see _on_connect
         self._tail_block = 0  # > 0: tails are on (tiercache.connector.tails), in blocks of this many tokens
+        self._prompt_tails = False  # also store a prompt's tail once computed, not only at its end
         self._end_saves: list[ChunkSave] = []  # stores planned when a request ended, sent next meta
         self.stats = StatsRecorder()
         self._outages_counted = 0
@@ -236,6 +237,12 @@ class SchedulerHalf:
             why = unsupported(layout)
             if why is None:
                 self._tail_block = tail_block_size(layout)
+                # A request's tail is stored once: at its end (its prompt's and answer's blocks
+                # in one object), or once its prompt is computed when the answer cannot add a
+                # block (_tail_is_final); always at the prompt where the end is too late: a
+                # producer's decode engine asks as soon as the prompt is done (reserved before the
+                # response returns), and a sliding group's first blocks may have left the window.
+                self._prompt_tails = not self._loads_enabled or layout.has_sliding
             else:
                 log.warning("tiercache: tails are off for this engine: %s", why)
         # A chunk's events follow one object of it: a full-attention group's exists for every
@@ -725,9 +732,26 @@ class SchedulerHalf:
     def _plan_saves(self, st: _Request, before: int, scheduled: int, meta: TierCacheMetadata) -> None:
         """Schedule stores for the prompt chunks that are complete once this step has run
         (``before``: tokens computed before this step, ``scheduled``: tokens it computes), and with
-        tails on, for the full blocks of the prompt's last partial chunk once they are."""
+        tails on for a producer or a sliding-window model, for the full blocks of the prompt's last
+        partial chunk once they are (others store a request's tail at its end only)."""
         computed = min(before + scheduled, len(st.prompt))
-        self._plan_saves_upto(st, computed, before, meta.saves, tails=computed == len(st.prompt))
+        tails = (
+            self._tail_block > 0
+            and computed == len(st.prompt)
+            and (self._prompt_tails or self._tail_is_final(st))
+        )
+        self._plan_saves_upto(st, computed, before, meta.saves, tails=tails)
+
+    def _tail_is_final(self, st: _Request) -> bool:
+        """Whether the request's end cannot add a full block to its prompt's tail (its answer
+        ends inside the prompt's last block: ``max_tokens`` says so): then the tail is stored as
+        soon as the prompt is computed, the very object its end would store, and not lost if no
+        step follows the request's end (an offline ``LLM.generate`` call's last request)."""
+        max_tokens = getattr(st.request, "max_tokens", None)
+        if not isinstance(max_tokens, int):
+            return True  # unknown: store now
+        block, n = self._tail_block, len(st.prompt)
+        return (n + max_tokens - 1) // block == n // block  # the last token's KV never exists
 
     def _plan_saves_upto(
         self, st: _Request, computed: int, before: int, saves: list[ChunkSave], *, tails: bool
