@@ -99,9 +99,10 @@ from tests.e2e.openai_server import (  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-SYSTEMS = ("none", "tiercache", "tiercache-tails", "lmcache", "lmcache-fs", "example")
-#: tiercache with the connector's ``tails`` setting: blocks past the last full chunk stored and matched.
-TIERCACHE_SYSTEMS = ("tiercache", "tiercache-tails")
+SYSTEMS = ("none", "tiercache", "tiercache-chunks", "lmcache", "lmcache-fs", "example")
+#: ``tiercache`` runs the connector's defaults (tails on: blocks past the last full chunk stored and
+#: matched); ``tiercache-chunks`` turns tails off (whole chunks only), to show what they cost and win.
+TIERCACHE_SYSTEMS = ("tiercache", "tiercache-chunks")
 BUDGETS = ("full", "third")
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
@@ -177,7 +178,7 @@ class TierCacheServer:
     chunk: int
     l1_gb: float
     proc: subprocess.Popen[bytes] | None = None
-    tails: bool = False  # the connector's ``tails`` setting
+    tails: bool = True  # the connector's ``tails`` setting (its default: on)
 
     @property
     def endpoint(self) -> str:
@@ -253,7 +254,10 @@ class TierCacheServer:
             "kv_connector": "TierCacheConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"server": self.endpoint, "tails": self.tails},
+            "kv_connector_extra_config": {
+                "server": self.endpoint,
+                **({} if self.tails else {"tails": False}),
+            },
         }
 
 
@@ -683,7 +687,11 @@ def run_all(
         cache: CacheServer
         if system in TIERCACHE_SYSTEMS:
             cache = TierCacheServer(
-                args.python, root, args.chunk_size, budget_gb(args, budget), tails=system == "tiercache-tails"
+                args.python,
+                root,
+                args.chunk_size,
+                budget_gb(args, budget),
+                tails=system != "tiercache-chunks",
             )
         elif system in LMCACHE_SYSTEMS:
             cache = LMCacheServer(
@@ -753,8 +761,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help="comma list of: none (no connector: vLLM's own prefix cache), tiercache, lmcache (MP, memory "
-        "only), lmcache-fs (MP with the fs L2 adapter), example (vLLM's ExampleConnector)",
+        help="comma list of: none (no connector: vLLM's own prefix cache), tiercache (the connector's "
+        "defaults: tails on), tiercache-chunks (tails off: whole chunks only), lmcache (MP, memory only), "
+        "lmcache-fs (MP with the fs L2 adapter), example (vLLM's ExampleConnector)",
     )
     s.add_argument(
         "--workloads",

@@ -33,7 +33,7 @@ SYSTEM_MODULES: dict[str, tuple[str, ...]] = {
     "none": ("vllm",),
     "floor": ("vllm",),
     "tiercache": ("vllm", "tiercache.connector"),
-    "tiercache-tails": ("vllm", "tiercache.connector"),
+    "tiercache-chunks": ("vllm", "tiercache.connector"),
     "lmcache": ("vllm", "lmcache", LMCACHE_CONNECTOR),
     "lmcache-fs": ("vllm", "lmcache", LMCACHE_CONNECTOR),
     "example": ("vllm",),
@@ -41,7 +41,7 @@ SYSTEM_MODULES: dict[str, tuple[str, ...]] = {
 #: Systems whose cache server is LMCache's ``lmcache`` command, which must sit next to the interpreter.
 LMCACHE_CLI_SYSTEMS = ("lmcache", "lmcache-fs")
 #: Systems whose connector vLLM finds by name through tiercache's ``vllm.general_plugins`` entry point.
-TIERCACHE_PLUGIN_SYSTEMS = ("tiercache", "tiercache-tails")
+TIERCACHE_PLUGIN_SYSTEMS = ("tiercache", "tiercache-chunks")
 
 #: Run with the interpreter under test: import each module named in argv[1:] and print, as JSON, each
 #: one's file or the error, the versions of the distributions that matter, and where ``lmcache``'s

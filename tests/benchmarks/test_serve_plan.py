@@ -217,7 +217,7 @@ def test_tiercache_from_elsewhere_or_without_its_plugin_is_refused() -> None:
         "file": "/venv/lib/site-packages/tiercache/connector/__init__.py"
     }
     elsewhere = Install(elsewhere.python, elsewhere.modules, elsewhere.versions, None, ())
-    problems = install_problems(elsewhere, ["tiercache-tails"], REPO)
+    problems = install_problems(elsewhere, ["tiercache-chunks"], REPO)
     assert len(problems) == 2
     assert "not from the checkout" in problems[0]
     assert "plugin is not registered" in problems[1]

@@ -172,7 +172,8 @@ def _recurrent_scheduler(
     sched = SchedulerHalf(
         None,
         None,
-        settings or ConnectorSettings(),
+        # Whole chunks unless a test asks for tails (the connector's default is on: see below).
+        settings or ConnectorSettings(tails=False),
         link=link_to(client if client is not None else object()),
         loads=loads,
         stores=stores,
@@ -567,7 +568,7 @@ def test_a_slow_promotion_is_given_up_after_timeout_s_not_the_in_flight_wait_too
     stepped: _SteppedClock,
 ) -> None:
     client = _PendingClient(awaiting=0)  # the server is promoting from disk or S3
-    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=30.0)
+    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=30.0, tails=False)
     sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
     took, answer = _settled_after(sched, stepped, 10_000)
     assert answer == (0, False), "a promotion slower than timeout_s is computed instead"
@@ -579,7 +580,7 @@ def test_a_wait_for_another_engines_store_gets_inflight_wait_s_on_top_of_timeout
     stepped: _SteppedClock,
 ) -> None:
     client = _PendingClient(awaiting=2)  # a prefill engine's stores are still in flight
-    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=1.0)
+    settings = ConnectorSettings(timeout_s=0.2, inflight_wait_s=1.0, tails=False)
     sched = _recurrent_scheduler(client=client, recurrent=False, settings=settings)
     took, answer = _settled_after(sched, stepped, 10_000)
     assert answer == (0, False)
@@ -1101,7 +1102,8 @@ def test_tails_are_on_for_dense_layouts_and_off_for_recurrent_state() -> None:
     pytest.importorskip("vllm")
     assert _tails_scheduler(object())._tail_block == 384  # type: ignore[attr-defined]
     assert _recurrent_scheduler(settings=ConnectorSettings(tails=True))._tail_block == 0  # type: ignore[attr-defined]
-    assert _recurrent_scheduler(recurrent=False)._tail_block == 0  # type: ignore[attr-defined]  # off by default
+    assert _recurrent_scheduler(recurrent=False, settings=ConnectorSettings(tails=False))._tail_block == 0  # type: ignore[attr-defined]
+    assert _recurrent_scheduler(recurrent=False, settings=ConnectorSettings())._tail_block == 384  # type: ignore[attr-defined]  # on by default
 
 
 def test_a_hit_ends_at_the_last_tail_block_found_and_loads_it_into_its_block() -> None:

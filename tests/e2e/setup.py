@@ -182,6 +182,7 @@ class Setup:
     module: str = (
         ENGINE_RUN  # every run's engine module (a launcher wrapping engine_run, e.g. seeded_dummy_run)
     )
+    connector_config: dict[str, Any] = field(default_factory=dict)  # every run's connector settings
 
     @classmethod
     def of(cls, base: Setup, **extra: Any) -> Self:
@@ -213,7 +214,7 @@ class Setup:
             engine_args=self.engine_args,
             extra_path=self.extra_path,
             log_stats=self.log_stats,
-            connector_config=connector_config,
+            connector_config={**self.connector_config, **(connector_config or {})},
             env=self.env,
         )
 
@@ -241,13 +242,14 @@ def cold_setup(
     wait_for_stored: int = 0,
     env: dict[str, str] | None = None,
     module: str = ENGINE_RUN,
+    connector_config: dict[str, Any] | None = None,
 ) -> Iterator[Setup]:
     """Write the model (``write_model`` with ``seed``) and prompts of ``lengths`` tokens
     (``make_prompts`` with ``prompt_seed``) under ``tmp``, start a server (``spec``; by default L1
     only, 64 MiB, chunk ``chunk``), run the cold engine through it and, with ``wait_for_stored``,
     wait for that many stores (not checked: a module that counts them asserts it). ``engine_args``,
-    ``extra_path``, ``log_stats``, ``env`` and ``module`` (the engine module, e.g. a launcher) apply to
-    the cold run and to every :meth:`Setup.run`.
+    ``extra_path``, ``log_stats``, ``env``, ``module`` (the engine module, e.g. a launcher) and
+    ``connector_config`` (connector settings) apply to the cold run and to every :meth:`Setup.run`.
     The server stops when the context ends."""
     model = tmp / "model"
     write_model(model, seed=seed)
@@ -270,6 +272,7 @@ def cold_setup(
             log_stats=log_stats,
             env=env,
             module=module,
+            connector_config=connector_config,
         )
         if wait_for_stored:
             wait_for_stores(server, wait_for_stored)
@@ -286,6 +289,7 @@ def cold_setup(
             log_stats,
             dict(env or {}),
             module,
+            dict(connector_config or {}),
         )
     finally:
         server.stop()

@@ -91,6 +91,9 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         name=name,
         prompt_seed=11,
         wait_for_stored=2 * STORED_CHUNKS,
+        # Whole chunks: this module specifies the chunk rules of these layouts (Gemma 4's groups of
+        # different block sizes get no tails anyway); tails on a sliding layout: test_tails.py.
+        connector_config={"tails": False},
     ) as base:
         stored, group_blocks = _stored(base.server)
         rng = np.random.default_rng(0)

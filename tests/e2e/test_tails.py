@@ -125,7 +125,7 @@ def fresh(world: World) -> Fresh:
     computed_b = len(b) + MAX_TOKENS - 1  # B's KV at its end: the last sampled token has none
     expected = [*(_blocks_of(len(p)) for p in world.cold_prompts), 160, computed_b // BLOCK * BLOCK]
     tails = world.run("fresh-tails", prompts, **TAILS)
-    whole = world.run("fresh-whole-chunks", prompts)
+    whole = world.run("fresh-whole-chunks", prompts, tails=False)
     return Fresh(prompts, expected, tails, whole)
 
 

@@ -27,12 +27,13 @@ Keys (all optional)::
                   0 publishes none (default 0.5)
     kv_events_chunks
                   how many chunks' worth of stored blocks the connector remembers for those events
-                  (a tail counts as one block; their token ids and block hashes, about 14 bytes per
+                  (a tail counts its blocks; their token ids and block hashes, about 14 bytes per
                   token); the oldest beyond it are published as removed and forgotten (default 16384)
-    tails         also store and match, block by block, what lies past a request's last full chunk
-                  (a prompt's tail; at a request's end, its generated tokens), so a hit ends where
-                  vLLM's own prefix cache would end (default false while it is being measured; not
-                  for recurrent-state models or groups of different block sizes: refused at start-up)
+    tails         also store what lies past a request's last full chunk (its prompt's and, at its
+                  end, its answer's full blocks of the last chunk, as one object) and match block
+                  by block, so a hit ends where vLLM's own prefix cache would end (default true;
+                  off, with a log line, for recurrent-state models and groups of different block
+                  sizes; false stores and matches whole chunks only)
 
 Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 """
@@ -78,7 +79,7 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005
     kv_events_interval_s: float = 0.5
     kv_events_chunks: int = 16384
-    tails: bool = False
+    tails: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -134,7 +135,7 @@ class ConnectorSettings:
                 lookup_wait_s=_seconds(raw, "lookup_wait_s", 0.005),
                 kv_events_interval_s=_seconds(raw, "kv_events_interval_s", 0.5),
                 kv_events_chunks=_count(raw, "kv_events_chunks", 16384),
-                tails=_flag(raw.get("tails", False)),
+                tails=_flag(raw.get("tails", True)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc

@@ -243,8 +243,8 @@ class SchedulerHalf:
                 # producer's decode engine asks as soon as the prompt is done (reserved before the
                 # response returns), and a sliding group's first blocks may have left the window.
                 self._prompt_tails = not self._loads_enabled or layout.has_sliding
-            else:
-                log.warning("tiercache: tails are off for this engine: %s", why)
+            else:  # (on by default: not a problem, whole chunks are what these layouts can use)
+                log.info("tiercache: tails are off for this engine: %s", why)
         # A chunk's events follow one object of it: a full-attention group's exists for every
         # stored chunk (a sliding group's only inside the window, a recurrent one's at boundaries).
         if self.events.enabled:

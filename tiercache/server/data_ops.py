@@ -159,7 +159,8 @@ class DataOps:
 
         def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p._Msg | None:
             found, ticket = result
-            self._tenants.record(tenant, len(msg.hashes), found.chunks)
+            if not msg.every_object:  # (a tail lookup goes on the same request's chunk lookup)
+                self._tenants.record(tenant, len(msg.hashes), found.chunks)
             owner = self._sessions.get(identity)
             if ticket is None:
                 return p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
