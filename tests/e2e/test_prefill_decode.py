@@ -14,9 +14,11 @@ tokens say so: it computes only the rest), its lookups waiting for the stores st
 server counts those waits; none may run out); the decode engine stores nothing, the prefill engine stores each
 chunk once; and the decode engine's outputs equal a single engine's.
 
-The module runs twice: with whole chunks, and with tails on both engines (``"tails": true``), where
-the decode engine loads every full 32-token block as well, the prefill engine's tail stores being in
-flight as its chunks' are.
+With the connector's defaults (tails on, ``"tails": true`` on both engines): the decode engine
+loads every full 32-token block as well as every full chunk, the prefill engine's tail stores being
+in flight as its chunks' are. (Whole chunks, ``"tails": false``, take the same reservation and
+in-flight path with fewer objects; it ran here as a second variant until tails became the default,
+and was dropped to keep CI's vLLM stage within its time.)
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class PD:
         return thread
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["chunks", "tails"])
+@pytest.fixture(scope="module", params=[True], ids=["tails"])
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     tails: bool = request.param
     tmp = tmp_path_factory.mktemp("pd")
