@@ -1204,6 +1204,24 @@ def _four_block_tails_scheduler(client: object, **kw: object) -> object:
     )
 
 
+def _tail_reply(target: bytes, *, blocks: int, object_blocks: int) -> object:
+    """A tail lookup's READY reply: ``blocks`` found in the object ``target`` of ``object_blocks``
+    blocks (one layer of 196608 bytes a block), pinned under ticket ``HIT_TICKET + 1``."""
+    from tiercache.keys import ObjectKey
+    from tiercache.keys.fingerprint import Fingerprint
+    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
+
+    key = ObjectKey(Fingerprint(bytes(16)), 0, target).to_bytes()
+    return LookupReply(
+        chunks=blocks,
+        per_tier={"l1": 1},
+        state=TicketStateName.READY,
+        ticket=HIT_TICKET + 1,
+        ready_chunks=1,
+        slots=[Slot(key, 0, object_blocks * 196608, 200)],
+    )
+
+
 class _SequencedClient(_LookupClient):
     """Answers the lookups with ``replies`` in turn (each a reply, or a function of the hashes asked)."""
 
@@ -1223,20 +1241,8 @@ def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_firs
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from tiercache.keys import ObjectKey
-    from tiercache.keys.fingerprint import Fingerprint
-    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
-
     chunk2 = b"\x07" * 16  # the whole chunk's prefix hash
-    tail_reply = LookupReply(
-        chunks=2,
-        per_tier={"l1": 1},
-        state=TicketStateName.READY,
-        ticket=HIT_TICKET + 1,
-        ready_chunks=1,
-        slots=[Slot(ObjectKey(Fingerprint(bytes(16)), 0, chunk2).to_bytes(), 0, 4 * 196608, 200)],
-    )
-    client = _SequencedClient(_hit_reply(chunks=2), tail_reply)
+    client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(chunk2, blocks=2, object_blocks=4))
     sched = _four_block_tails_scheduler(client)
     assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768 + 2 * 192, False)  # type: ignore[attr-defined]
     ids = list(range(1, 12))
@@ -1251,19 +1257,7 @@ def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_firs
 def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> None:
     """An object that cannot hold the blocks the reply counts (here 1 block for 2) is never loaded."""
     pytest.importorskip("vllm")
-    from tiercache.keys import ObjectKey
-    from tiercache.keys.fingerprint import Fingerprint
-    from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
-
-    short = LookupReply(
-        chunks=2,
-        per_tier={"l1": 1},
-        state=TicketStateName.READY,
-        ticket=HIT_TICKET + 1,
-        ready_chunks=1,
-        slots=[Slot(ObjectKey(Fingerprint(bytes(16)), 0, b"\x07" * 16).to_bytes(), 0, 196608, 200)],
-    )
-    client = _SequencedClient(_hit_reply(chunks=2), short)
+    client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(b"\x07" * 16, blocks=2, object_blocks=1))
     sched = _four_block_tails_scheduler(client)
     assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768, False)  # type: ignore[attr-defined]
     assert HIT_TICKET + 1 in client.released or sched._reqs["r"].tail_probe.ticket == 0  # type: ignore[attr-defined]
