@@ -1315,3 +1315,31 @@ def test_a_request_whose_answer_cannot_add_a_block_stores_its_tail_once_its_prom
     done = SimpleNamespace(**vars(request), all_token_ids=[*range(2000), *range(8)], num_computed_tokens=2007)
     assert sched.request_finished(done) == (True, None)  # type: ignore[attr-defined]
     assert not sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]
+
+
+def test_a_replay_that_found_its_own_tail_does_not_store_it_again() -> None:
+    """A request whose tail lookup found the very object its end would store (the same blocks: a
+    replay of a stored turn) stores nothing at its end."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tiercache.keys import ExtraKeys, PrefixHasher, tail_hashes
+
+    tokens = [*range(2000), *range(200)]
+    hasher = PrefixHasher(768, ExtraKeys())
+    hasher.update(tokens)
+    end_tail = tail_hashes(hasher.before(2), tokens[1536 : 1536 + 3 * 192], 192)[-1]
+    client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(end_tail, blocks=2, object_blocks=3))
+    sched = _four_block_tails_scheduler(client)
+    request = _prompt_request(2000)
+    request.max_tokens = 201  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(request, 0) == (2 * 768 + 2 * 192, False)  # type: ignore[attr-defined]
+    ids = list(range(1, 13))
+    sched.update_state_after_alloc(
+        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
+    )  # type: ignore[attr-defined]
+    new = SimpleNamespace(req_id="r", block_ids=(ids,), num_computed_tokens=1920)
+    sched.build_connector_meta(_output([new], {}, {"r": 80}))  # type: ignore[attr-defined]
+    done = SimpleNamespace(**vars(request), all_token_ids=tokens, num_computed_tokens=2199)
+    sched.request_finished(done)  # type: ignore[attr-defined]
+    assert not sched.build_connector_meta(_output([], {}, {})).saves  # type: ignore[attr-defined]

@@ -852,6 +852,9 @@ class SchedulerHalf:
             for kv in range(len(st.block_ids))
         ]
         held = hashes[:k]
+        if st.tail_chunk == c and st.tail_target == held[-1]:
+            st.tail_saved = (c, k)  # the lookup found this very object (a replay): stored already
+            return
         holds = tail_holds(held, c, chunk, block, windows, gone)
         if not holds:
             return  # no hit could use it
