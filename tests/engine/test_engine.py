@@ -146,6 +146,36 @@ def test_l1_answers_alone_only_when_it_holds_every_object_of_the_whole_chain(
     assert engine.lookup(hashes[:3], [FULL]).per_tier == {"l1": 2, "disk": 1}
 
 
+def test_l1_answers_a_tail_lookup_alone_only_for_no_candidate_or_a_best_candidate_it_holds(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    """``lookup_tail_front`` is the tail lookup's own answer when the block index and L1 give it:
+    no object holds the first block, or the object holding the most blocks is committed in L1.
+    A best candidate on disk only, or nowhere any more, leaves it to the full tail lookup."""
+    engine = make_engine(l1_tier(), disk_tier(tmp_path / "disk"))
+    chunk, tail = prompt(2, salt=1)  # two prefix hashes: the objects' keys
+    blocks = prompt(4, salt=2)  # four block hashes of one chunk
+    store(engine, [FULL], [chunk, tail])
+    assert engine.flush(10.0)
+    engine.index_blocks(tail, blocks[:2])  # a tail of the chunk's first two blocks
+    engine.index_blocks(chunk, blocks)  # the whole chunk
+    asked = blocks[:3]
+    front = engine.lookup_tail_front(asked, [FULL])
+    assert front is not None and (front.blocks, front.target) == (3, chunk)
+    assert front == engine.lookup_tail(asked, [FULL])
+    unknown = prompt(2, salt=3)  # blocks no object holds
+    none = engine.lookup_tail_front(unknown, [FULL])
+    assert none is not None and none.blocks == 0 and none == engine.lookup_tail(unknown, [FULL])
+    engine.l1.delete(FULL.key(chunk))  # on disk only: the full lookup finds it there
+    assert engine.lookup_tail_front(asked, [FULL]) is None
+    assert engine.lookup_tail(asked, [FULL]).found.per_tier == {"disk": 1}
+    engine.delete(FULL.key(chunk))  # nowhere, still named by the index
+    assert engine.lookup_tail_front(asked, [FULL]) is None
+    found = engine.lookup_tail(asked, [FULL])  # forgets it: the tail holds two of the blocks
+    assert (found.blocks, found.target) == (2, tail)
+    assert engine.lookup_tail_front(asked, [FULL]) == found
+
+
 def test_a_prefetch_given_the_lookups_keys_pins_the_same_objects(make_engine: EngineFactory) -> None:
     engine = make_engine(l1_tier())
     hashes = prompt(5)

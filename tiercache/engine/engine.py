@@ -231,6 +231,23 @@ class TieredEngine:
                     return TailLookup(j + 1, target, found)
         return _NO_TAIL
 
+    def lookup_tail_front(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> TailLookup | None:
+        """:meth:`lookup_tail`'s answer when the block index and L1 alone give it, else ``None``
+        (then call :meth:`lookup_tail`): no candidate at all (no tail), or the longest hit's
+        candidate committed in L1 for every group (the one :meth:`lookup_tail` would find first).
+        A candidate L1 does not hold needs the lower tiers (or is to be forgotten): ``None``.
+        Counted only when it answers. Non-blocking: a request loop may call it."""
+        for j in range(len(hashes) - 1, -1, -1):
+            for target in self._blocks.targets(hashes[j]):
+                found = self._locator.lookup_front([target], groups)
+                if found is None:
+                    return None
+                self.counters.add("tail_lookups")
+                self.counters.add("tail_blocks_hit", j + 1)
+                return TailLookup(j + 1, target, found)
+        self.counters.add("tail_lookups")
+        return _NO_TAIL
+
     def prefetch(
         self,
         hashes: Sequence[bytes],

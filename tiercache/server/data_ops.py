@@ -19,6 +19,7 @@ from tiercache.engine import (
     GroupSpec,
     LookupResult,
     PrefetchTicket,
+    TailLookup,
     TicketState,
     TieredEngine,
 )
@@ -130,18 +131,22 @@ class DataOps:
         if msg.every_object:
             # A tail: the one object holding the most of these blocks, every group's (a tail's
             # blocks are the newest of a sliding window too), pinned alone.
-            def tail_job() -> tuple[LookupResult, PrefetchTicket | None]:
-                specs = [
-                    dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION)
-                    for s in self._layouts.resolve(msg.groups)
-                ]
-                tail = engine.lookup_tail(msg.hashes, specs, inflight=wait > 0)
+            def tail_specs(specs: list[GroupSpec]) -> list[GroupSpec]:
+                return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
+
+            def tail_answer(
+                specs: list[GroupSpec], tail: TailLookup
+            ) -> tuple[LookupResult, PrefetchTicket | None]:
                 ticket = None
                 if msg.prefetch and tail.blocks:
                     ticket = engine.prefetch(
                         [tail.target], specs, 1, inflight_wait_s=wait, tenant=tenant, keys=tail.found.keys
                     )
                 return LookupResult(tail.blocks, tail.found.per_tier), ticket
+
+            def tail_job() -> tuple[LookupResult, PrefetchTicket | None]:
+                specs = tail_specs(self._layouts.resolve(msg.groups))
+                return tail_answer(specs, engine.lookup_tail(msg.hashes, specs, inflight=wait > 0))
 
             job = tail_job
 
@@ -171,8 +176,14 @@ class DataOps:
             self._sessions.hold_ticket(owner, ticket, found.chunks if msg.every_object else ticket.target)
             return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
 
-        known = None if msg.every_object else self._layouts.resolve_known(msg.groups)
-        if known is not None:
+        known = self._layouts.resolve_known(msg.groups)
+        if known is not None and msg.every_object:
+            specs = tail_specs(known)
+            tail = engine.lookup_tail_front(msg.hashes, specs)
+            if tail is not None:  # no candidate, or the best one in L1: nothing blocks
+                self._complete(session, msg.req_id, tail_answer(specs, tail), finish, sent)
+                return
+        elif known is not None:
             specs = known
             found = engine.lookup_front(msg.hashes, specs)
             if found is not None:  # all in L1: the executor's answer too, and nothing blocks
