@@ -3,9 +3,11 @@ newest first, a few per block, for a bounded number of blocks (least recently as
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from tiercache.engine.blocks import MAX_TARGETS, BlockIndex
+from tiercache.engine.blocks import MAX_TARGETS, BlockIndex, BlockIndexFormatError
 
 
 def h(n: int) -> bytes:
@@ -63,3 +65,37 @@ def test_hashes_of_another_length_are_refused() -> None:
         index.add(b"short", [h(1)])
     with pytest.raises(ValueError, match="at least one"):
         BlockIndex(0)
+
+
+def test_an_export_reads_back_the_same_entries_in_the_same_order() -> None:
+    index = BlockIndex(100)
+    index.add(h(100), [h(1), h(2)])
+    index.add(h(200), [h(1), h(2), h(3)])
+    assert index.targets(h(1))  # asked: now the most recent
+    copy = BlockIndex(100)
+    assert copy.restore(index.export()) == 3
+    assert [copy.targets(h(n)) for n in (1, 2, 3, 4)] == [[h(200), h(100)], [h(200), h(100)], [h(200)], []]
+    small = BlockIndex(1)  # room for one block: the most recently asked one stays
+    small.restore(index.export())
+    assert (len(small), small.targets(h(1)), small.forgotten) == (1, [h(200), h(100)], 2)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:-1],  # truncated
+        lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:],  # a bit flipped in an entry
+        lambda data: b"X" + data[1:],  # another format
+        lambda data: b"",
+    ],
+    ids=["truncated", "flipped", "foreign", "empty"],
+)
+def test_an_export_that_does_not_read_back_whole_is_refused_and_adds_nothing(
+    damage: Callable[[bytes], bytes],
+) -> None:
+    index = BlockIndex(100)
+    index.add(h(100), [h(1), h(2)])
+    copy = BlockIndex(100)
+    with pytest.raises(BlockIndexFormatError):
+        copy.restore(damage(index.export()))
+    assert len(copy) == 0

@@ -499,6 +499,21 @@ def test_manifests_are_stored_listed_and_survive_a_restart(tmp_path: Path, clock
         assert tier.usage().objects == 0
 
 
+def test_engine_state_is_kept_replaced_and_survives_a_restart_outside_the_budget(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    with open_tier(tmp_path / "l2", clock, budget=1 * MiB) as tier:
+        assert tier.get_state("tail-block-index") is None
+        assert tier.put_state("tail-block-index", b"first")
+        assert tier.put_state("tail-block-index", b"second" * 100_000)  # 600 kB: not in the budget
+        tier.put(make_key(1), random_payload(1, 900_000))  # the budget is all the objects'
+        assert tier.put_state("other", b"x")
+    with open_tier(tmp_path / "l2", clock, budget=1 * MiB) as tier:
+        assert tier.get_state("tail-block-index") == b"second" * 100_000
+        assert tier.get_state("other") == b"x"
+        assert (tier.usage().objects, list(tier.iter_keys())) == (1, [make_key(1)])
+
+
 # -- concurrency and processes -----------------------------------------------------------------
 def test_concurrent_readers_and_writers_only_ever_see_the_right_bytes(
     tmp_path: Path, clock: FakeClock

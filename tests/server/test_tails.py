@@ -7,9 +7,13 @@ for; an object no tier holds any more is never the answer; blocks nobody named a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from tests.server.conftest import CHUNK, StartServer, manifest
+from tiercache.config import DiskConfig
+from tiercache.engine.engine import BLOCK_INDEX_STATE
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher, chunk_hashes, tail_hashes
+from tiercache.l2_disk import DiskTier
 from tiercache.wire import protocol as p
 from tiercache.wire.client import Client
 
@@ -129,3 +133,45 @@ def test_hashes_of_the_wrong_length_in_holds_are_refused(start_server: StartServ
         [group] = client.register([(0, manifest())])
         with pytest.raises(ServerError, match="16 bytes"):
             client.reserve([(key(group, HASHES[0]), BLOCK_BYTES)], holds=[(HASHES[0], [b"short"])])
+
+
+def test_a_server_restarted_on_its_disk_finds_the_blocks_inside_a_stored_chunk_again(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The block index is kept on the disk tier at a clean stop and read back at start: a prompt
+    that cannot name the chunk holding its blocks hits it from disk after the restart."""
+    disk = str(tmp_path / "lmdb")
+    first = start_server(disk_path=disk)
+    with first.client() as client:
+        [group] = client.register([(0, manifest())])
+        whole = store(client, group, CHUNK_HASH, HASHES)  # the chunk names its first blocks
+    assert first.stop() == 0
+    second = start_server(disk_path=disk)
+    with second.client() as client:
+        [group] = client.register([(0, manifest())])
+        assert client.stats()["engine"]["tail_index_blocks"] == len(HASHES)
+        found = tail(client, group, HASHES[:3])
+        assert found.chunks == 3 and found.per_tier == {"disk": 1}
+        ready = client.wait_ticket(found.ticket) if found.pending else found
+        assert client.read_ticket(ready) == {key(group, CHUNK_HASH): whole}
+
+
+def test_a_damaged_block_index_on_disk_is_ignored_and_the_server_starts_without_it(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    disk = tmp_path / "lmdb"
+    first = start_server(disk_path=str(disk))
+    with first.client() as client:
+        [group] = client.register([(0, manifest())])
+        store(client, group, CHUNK_HASH, HASHES)
+    assert first.stop() == 0
+    with DiskTier(DiskConfig(path=disk)) as tier:
+        kept = tier.get_state(BLOCK_INDEX_STATE)
+        assert kept is not None
+        assert tier.put_state(BLOCK_INDEX_STATE, kept[:-3])  # truncated
+    second = start_server(disk_path=str(disk))
+    with second.client() as client:
+        [group] = client.register([(0, manifest())])
+        assert client.stats()["engine"]["tail_index_blocks"] == 0
+        assert tail(client, group, HASHES[:3]).chunks == 0  # a miss, never a guess
+        assert client.lookup([CHUNK_HASH], [group], prefetch=False).chunks == 1  # the chunk is there

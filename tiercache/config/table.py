@@ -215,7 +215,8 @@ META: dict[tuple[str, str], Meta] = {
         "connector's tails setting), which stored object holds each block of a chunk, so a prompt "
         "shorter than a stored tail or chunk loads the blocks it shares with it. The least recently "
         "asked are forgotten beyond it; size it to about the blocks past the last full chunk of the "
-        "requests the cache holds, times the blocks per chunk.",
+        "requests the cache holds, times the blocks per chunk. With a disk tier, a clean stop keeps "
+        "the index there for the next start.",
         metavar="N",
     ),
     ("engine", "write_queue_depth"): Meta(

@@ -12,9 +12,12 @@ block (block ``j`` of a chunk is always at position ``j`` of any object holding 
 ``t_j`` loads the object's first ``j + 1`` blocks).
 
 The index is a hint, never the truth: a lookup checks that the tiers still hold a target before
-answering with it, and forgets one no tier holds. In memory only, bounded (least recently used
-block hashes are forgotten first); a server restart forgets it, so tails stored before it are found
-again once stored again (whole chunks are found by their own keys, as always).
+answering with it, and forgets one no tier holds. It lives in memory, bounded (least recently used
+block hashes are forgotten first); :meth:`BlockIndex.export` and :meth:`BlockIndex.restore` carry
+it across a server restart (the engine keeps it on the disk tier at a clean stop). A block hash
+names every token up to its end and a target names every token of its object, so "target holds
+block ``j``" is a fact about token sequences: an entry read back is as true as when it was added,
+and an export that does not read back whole (truncated, damaged) is refused as a whole.
 """
 
 from __future__ import annotations
@@ -23,10 +26,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import xxhash
+
 #: The most objects remembered per block hash, newest first: a block held by a tail, a longer
 #: tail and the full chunk, or by several continuations that share it.
 MAX_TARGETS = 4
 _HASH = 16
+#: An export: magic and format version, then per block (least recently asked first) the block
+#: hash, its target count (u8) and the targets, newest first; then the xxh3-64 of all that (8 B).
+_EXPORT_MAGIC = b"TCBIDX\x00\x01"
+_DIGEST = 8
+
+
+class BlockIndexFormatError(ValueError):
+    """An export that cannot be read back whole (another format, truncated, damaged)."""
 
 
 class BlockIndex:
@@ -84,5 +97,48 @@ class BlockIndex:
         with self._lock:
             return len(self._targets)
 
+    def export(self) -> bytes:
+        """Every entry, least recently asked first, as bytes :meth:`restore` reads back."""
+        with self._lock:
+            items = list(self._targets.items())
+        parts = [_EXPORT_MAGIC]
+        for block, joined in items:
+            parts += (block, bytes((len(joined) // _HASH,)), joined)
+        body = b"".join(parts)
+        return body + xxhash.xxh3_64_digest(body)
 
-__all__ = ["MAX_TARGETS", "BlockIndex"]
+    def restore(self, data: bytes) -> int:
+        """Add the entries of an :meth:`export` as the most recently asked, in their order, within
+        the capacity (an entry for a block this index names already replaces it); returns how
+        many blocks the export named. Raises :class:`BlockIndexFormatError`, adding nothing, when
+        ``data`` is not a whole export."""
+        view = memoryview(data)
+        body = view[: len(view) - _DIGEST]
+        if (
+            len(view) < len(_EXPORT_MAGIC) + _DIGEST
+            or bytes(view[: len(_EXPORT_MAGIC)]) != _EXPORT_MAGIC
+            or xxhash.xxh3_64_digest(body) != bytes(view[len(body) :])
+        ):
+            raise BlockIndexFormatError(
+                "not a whole block index export (another format, truncated or damaged)"
+            )
+        entries: list[tuple[bytes, bytes]] = []
+        at = len(_EXPORT_MAGIC)
+        while at < len(body):
+            n = body[at + _HASH] if at + _HASH < len(body) else 0
+            end = at + _HASH + 1 + n * _HASH
+            if not 1 <= n <= MAX_TARGETS or end > len(body):
+                raise BlockIndexFormatError(f"a block index entry at byte {at} is malformed")
+            entries.append((bytes(body[at : at + _HASH]), bytes(body[at + _HASH + 1 : end])))
+            at = end
+        with self._lock:
+            for block, joined in entries:
+                self._targets.pop(block, None)
+                self._targets[block] = joined
+            while len(self._targets) > self._capacity:
+                self._targets.popitem(last=False)
+                self.forgotten += 1
+        return len(entries)
+
+
+__all__ = ["MAX_TARGETS", "BlockIndex", "BlockIndexFormatError"]

@@ -24,7 +24,7 @@ from time import perf_counter
 import msgspec
 
 from tiercache.config.parts import EngineConfig
-from tiercache.engine.blocks import BlockIndex
+from tiercache.engine.blocks import BlockIndex, BlockIndexFormatError
 from tiercache.engine.counters import EngineCounters, timed_pin
 from tiercache.engine.groups import GroupSpec
 from tiercache.engine.lookup import Locator, LookupResult
@@ -52,6 +52,8 @@ class TailLookup:
 
 
 _NO_TAIL = TailLookup(0, b"", LookupResult(0, {}))
+#: The name the block index is kept under on a lower tier across restarts (:meth:`Tier.put_state`).
+BLOCK_INDEX_STATE = "tail-block-index"
 
 
 class TieredEngine:
@@ -78,6 +80,7 @@ class TieredEngine:
         self._writes = WriteBehind(l1, self.lower, self.config, self.counters)
         self._promoter = Promoter(l1, self.lower, self.config.promote_workers, self.counters)
         self._blocks = BlockIndex(self.config.tail_index_blocks)
+        self._restore_block_index()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -97,6 +100,7 @@ class TieredEngine:
             return
         self._closed = True
         self.flush(timeout)
+        self._keep_block_index()
         self._writes.close()
         self._promoter.close()
         for tier in self.tiers:
@@ -230,6 +234,42 @@ class TieredEngine:
                     self.counters.add("tail_blocks_hit", j + 1)
                     return TailLookup(j + 1, target, found)
         return _NO_TAIL
+
+    def _restore_block_index(self) -> None:
+        """Read back the block index the last process kept on the first lower tier that has one
+        (a hint: each entry is checked against the tiers when a lookup names it)."""
+        for tier in self.lower:
+            try:
+                data = tier.get_state(BLOCK_INDEX_STATE)
+            except TierCacheError as exc:
+                log.warning(
+                    "could not read the tail block index from %s: %s; starting without it", tier.name, exc
+                )
+                continue
+            if data is None:
+                continue
+            try:
+                blocks = self._blocks.restore(data)
+            except BlockIndexFormatError as exc:
+                log.warning(
+                    "the tail block index kept on %s is unreadable (%s); starting without it", tier.name, exc
+                )
+                return
+            log.info("tail block index: %d block hashes read back from %s", blocks, tier.name)
+            return
+
+    def _keep_block_index(self) -> None:
+        """Keep the block index for the next process, on the first lower tier that keeps state."""
+        if not len(self._blocks):
+            return
+        data = self._blocks.export()
+        for tier in self.lower:
+            try:
+                if tier.put_state(BLOCK_INDEX_STATE, data):
+                    log.info("tail block index: %d block hashes kept on %s", len(self._blocks), tier.name)
+                    return
+            except TierCacheError as exc:
+                log.warning("could not keep the tail block index on %s: %s", tier.name, exc)
 
     def lookup_tail_front(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> TailLookup | None:
         """:meth:`lookup_tail`'s answer when the block index and L1 alone give it, else ``None``

@@ -7,6 +7,7 @@ Layout version 3: one LMDB environment with three named sub-databases::
                0xFD 'T' object key     -> tenant id (8 B)   (only objects of a named tenant)
                0xFE 'I' name           -> u64 BE       (bytes_used, next_seq, format)
                0xFE 'I' 't:' tenant id -> bytes u64 BE | objects u64 BE  (per named tenant)
+               0xFE 'I' 's:' name      -> the engine's state of that name (the tail block index)
                0xFF 'R' seq (u64 BE)   -> object key   (LRU order: the first record is the oldest)
     manifests  fingerprint (16 B)      -> manifest JSON (LayoutManifest.canonical(), for `inspect`)
 
@@ -16,7 +17,8 @@ four (measured: four sub-databases cost ~20% of raw LMDB put throughput at 256 K
 Objects of the default tenant (no cache salt) have no tenant record, and its totals are what the
 named tenants' leave of ``bytes_used`` and the object count, so an unsalted put writes nothing more.
 Version 3 only added the tenant records: a version-2 environment is a valid one whose objects are
-all the default tenant's, and is upgraded in place when a server opens it.
+all the default tenant's, and is upgraded in place when a server opens it. The state records came
+later, within version 3: a build that does not know them never reads them.
 The flags byte has one bit, :data:`TENANT_FLAG`: the object has a tenant record (layout 2 once
 marked objects owed to a lower tier there; layout 2 wrote 0, no tenant record, so its meta records
 read right in layout 3). ``bytes_used`` counts the *stored* bytes in ``data``; the object count is the entry count
@@ -58,6 +60,7 @@ INFO_USED = INFO + b"bytes_used"
 INFO_SEQ = INFO + b"next_seq"
 INFO_FORMAT = INFO + b"format"
 INFO_TENANT = INFO + b"t:"  # INFO_TENANT + tenant id -> bytes | objects (u64 BE each)
+INFO_STATE = INFO + b"s:"  # INFO_STATE + name -> an engine state blob (Tier.put_state)
 #: First byte of the prefixed records above; never an object key's.
 FIRST_RESERVED = 0xFD
 #: Records per read transaction while scanning.

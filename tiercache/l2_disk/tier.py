@@ -63,6 +63,7 @@ from tiercache.l2_disk.records import (
     DISK_FORMAT_VERSION,
     INFO_FORMAT,
     INFO_SEQ,
+    INFO_STATE,
     INFO_TENANT,
     INFO_USED,
     MAX_READERS,
@@ -1184,6 +1185,34 @@ class DiskTier(Tier):
         """Every stored ``(fingerprint, manifest bytes)``, in fingerprint order."""
         for raw, data in self._scan("manifests"):
             yield Fingerprint(raw), data
+
+    def put_state(self, name: str, data: bytes) -> bool:
+        """Keep the engine's ``name`` state in one write txn; it counts against neither the byte
+        budget nor the objects, and replaces the last one. ``False`` (logged) when LMDB refuses it
+        (the map is full): the state is a hint the next process can do without."""
+        self._env_here()
+        try:
+            with self._write_lock, self._env.begin(write=True) as txn:
+                txn.put(INFO_STATE + name.encode(), bytes(data), db=self._dbs["info"])
+        except lmdb.Error as exc:
+            log.warning(
+                "disk tier at %s could not keep the %s state (%d bytes): %s",
+                self.config.path,
+                name,
+                len(data),
+                exc,
+            )
+            return False
+        return True
+
+    def get_state(self, name: str) -> bytes | None:
+        """The ``name`` state last kept here, or ``None``. One short read txn."""
+        env = self._env_here()
+        try:
+            with env.begin() as txn:
+                return txn.get(INFO_STATE + name.encode(), db=self._dbs["info"])
+        except lmdb.Error as exc:
+            raise self._translate(exc, "state read") from exc
 
     def __repr__(self) -> str:
         return f"DiskTier(path={str(self.config.path)!r}, budget={self._budget})"

@@ -237,6 +237,16 @@ class Tier(ABC):
         """Every stored ``(fingerprint, manifest JSON)``."""
         return iter(())
 
+    def put_state(self, name: str, data: bytes) -> bool:
+        """Keep the engine's ``name`` state (an opaque blob, replacing the last one) beside the
+        data, for the next process on this tier. Returns whether it was kept: tiers that do not
+        persist, or are shared with other nodes, keep nothing."""
+        return False
+
+    def get_state(self, name: str) -> bytes | None:
+        """The state last kept under ``name``, or ``None``."""
+        return None
+
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         """Have ``listener(key, payload)`` called before each capacity eviction (write-back uses it).
 

@@ -153,6 +153,12 @@ class WrapperTier(FrontTier):
     def iter_manifests(self) -> Iterator[tuple[Fingerprint, bytes]]:
         return self.inner.iter_manifests()
 
+    def put_state(self, name: str, data: bytes) -> bool:
+        return self.inner.put_state(name, data)
+
+    def get_state(self, name: str) -> bytes | None:
+        return self.inner.get_state(name)
+
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         self.inner.set_eviction_listener(listener)
 
