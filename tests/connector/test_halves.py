@@ -323,10 +323,7 @@ def test_a_producer_never_loads_and_stores_only_what_the_server_lacks() -> None:
     client = _LookupClient(LookupReply(chunks=2, per_tier={"l1": 2}))
     sched = _recurrent_scheduler(client=client, recurrent=False, loads=False)
     assert sched.get_num_new_matched_tokens(_prompt_request(), 0) == (0, False)  # type: ignore[attr-defined]
-    no_tail = None  # a producer never asks for a tail's blocks
-    assert client.asked == [
-        (3, {"prefetch": False, "max_chunks": 3, "inflight_wait_s": 0.0, "tenant": b"", "tail": no_tail})
-    ]
+    assert client.asked == [(3, {"prefetch": False, "max_chunks": 3, "inflight_wait_s": 0.0, "tenant": b""})]
     meta = sched.build_connector_meta(_scheduled())  # type: ignore[attr-defined]
     assert [s.chunk_index for s in meta.saves] == [2]  # chunks 0 and 1 are on the server already
     assert sched.request_finished(_prompt_request()) == (True, None)  # type: ignore[attr-defined]
@@ -354,10 +351,7 @@ def test_a_consumer_loads_waiting_for_stores_in_flight_and_never_stores() -> Non
     meta = _hit_step(sched, client)  # it loads the hit ...
     wait = ConnectorSettings().inflight_wait_s
     assert wait > 0
-    no_tail = None  # (chunk 3 holds 96 prompt tokens: no full block to ask for)
-    assert client.asked == [
-        (3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait, "tenant": b"", "tail": no_tail})
-    ]
+    assert client.asked == [(3, {"prefetch": True, "max_chunks": 3, "inflight_wait_s": wait, "tenant": b""})]
     assert not meta.saves  # type: ignore[attr-defined]  # ... and stores not even the chunk it computed
     assert sched.request_finished(_prompt_request()) == (False, None)  # type: ignore[attr-defined]
 
@@ -1258,61 +1252,6 @@ def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_firs
     (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
     tail = load.chunks[-1]
     assert (tail.prefix_hash, tail.positions, tail.block_ids, tail.blocks) == (chunk2, [[0, 1]], [[9, 10]], 4)
-
-
-def _with_tail(chunks: int, tail: object) -> object:
-    """A chunk lookup's reply (:func:`_hit_reply`) carrying the reply of the tail lookup sent with it."""
-
-    def reply(hashes: list[bytes]) -> object:
-        out = _hit_reply(chunks)(hashes)  # type: ignore[operator]
-        out.tail = tail
-        return out
-
-    return reply
-
-
-def test_the_tail_lookup_goes_with_the_chunks_and_its_reply_is_used_when_every_chunk_hits() -> None:
-    """The chunks' lookup carries the tail hashes of chunk 2 (the hit if both full chunks are
-    found); the server answered both in one reply: no second lookup, and the same load as when the
-    tail is asked for after the chunks' reply."""
-    pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
-    chunk2 = b"\x07" * 16
-    client = _SequencedClient(_with_tail(2, _tail_reply(chunk2, blocks=2, object_blocks=4)))
-    sched = _four_block_tails_scheduler(client)
-    assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768 + 2 * 192, False)  # type: ignore[attr-defined]
-    ((asked, how),) = client.asked  # one lookup
-    guess_chunk, guess_hashes = how["tail"]  # type: ignore[misc]
-    assert (asked, guess_chunk, len(guess_hashes)) == (2, 2, 2)  # chunk 2's two full blocks
-    ids = list(range(1, 12))
-    sched.update_state_after_alloc(
-        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
-    )  # type: ignore[attr-defined]
-    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
-    assert (load.chunks[-1].prefix_hash, load.chunks[-1].block_ids) == (chunk2, [[9, 10]])
-    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
-    assert sorted(client.released) == [HIT_TICKET, HIT_TICKET + 1]  # both, once the load's step ran
-
-
-def test_a_tail_sent_with_the_chunks_for_a_hit_that_fell_short_is_released_and_asked_again() -> None:
-    """Only chunk 0 of 2 is found: the tail that came with it (chunk 2's) is no use; its ticket is
-    released after the step and chunk 1's blocks are asked for."""
-    pytest.importorskip("vllm")
-    from tiercache.wire.protocol import LookupReply
-
-    client = _SequencedClient(
-        _with_tail(1, _tail_reply(b"\x07" * 16, blocks=2, object_blocks=4)),
-        LookupReply(chunks=0, per_tier={}),
-    )
-    sched = _four_block_tails_scheduler(client)
-    assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (768, False)  # type: ignore[attr-defined]
-    (_, first), (asked, second) = client.asked
-    assert first["tail"][0] == 2 and (asked, second["every_object"]) == (3, True)  # type: ignore[index]
-    assert HIT_TICKET + 1 not in client.released
-    sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
-    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
-    assert HIT_TICKET + 1 in client.released
 
 
 def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> None:

@@ -9,12 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from tests.server.conftest import CHUNK, StartServer, manifest
 from tiercache.config import DiskConfig
 from tiercache.engine.engine import BLOCK_INDEX_STATE
-from tiercache.errors import ServerError
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher, chunk_hashes, tail_hashes
 from tiercache.l2_disk import DiskTier
 from tiercache.wire import protocol as p
@@ -178,39 +175,3 @@ def test_a_damaged_block_index_on_disk_is_ignored_and_the_server_starts_without_
         assert client.stats()["engine"]["tail_index_blocks"] == 0
         assert tail(client, group, HASHES[:3]).chunks == 0  # a miss, never a guess
         assert client.lookup([CHUNK_HASH], [group], prefetch=False).chunks == 1  # the chunk is there
-
-
-def test_a_chunk_lookup_carrying_the_next_chunks_tail_answers_both_when_its_hit_ends_there(
-    start_server: StartServer,
-) -> None:
-    """One round trip for a prompt seen before: the chunks' lookup carries the tail hashes of the
-    chunk after the hit it guesses, and the reply carries the tail lookup's reply (own ticket)
-    when the hit ends there; when it ends elsewhere, no tail is answered (the client asks)."""
-    tokens = list(range(5000, 5000 + 2 * CHUNK))
-    hasher = PrefixHasher(CHUNK, ExtraKeys())
-    chunk0, _ = hasher.update(tokens)
-    tails1 = tail_hashes(hasher.before(1), tokens[CHUNK : CHUNK + 3 * BLOCK], BLOCK)
-    server = start_server()
-    with server.client() as client:
-        [group] = client.register([(0, manifest())])
-        first = store(client, group, chunk0, [])
-        two_blocks = store(client, group, tails1[1], tails1[:2])  # chunk 1's first two blocks
-        found = client.lookup([chunk0], [group], max_chunks=1, tail=(1, tails1))
-        assert (found.chunks, found.ready_chunks) == (1, 1)
-        assert found.tail is not None and (found.tail.chunks, found.tail.ready_chunks) == (2, 1)
-        assert found.tail.ticket not in (0, found.ticket)
-        assert client.read_ticket(found) == {key(group, chunk0): first}
-        assert client.read_ticket(found.tail) == {key(group, tails1[1]): two_blocks}
-        missing = client.lookup([chunk0, b"\x09" * 16], [group], max_chunks=2, tail=(2, tails1))
-        assert (missing.chunks, missing.tail) == (1, None)  # the hit ended at chunk 1, not 2
-        stats = client.stats()["engine"]
-        assert (stats["lookups"], stats["tail_lookups"], stats["tail_blocks_hit"]) == (2, 1, 2)
-
-
-def test_tail_hashes_on_a_tail_lookup_or_without_their_chunk_are_refused(start_server: StartServer) -> None:
-    server = start_server()
-    with server.client() as client:
-        [group] = client.register([(0, manifest())])
-        for how in ({"every_object": True, "tail": (0, HASHES)}, {"tail": (-1, HASHES)}):
-            with pytest.raises(ServerError, match="tail_hashes go with a chunk lookup"):
-                client.lookup([CHUNK_HASH], [group], **how)  # type: ignore[arg-type]

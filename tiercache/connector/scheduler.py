@@ -96,8 +96,6 @@ class _Probe:
     awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
     ticket: int = 0  # held while the hit objects must stay pinned
     per_tier: dict[str, int] = field(default_factory=dict)  # what it found, by tier (stats; first reply only)
-    preset: p.LookupReply | None = None  # its first reply, come with another (a bundled tail's)
-    tail_reply: p.LookupReply | None = None  # the chunks' first reply's bundled tail, until settled
 
 
 @dataclass(slots=True)
@@ -132,7 +130,6 @@ class _Request:
     tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
     tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
-    tail_guess: tuple[int, list[bytes]] | None = None  # (chunk, tail hashes) sent with the chunks' lookup
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -318,7 +315,6 @@ class SchedulerHalf:
             if not self._tail_block:
                 return 0, False
         if st.state is LookupState.NOT_SENT:
-            st.tail_guess = self._guess_tail(st, limit, num_computed_tokens)
             try:
                 st.probe.pending_id = client.lookup_async(
                     st.hashes(chunk)[:limit],
@@ -327,7 +323,6 @@ class SchedulerHalf:
                     max_chunks=limit,
                     inflight_wait_s=self._settings.inflight_wait_s if self._loads_enabled else 0.0,
                     tenant=st.tenant,
-                    tail=st.tail_guess,
                 )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
@@ -366,43 +361,6 @@ class SchedulerHalf:
         if not st.tail_blocks or st.tail_chunk * chunk > max(full, num_computed_tokens):
             return full  # (the tail does not join on: vLLM's own hit changed since it was asked)
         return st.tail_chunk * chunk + st.tail_blocks * self._tail_block
-
-    def _guess_tail(
-        self, st: _Request, limit: int, num_computed_tokens: int
-    ) -> tuple[int, list[bytes]] | None:
-        """The tail lookup to send with the chunks': the blocks of chunk ``limit``, the chunk after
-        the hit when every full chunk asked for is found (a prompt seen before, a chat turn whose
-        history fills its chunks). The server answers it in the same reply when the hit ends
-        there, saving the round trip :meth:`_tail_step` would make after the chunks' reply."""
-        if not (self._tail_block and self._loads_enabled) or st.tail_state is not LookupState.NOT_SENT:
-            return None
-        assert self.layout is not None
-        chunk, block = self.layout.chunk_size, self._tail_block
-        asked = askable_blocks(len(st.prompt), limit, chunk, block)
-        if asked == 0 or limit * chunk + asked * block <= num_computed_tokens:
-            return None
-        st.hashes(chunk)
-        assert st.hasher is not None
-        return limit, tail_hashes(
-            st.hasher.before(limit), st.prompt[limit * chunk : limit * chunk + asked * block], block
-        )
-
-    def _settle_guessed_tail(self, st: _Request, usable: bool) -> None:
-        """Once the chunks' hit is final: take the tail lookup's reply that came with it when the
-        tail is the one :meth:`_tail_step` would ask for now (the guess was right), else release
-        its ticket after this step."""
-        bundled, st.probe.tail_reply = st.probe.tail_reply, None
-        guess, st.tail_guess = st.tail_guess, None
-        if bundled is None:
-            return
-        assert self.layout is not None
-        at = max(st.hit_chunks, st.local_tokens // self.layout.chunk_size)
-        if usable and guess is not None and guess[0] == at and st.tail_state is LookupState.NOT_SENT:
-            st.tail_chunk, st.tail_hashes = guess
-            st.tail_probe = _Probe(preset=bundled, ticket=bundled.ticket, sent_at=st.probe.sent_at)
-            st.tail_state = LookupState.WAITING_REPLY
-        elif bundled.ticket:
-            self._release_at.setdefault(self._step + 1, []).append(bundled.ticket)
 
     def _tail_step(self, client: Client, st: _Request, num_computed_tokens: int) -> bool:
         """Ask for the blocks of the chunk after the full hit (once), or collect the reply; True
@@ -449,23 +407,17 @@ class SchedulerHalf:
         final, ``None`` while it is not. A ticket the server reports pending (a promotion, or a
         wait for another engine's store) is polled again after a backoff; once it is too late the
         pending reply is returned (the caller gives up). Raises :class:`TierCacheError`."""
-        result: LookupResult | None
-        if probe.preset is not None:  # the first reply came with another request's
-            result, probe.preset = probe.preset, None
-        else:
-            if probe.pending_id == 0:  # a pending ticket between polls (see below)
-                if time.monotonic() < probe.poll_after:
-                    return None
-                probe.pending_id = client.poll_ticket_async(probe.ticket)
-            # The client raises ServerUnavailableError once the reply is timeout_s late.
-            began = time.monotonic()
-            result = client.poll(probe.pending_id, wait_s)
-            if wait_s:
-                self._lookup_wait_left -= time.monotonic() - began
-            if result is None:
+        if probe.pending_id == 0:  # a pending ticket between polls (see below)
+            if time.monotonic() < probe.poll_after:
                 return None
-        if result.tail is not None:  # (a chunk lookup's first reply: the tail sent with it)
-            probe.tail_reply = result.tail
+            probe.pending_id = client.poll_ticket_async(probe.ticket)
+        # The client raises ServerUnavailableError once the reply is timeout_s late.
+        began = time.monotonic()
+        result: LookupResult | None = client.poll(probe.pending_id, wait_s)
+        if wait_s:
+            self._lookup_wait_left -= time.monotonic() - began
+        if result is None:
+            return None
         if result.ticket:
             probe.ticket = result.ticket
         if result.per_tier:  # kept: ticket polls do not repeat them, and a pending reply returns None
@@ -548,32 +500,24 @@ class SchedulerHalf:
 
     def _collect(self, client: Client, st: _Request, wait_s: float = 0.0) -> bool:
         """Advance an outstanding lookup, waiting up to ``wait_s`` for its first reply; True once
-        ``hit_chunks`` is final (and the tail sent with it settled)."""
+        ``hit_chunks`` is final."""
         try:
             result = self._advance(client, st.probe, wait_s)
         except TierCacheError as exc:
             self.link.failed("lookup", exc)
             st.probe.ticket = 0  # a server that failed us holds no usable pins for us
-            st.probe.tail_reply = None
             self._settle_miss(st)
             self._record_lookup(st)
-            self._settle_guessed_tail(st, usable=False)
             return True
         if result is None:
             return False
-        self._collect_result(st, result)
-        self._settle_guessed_tail(st, usable=True)
-        return True
-
-    def _collect_result(self, st: _Request, result: LookupResult) -> None:
-        """Settle ``hit_chunks`` from the chunks' lookup's final reply."""
         if result.state is p.TicketStateName.PENDING:  # still pending, too late
             what = "wait for another engine's store" if st.probe.awaited else "promotion"
             log.info("tiercache: %s for %s too slow; computing instead", what, st.req_id)
             self._drop_ticket(st)
             self._settle_miss(st)
             self._record_lookup(st)
-            return
+            return True
         if st.saved_upto < 0:
             st.saved_upto = result.chunks if result.chunks else 0
         st.state = LookupState.DONE
@@ -581,7 +525,7 @@ class SchedulerHalf:
             self._drop_ticket(st)
             st.hit_chunks = 0
             self._record_lookup(st)
-            return
+            return True
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
         slots: dict[int, dict[int, tuple[int, int]]] = {}
         for slot in result.slots:
@@ -594,6 +538,7 @@ class SchedulerHalf:
         if hit == 0:
             self._drop_ticket(st)
         self._record_lookup(st)
+        return True
 
     def _record_lookup(self, st: _Request) -> None:
         """Count a settled lookup: what it asked about and what the cache can supply."""
@@ -933,10 +878,8 @@ class SchedulerHalf:
                 continue
             if result is None:
                 keep.append(req_id)
-            else:
-                for ticket in (result.ticket, result.tail.ticket if result.tail else 0):
-                    if ticket:
-                        self._release_at.setdefault(self._step + 1, []).append(ticket)
+            elif result.ticket:
+                self._release_at.setdefault(self._step + 1, []).append(result.ticket)
         self._orphans = keep
 
     # -- step results and request end ---------------------------------------------------------
@@ -985,8 +928,6 @@ class SchedulerHalf:
             self._orphans.append(st.probe.pending_id)
         if st.tail_state is LookupState.WAITING_REPLY and st.tail_probe.pending_id:
             self._orphans.append(st.tail_probe.pending_id)
-        if st.probe.tail_reply is not None:  # its chunks' ticket was still pending a promotion
-            self._settle_guessed_tail(st, usable=False)
         if self._tail_block:
             self._plan_end_saves(st, request)
         # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers

@@ -45,10 +45,6 @@ from tiercache.wire import protocol as p
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
 
 
-#: A lookup's answer: what it found, and the ticket pinning it (with a prefetch of a hit).
-_Answer = tuple[LookupResult, PrefetchTicket | None]
-
-
 class DataOps:
     """Handlers of the data path's requests. Every method runs on the request loop."""
 
@@ -115,18 +111,10 @@ class DataOps:
                 p.ErrorCode.INVALID,
                 f"inflight_wait_s={msg.inflight_wait_s} is outside 0..{MAX_INFLIGHT_WAIT_S} seconds",
             )
-        if msg.tail_hashes:
-            check_hashes(msg.tail_hashes)
-            if msg.every_object or msg.tail_chunk < 0:
-                raise Refused(
-                    p.ErrorCode.INVALID,
-                    "tail_hashes go with a chunk lookup (not every_object) and the chunk they belong to "
-                    "(tail_chunk >= 0)",
-                )
         wait = msg.inflight_wait_s if msg.prefetch else 0.0
         tenant = parse_tenant_id(msg.tenant)
 
-        def answer(specs: list[GroupSpec], found: LookupResult) -> _Answer:
+        def answer(specs: list[GroupSpec], found: LookupResult) -> tuple[LookupResult, PrefetchTicket | None]:
             ticket = None
             if msg.prefetch and found.chunks > 0:
                 target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
@@ -136,34 +124,31 @@ class DataOps:
                 )
             return found, ticket
 
-        # A tail: the one object holding the most of these blocks, every group's (a tail's blocks
-        # are the newest of a sliding window too), pinned alone.
-        def tail_specs(specs: list[GroupSpec]) -> list[GroupSpec]:
-            return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
-
-        def tail_answer(specs: list[GroupSpec], tail: TailLookup) -> _Answer:
-            ticket = None
-            if msg.prefetch and tail.blocks:
-                ticket = engine.prefetch(
-                    [tail.target], specs, 1, inflight_wait_s=wait, tenant=tenant, keys=tail.found.keys
-                )
-            return LookupResult(tail.blocks, tail.found.per_tier), ticket
-
-        def bundles_tail(found: LookupResult) -> bool:
-            """The lookup carries the blocks of the chunk after its hit: answer them too."""
-            return bool(msg.tail_hashes) and found.chunks == msg.tail_chunk
-
-        def job() -> tuple[_Answer, _Answer | None]:
+        def job() -> tuple[LookupResult, PrefetchTicket | None]:
             specs = self._layouts.resolve(msg.groups)
-            if msg.every_object:
-                specs = tail_specs(specs)
-                return tail_answer(specs, engine.lookup_tail(msg.hashes, specs, inflight=wait > 0)), None
-            found = engine.lookup(msg.hashes, specs, inflight=wait > 0)
-            tail = None
-            if bundles_tail(found):
-                tspecs = tail_specs(specs)
-                tail = tail_answer(tspecs, engine.lookup_tail(msg.tail_hashes, tspecs, inflight=wait > 0))
-            return answer(specs, found), tail
+            return answer(specs, engine.lookup(msg.hashes, specs, inflight=wait > 0))
+
+        if msg.every_object:
+            # A tail: the one object holding the most of these blocks, every group's (a tail's
+            # blocks are the newest of a sliding window too), pinned alone.
+            def tail_specs(specs: list[GroupSpec]) -> list[GroupSpec]:
+                return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
+
+            def tail_answer(
+                specs: list[GroupSpec], tail: TailLookup
+            ) -> tuple[LookupResult, PrefetchTicket | None]:
+                ticket = None
+                if msg.prefetch and tail.blocks:
+                    ticket = engine.prefetch(
+                        [tail.target], specs, 1, inflight_wait_s=wait, tenant=tenant, keys=tail.found.keys
+                    )
+                return LookupResult(tail.blocks, tail.found.per_tier), ticket
+
+            def tail_job() -> tuple[LookupResult, PrefetchTicket | None]:
+                specs = tail_specs(self._layouts.resolve(msg.groups))
+                return tail_answer(specs, engine.lookup_tail(msg.hashes, specs, inflight=wait > 0))
+
+            job = tail_job
 
         identity = session.identity
         received = self._arrival()
@@ -177,52 +162,34 @@ class DataOps:
                 outcome = "error"
             self.lookup_latency.observe(outcome, time.perf_counter() - received)
 
-        def finish(result: tuple[_Answer, _Answer | None]) -> p._Msg | None:
-            (found, ticket), tail = result
+        def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p._Msg | None:
+            found, ticket = result
             if not msg.every_object:  # (a tail lookup goes on the same request's chunk lookup)
                 self._tenants.record(tenant, len(msg.hashes), found.chunks)
             owner = self._sessions.get(identity)
-            reply = self._lookup_reply(owner, found, ticket, blocks=msg.every_object)
-            if tail is not None:
-                tail_reply = self._lookup_reply(owner, *tail, blocks=True)
-                if reply is not None:
-                    reply.tail = tail_reply
-            return reply
+            if ticket is None:
+                return p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
+            if owner is None:  # the client went away while we looked
+                engine.release_ticket(ticket)
+                return None
+            # Its polls say what it pins (a chunk lookup) or how many blocks the object holds (a tail).
+            self._sessions.hold_ticket(owner, ticket, found.chunks if msg.every_object else ticket.target)
+            return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
 
         known = self._layouts.resolve_known(msg.groups)
         if known is not None and msg.every_object:
             specs = tail_specs(known)
             tail = engine.lookup_tail_front(msg.hashes, specs)
             if tail is not None:  # no candidate, or the best one in L1: nothing blocks
-                self._complete(session, msg.req_id, (tail_answer(specs, tail), None), finish, sent)
+                self._complete(session, msg.req_id, tail_answer(specs, tail), finish, sent)
                 return
         elif known is not None:
-            found = engine.lookup_front(msg.hashes, known)
+            specs = known
+            found = engine.lookup_front(msg.hashes, specs)
             if found is not None:  # all in L1: the executor's answer too, and nothing blocks
-                bundled = None
-                if bundles_tail(found):
-                    tspecs = tail_specs(known)
-                    front = engine.lookup_tail_front(msg.tail_hashes, tspecs)
-                    # (Candidates beyond L1: answered without the tail; the client asks for it.)
-                    bundled = tail_answer(tspecs, front) if front is not None else None
-                self._complete(session, msg.req_id, (answer(known, found), bundled), finish, sent)
+                self._complete(session, msg.req_id, answer(specs, found), finish, sent)
                 return
         self._offload(session, msg.req_id, job, finish, sent)
-
-    def _lookup_reply(
-        self, owner: Session | None, found: LookupResult, ticket: PrefetchTicket | None, *, blocks: bool
-    ) -> p.LookupReply | None:
-        """The reply of a lookup's answer; its ticket held by ``owner`` (``None``: the client went
-        away while we looked; the ticket is released and nothing is answered). ``blocks``: a tail's
-        answer, whose polls say how many blocks the object holds (a chunk lookup's, what it pins)."""
-        reply = p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
-        if ticket is None:
-            return reply
-        if owner is None:
-            self._engine.release_ticket(ticket)
-            return None
-        self._sessions.hold_ticket(owner, ticket, found.chunks if blocks else ticket.target)
-        return self._ticket_reply(ticket, reply)
 
     def _ticket_reply(self, ticket: PrefetchTicket, reply: p.LookupReply) -> p.LookupReply:
         state = self._engine.poll(ticket)

@@ -120,9 +120,8 @@ def _lookup(
     inflight_wait_s: float,
     tenant: bytes,
     every_object: bool = False,
-    tail: tuple[int, Sequence[bytes]] | None = None,
 ) -> p.Lookup:
-    msg = p.Lookup(
+    return p.Lookup(
         hashes=list(hashes),
         groups=list(groups),
         prefetch=prefetch,
@@ -131,9 +130,6 @@ def _lookup(
         tenant=tenant,
         every_object=every_object,
     )
-    if tail is not None:
-        msg.tail_chunk, msg.tail_hashes = tail[0], list(tail[1])
-    return msg
 
 
 class Client:
@@ -351,10 +347,8 @@ class Client:
                 entry.reply, entry.done = reply, True
             elif reply.req_id in self._state.abandoned:
                 self._state.abandoned.discard(reply.req_id)
-                if isinstance(reply, p.LookupReply):
-                    for ticket in (reply.ticket, reply.tail.ticket if reply.tail else 0):
-                        if ticket:
-                            self._release_late_ticket(ticket)
+                if isinstance(reply, p.LookupReply) and reply.ticket:
+                    self._release_late_ticket(reply.ticket)
 
     def _believe(self, reply: p._Msg, frame: bytes, tag: bytes | None) -> bool:
         """Whether a reply comes from the server this session proved the secret to: with a shared
@@ -504,14 +498,11 @@ class Client:
         tenant: bytes = b"",
         timeout: float | None = None,
         every_object: bool = False,
-        tail: tuple[int, Sequence[bytes]] | None = None,
     ) -> LookupResult:
         """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
         ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`),
-        asked for ``tenant``. ``every_object``: a tail lookup (the same). ``tail``: ``(chunk,
-        tail hashes)``, the tail lookup answered in the reply's ``tail`` when the hit ends at
-        ``chunk`` (``Lookup.tail_hashes``). One round trip."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object, tail)
+        asked for ``tenant``. ``every_object``: a tail lookup (the same). One round trip."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
         return self._call(msg, timeout=timeout)
 
     def lookup_async(
@@ -524,11 +515,10 @@ class Client:
         inflight_wait_s: float = 0.0,
         tenant: bytes = b"",
         every_object: bool = False,
-        tail: tuple[int, Sequence[bytes]] | None = None,
     ) -> int:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
-        :meth:`poll`. ``every_object``, ``tail``: see :meth:`lookup`."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object, tail)
+        :meth:`poll`. ``every_object``: see :class:`~tiercache.wire.protocol.Lookup`."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
         return self._submit(msg, lambda r: r)
 
     def events(

@@ -35,8 +35,6 @@ import msgspec
 #: ``Reserve.holds`` names the blocks each stored object holds, and a ``Lookup`` with
 #: ``every_object`` (a tail lookup) answers with the one object holding the longest prefix of the
 #: blocks asked for (``LookupReply.chunks``: how many of them).
-#: (Added within 4, with defaults: ``Lookup.tail_hashes``/``tail_chunk`` and ``LookupReply.tail``;
-#: a server that ignores them answers no tail, and the client asks for it.)
 PROTOCOL_VERSION = 4
 
 
@@ -200,12 +198,6 @@ class Lookup(_Msg, tag="lookup"):
     #: ``LookupReply.chunks`` is how many blocks it holds of those asked, and a prefetch pins that
     #: object alone (``ready_chunks`` 1), whose key names it. ``max_chunks`` does not apply.
     every_object: bool = False
-    #: A chunk lookup may carry the tail lookup of the chunk after its hit, guessed: the tail
-    #: hashes of blocks ``0 .. m-1`` of chunk ``tail_chunk``. When the hit is exactly
-    #: ``tail_chunk`` chunks, the reply's ``tail`` is that tail lookup's reply (its own ticket),
-    #: saving the client a round trip; otherwise ``tail`` is ``None`` and the client asks.
-    tail_hashes: list[bytes] = []
-    tail_chunk: int = -1
 
 
 class PollTicket(_Msg, tag="poll_ticket"):
@@ -423,9 +415,6 @@ class LookupReply(_Msg, tag="lookup_ok"):
     ready_chunks: int = 0
     slots: list[Slot] = []
     awaiting: int = 0
-    #: The reply of the tail lookup a chunk lookup carried (``Lookup.tail_hashes``), when its hit
-    #: ended at ``Lookup.tail_chunk`` and the server could answer it at once (else ``None``).
-    tail: LookupReply | None = None
 
     @property
     def pending(self) -> bool:
