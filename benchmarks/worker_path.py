@@ -2,9 +2,7 @@
 
 The worker half (``tiercache.connector.worker.WorkerHalf``) against a real tiercache server in its
 own process (ipc): a store is reserve → gather the chunk's pages from the KV tensors into the L1
-arena slots → commit; a load scatters the slots into other blocks' pages, either from the slots the
-scheduler's lookup ticket pinned (named in the step's metadata, as the connector loads a hit: no
-round trip) or, the fallback, pin by key → scatter → release. The KV
+arena slots → commit; a load is pin → scatter the slots into other blocks' pages → release. The KV
 tensors have a vLLM 0.32 FlashAttention-style page layout (``[blocks, heads, block, K|V]`` per
 layer, bf16), so each page is one contiguous run, as in a served engine.
 
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         from tiercache.connector.layout import GroupLayout, verify_kv_caches
         from tiercache.connector.metadata import ChunkLoad, ChunkSave, RequestLoad, TierCacheMetadata
         from tiercache.connector.worker import WorkerHalf
-        from tiercache.keys import GroupKind, LayoutManifest, ObjectKey, chunk_hashes
+        from tiercache.keys import GroupKind, LayoutManifest, chunk_hashes
     except ImportError as exc:
         print(
             f"worker_path: needs torch and vLLM (run it with .venv-vllm/bin/python): {exc}", file=sys.stderr
@@ -147,34 +145,15 @@ def main(argv: list[str] | None = None) -> int:
             def store() -> None:
                 worker._save_batch(saves)
 
-            def load(meta: list[RequestLoad]) -> None:
+            def load() -> None:
                 step[0] += 1
-                worker.start_load_kv(TierCacheMetadata(step=step[0], loads=meta))
+                worker.start_load_kv(TierCacheMetadata(step=step[0], loads=load_meta))
                 if worker.get_block_ids_with_load_errors():
                     raise RuntimeError("a chunk failed to load")
 
             t_store = _median_s(store, args.iters, sync)
             store()  # what the loads read
-            t_load = _median_s(lambda: load(load_meta), args.iters, sync)
-            # The connector's hit: a lookup's ticket pins the chunks (outside the timing) and the
-            # step's metadata names their slots, so the worker copies without a round trip.
-            found = client.lookup(hashes, [ref], max_chunks=args.chunks)
-            if found.ready_chunks != args.chunks:
-                raise RuntimeError(f"the lookup pinned {found.ready_chunks} of {args.chunks} chunks")
-            at = {ObjectKey.group_and_hash(s.key)[1]: (s.offset, s.nbytes) for s in found.slots}
-            ticket_meta = [
-                RequestLoad(
-                    "bench",
-                    [
-                        ChunkLoad(h, [list(range(per_chunk))], [dst[c]], slots=[(0, *at[h])])
-                        for c, h in enumerate(hashes)
-                    ],
-                    leased_at=time.monotonic(),
-                    arena=client.server.arena_name,
-                )
-            ]
-            t_ticket = _median_s(lambda: load(ticket_meta), args.iters, sync)
-            client.release_ticket(found.ticket)
+            t_load = _median_s(load, args.iters, sync)
             for name, t in caches.items():  # the loads must have moved the bytes
                 if not torch.equal(t[dst[0][0]], t[src[0][0]]):
                     raise RuntimeError(f"{name}: a loaded page differs from the stored one")
@@ -205,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for label, t, tb in (
         ("store (KV -> arena)", t_store, t_base_out),
-        ("load (arena -> KV), the ticket's slots", t_ticket, t_base_in),
-        ("load (arena -> KV), pin by key", t_load, t_base_in),
+        ("load (arena -> KV)", t_load, t_base_in),
     ):
         print(f"| {label} | {t * 1e3:.2f} ms | {gbs / t:.2f} | {tb * 1e3:.2f} ms | {tb / t:.2f}x |")
     return 0

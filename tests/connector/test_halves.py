@@ -1254,33 +1254,6 @@ def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_firs
     assert (tail.prefix_hash, tail.positions, tail.block_ids, tail.blocks) == (chunk2, [[0, 1]], [[9, 10]], 4)
 
 
-def test_a_load_names_where_the_lookups_tickets_pinned_its_objects_and_when_they_were_sent() -> None:
-    """So the workers copy from there without pinning again: each chunk's slot per object group,
-    the tail object's too, the arena they are in, and the earliest send of the lookups that
-    pinned them (no lease of theirs started before it)."""
-    pytest.importorskip("vllm")
-    import time
-    from types import SimpleNamespace
-
-    chunk2 = b"\x07" * 16
-    client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(chunk2, blocks=2, object_blocks=4))
-    sched = _four_block_tails_scheduler(client)
-    sched._arena_name = "tiercache-arena"  # type: ignore[attr-defined]  # (what a connect sets)
-    before = time.monotonic()
-    sched.get_num_new_matched_tokens(_prompt_request(2000), 0)  # type: ignore[attr-defined]
-    ids = list(range(1, 12))
-    sched.update_state_after_alloc(
-        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
-    )  # type: ignore[attr-defined]
-    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
-    assert load.arena == "tiercache-arena" and before <= load.leased_at <= time.monotonic()
-    assert [c.slots for c in load.chunks] == [
-        [(0, 0, HIT_BYTES)],
-        [(0, HIT_BYTES, HIT_BYTES)],
-        [(0, 0, 4 * 196608)],  # the tail object's, from the tail lookup's reply
-    ]
-
-
 def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> None:
     """An object that cannot hold the blocks the reply counts (here 1 block for 2) is never loaded."""
     pytest.importorskip("vllm")

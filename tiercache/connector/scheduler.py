@@ -129,7 +129,6 @@ class _Request:
     tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
     tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
     tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
-    tail_slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # object group → its pinned slot
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
     def hashes(self, chunk_size: int) -> list[bytes]:
@@ -186,7 +185,6 @@ class SchedulerHalf:
         self._tail_block = 0  # > 0: tails are on (tiercache.connector.tails), in blocks of this many tokens
         self._prompt_tails = False  # also store a prompt's tail once computed, not only at its end
         self._end_saves: list[ChunkSave] = []  # stores planned when a request ended, sent next meta
-        self._arena_name = ""  # the connected server's L1 arena (set at connect)
         self.stats = StatsRecorder()
         self._outages_counted = 0
         # KV events for routers, only when vLLM publishes them (--kv-events-config).
@@ -205,7 +203,6 @@ class SchedulerHalf:
     # -- connection ----------------------------------------------------------------------------
     def _on_connect(self, client: Client) -> None:
         info = client.server
-        self._arena_name = info.arena_name  # whose slots the lookups' tickets name
         layout = derive_layout(
             self._vllm_config, self._kv_cache_config, info.chunk_size, self._settings.weights_id
         )
@@ -468,7 +465,6 @@ class SchedulerHalf:
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
             by_group[group] = (prefix_hash, slot.nbytes)
-            st.tail_slots[group] = (slot.offset, slot.nbytes)
         targets = {h for h, _ in by_group.values()}
         sizes = set()
         for g in self.layout.groups:
@@ -495,7 +491,7 @@ class SchedulerHalf:
         if st.tail_probe.ticket:
             self._release_at.setdefault(self._step + 1, []).append(st.tail_probe.ticket)
             st.tail_probe.ticket = 0
-        st.tail_blocks, st.tail_slots = 0, {}
+        st.tail_blocks = 0
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
@@ -614,12 +610,7 @@ class SchedulerHalf:
             else []
         )
         chunks = [
-            ChunkLoad(
-                hashes[cb.chunk],
-                [list(p) for p in cb.positions],
-                [list(i) for i in cb.block_ids],
-                slots=[(g, *at) for g, at in st.slots.get(cb.chunk, {}).items()],
-            )
+            ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
             for cb in planned
         ]
         complete = full_end <= start or (bool(planned) and planned[-1].chunk == -(-full_end // chunk) - 1)
@@ -644,7 +635,6 @@ class SchedulerHalf:
                         [[t.j for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
                         [[t.block_ids[g][0] for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
                         blocks=st.tail_object_blocks,
-                        slots=[(g, *at) for g, at in st.tail_slots.items()],
                     )
                 )
             complete = complete and len(tails) == upto - first
@@ -657,19 +647,10 @@ class SchedulerHalf:
                 at = end // sizes[kv] - 1
                 last.block_ids[kv] = [block_ids[kv][at] if at < len(block_ids[kv]) else 0]
                 last.positions[kv] = [0]
-        # Where the ticket pinned them, so the workers need not pin again: the lookups' send is
-        # before any of their leases started (RequestLoad.leased_at).
-        arena = self._arena_name
-        sent = [pr.sent_at for pr in (st.probe, st.tail_probe) if pr.ticket and pr.sent_at]
-        leased_at = min(sent) if sent and arena else 0.0
         if self._async_loads:
             # vLLM counts all ``num_external_tokens`` as computed once the load is reported: a load
             # that cannot place every chunk is reported failed by the workers (``complete``).
-            self._loads.append(
-                RequestLoad(
-                    st.req_id, chunks, asynchronous=True, complete=complete, leased_at=leased_at, arena=arena
-                )
-            )
+            self._loads.append(RequestLoad(st.req_id, chunks, asynchronous=True, complete=complete))
             st.loading = True  # the ticket stays until the workers report the load (update_connector_output)
             # A request loading anew was preempted (or is new): its earlier stores were flushed at
             # the preemption and the workers forget them on this load. Finished while loading, it
@@ -677,7 +658,7 @@ class SchedulerHalf:
             # second report for a freed request fails its assertion.
             st.saves_scheduled = 0
         else:
-            self._loads.append(RequestLoad(st.req_id, chunks, leased_at=leased_at, arena=arena))
+            self._loads.append(RequestLoad(st.req_id, chunks))
             self._drop_ticket(st)  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
 
@@ -916,7 +897,7 @@ class SchedulerHalf:
                 t for t in (st.probe.ticket, st.tail_probe.ticket) if t
             )  # every worker is done copying
             st.probe.ticket, st.slots, st.hit_chunks = 0, {}, 0
-            st.tail_probe.ticket, st.tail_blocks, st.tail_slots = 0, 0, {}
+            st.tail_probe.ticket, st.tail_blocks = 0, 0
             # On a failure vLLM frees the blocks and schedules the request again from its first
             # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
             st.load_failed = rid in failed

@@ -240,18 +240,16 @@ class Promoter:
             self.poll(ticket)
         return self.poll(ticket)
 
-    def release(self, ticket: PrefetchTicket) -> int:
-        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice. Returns how
-        many of its leases had expired first (their slots may have been reused meanwhile)."""
+    def release(self, ticket: PrefetchTicket) -> None:
+        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice."""
         for f in ticket._futures:
             f.cancel()
         with self._lock:
             ticket.released = True
             ticket._writing.clear()
             handles, ticket.handles = ticket.handles, {}
-        if not handles:
-            return 0
-        return sum(not held for held in self._l1.release_many(list(handles.values())))
+        if handles:
+            self._l1.release_many(list(handles.values()))
 
     def close(self) -> None:
         """Stop the promotion threads; queued promotions are cancelled."""

@@ -209,10 +209,7 @@ class DataOps:
         return self._ticket_reply(ticket, p.LookupReply(chunks=found, per_tier={}))
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p._Msg:
-        # Counted like a release's: a connector worker may have copied from the ticket's slots.
-        self._sessions.lost_leases += self._engine.release_ticket(
-            self._sessions.drop_ticket(session, msg.ticket)
-        )
+        self._engine.release_ticket(self._sessions.drop_ticket(session, msg.ticket))
         return p.Done(count=1)
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------

@@ -687,32 +687,21 @@ class Client:
         if not tokens:
             return set()
         with self._lock:
+            info = self._state.hello
             sock = self._state.sock
-            if sock is not None and self._leases_held_since(pinned_at):
-                msg = p.Release(tokens=list(tokens))
-                msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
-                try:
-                    self._write(sock, msg)
-                except zmq.ZMQError:
-                    pass  # the leases end by themselves; they held for the whole copy
-                else:
-                    self._state.last_send = time.monotonic()
-                return set()
+            if info is not None and sock is not None and info.lease_ttl_s > 0:
+                vouched = 0.5 * min(info.lease_ttl_s, info.heartbeat_timeout_s)
+                if time.monotonic() - pinned_at < vouched:
+                    msg = p.Release(tokens=list(tokens))
+                    msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
+                    try:
+                        self._write(sock, msg)
+                    except zmq.ZMQError:
+                        pass  # the leases end by themselves; they held for the whole copy
+                    else:
+                        self._state.last_send = time.monotonic()
+                    return set()
         return self.release_leases(tokens)
-
-    def leases_held_since(self, pinned_at: float) -> bool:
-        """Whether every lease whose pin was sent at ``pinned_at`` (``time.monotonic()``, any
-        process on this machine) is still held now, as far as time alone can tell: within half
-        of ``min(lease_ttl_s, heartbeat_timeout_s)`` (see :meth:`release_leases_pinned_at`).
-        ``False`` from a server that does not say its lease TTL, or before a hello."""
-        with self._lock:
-            return self._leases_held_since(pinned_at)
-
-    def _leases_held_since(self, pinned_at: float) -> bool:
-        info = self._state.hello
-        if info is None or info.lease_ttl_s <= 0:
-            return False
-        return time.monotonic() - pinned_at < 0.5 * min(info.lease_ttl_s, info.heartbeat_timeout_s)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
