@@ -66,9 +66,7 @@ class BlockIndex:
                     old[i : i + _HASH] for i in range(0, len(old), _HASH) if old[i : i + _HASH] != target
                 )
                 self._targets[block] = (target + rest)[: MAX_TARGETS * _HASH]
-            while len(self._targets) > self._capacity:
-                self._targets.popitem(last=False)
-                self.forgotten += 1
+            self._trim()
 
     def targets(self, block: bytes) -> list[bytes]:
         """The objects said to hold ``block``, newest first (``[]``: none known)."""
@@ -135,10 +133,14 @@ class BlockIndex:
             for block, joined in entries:
                 self._targets.pop(block, None)
                 self._targets[block] = joined
-            while len(self._targets) > self._capacity:
-                self._targets.popitem(last=False)
-                self.forgotten += 1
+            self._trim()
         return len(entries)
+
+    def _trim(self) -> None:
+        """Forget the least recently asked blocks beyond the capacity. Caller holds ``_lock``."""
+        while len(self._targets) > self._capacity:
+            self._targets.popitem(last=False)
+            self.forgotten += 1
 
 
 __all__ = ["MAX_TARGETS", "BlockIndex", "BlockIndexFormatError"]
