@@ -259,6 +259,7 @@ class _LookupClient:
 
     def __init__(self, reply: object) -> None:
         self.reply, self.asked, self.released = reply, [], []  # type: ignore[var-annotated]
+        self.read: list[bool] = []  # per released ticket: whether a load copied from its slots
         self.hashes: list[bytes] = []
 
     def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
@@ -269,16 +270,18 @@ class _LookupClient:
     def poll(self, req_id: int, wait_s: float = 0.0) -> object:
         return self.reply(self.hashes) if callable(self.reply) else self.reply
 
-    def release_ticket(self, ticket: int) -> None:
+    def release_ticket(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
+        self.read.append(read)
 
 
 HIT_TICKET, HIT_BYTES = 9, 196608  # the ticket pinning the hit; one chunk's object (_recurrent_scheduler)
 
 
-def _hit_reply(chunks: int = 2) -> object:
+def _hit_reply(chunks: int = 2, arena: str = "tiercache-arena") -> object:
     """What a server answers a prefetching lookup whose first ``chunks`` chunks it holds in L1: READY,
-    pinned under ticket ``HIT_TICKET``, one slot per chunk (object group 0) of the hashes asked."""
+    pinned under ticket ``HIT_TICKET``, one slot per chunk (object group 0) of the hashes asked, in
+    the L1 arena ``arena``."""
     from tiercache.keys import ObjectKey
     from tiercache.keys.fingerprint import Fingerprint
     from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
@@ -296,6 +299,7 @@ def _hit_reply(chunks: int = 2) -> object:
             ticket=HIT_TICKET,
             ready_chunks=chunks,
             slots=slots,
+            arena=arena,
         )
 
     return reply
@@ -638,9 +642,11 @@ class _TicketClient:
 
     def __init__(self) -> None:
         self.released: list[int] = []
+        self.read: list[bool] = []
 
-    def release_ticket(self, ticket: int) -> None:
+    def release_ticket(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
+        self.read.append(read)
 
 
 def _hit_scheduler(asynchronous: bool) -> tuple[object, object, _TicketClient]:
@@ -700,6 +706,27 @@ def test_the_ticket_is_kept_until_the_workers_report_the_load() -> None:
     sched.build_connector_meta(_output([], {}, {}))  # type: ignore[attr-defined]
     sched.update_connector_output(_step_output({"r"}))  # type: ignore[attr-defined]
     assert client.released == [5] and not st.loading and not st.load_failed  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["loaded", "failed"])
+def test_an_asynchronous_load_from_the_tickets_slots_releases_it_as_read_unless_it_failed(
+    failed: bool,
+) -> None:
+    """The workers pinned nothing: the ticket's release is what tells the server its objects were
+    read (L1 hits, eviction order); a failed load read nothing it could use."""
+    pytest.importorskip("vllm")
+    import time
+
+    sched, st, client = _hit_scheduler(True)
+    st.probe.sent_at, st.probe.arena = time.monotonic(), "tiercache-arena"  # type: ignore[attr-defined]
+    st.slots = {
+        c: {0: (2 * c * HIT_BYTES, HIT_BYTES), 1: ((2 * c + 1) * HIT_BYTES, HIT_BYTES)} for c in (0, 1, 2)
+    }  # type: ignore[attr-defined]
+    _alloc(sched)
+    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
+    assert load.asynchronous and load.arena == "tiercache-arena" and load.leased_at == st.probe.sent_at  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output({"r"}, {"r"} if failed else set()))  # type: ignore[attr-defined]
+    assert client.released == [5] and client.read == [not failed]
 
 
 def test_a_synchronous_hit_releases_the_ticket_once_its_step_ran() -> None:
@@ -1204,9 +1231,9 @@ def _four_block_tails_scheduler(client: object, **kw: object) -> object:
     )
 
 
-def _tail_reply(target: bytes, *, blocks: int, object_blocks: int) -> object:
+def _tail_reply(target: bytes, *, blocks: int, object_blocks: int, arena: str = "tiercache-arena") -> object:
     """A tail lookup's READY reply: ``blocks`` found in the object ``target`` of ``object_blocks``
-    blocks (one layer of 196608 bytes a block), pinned under ticket ``HIT_TICKET + 1``."""
+    blocks (one layer of 196608 bytes a block), pinned under ticket ``HIT_TICKET + 1`` in ``arena``."""
     from tiercache.keys import ObjectKey
     from tiercache.keys.fingerprint import Fingerprint
     from tiercache.wire.protocol import LookupReply, Slot, TicketStateName
@@ -1219,6 +1246,7 @@ def _tail_reply(target: bytes, *, blocks: int, object_blocks: int) -> object:
         ticket=HIT_TICKET + 1,
         ready_chunks=1,
         slots=[Slot(key, 0, object_blocks * 196608, 200)],
+        arena=arena,
     )
 
 
@@ -1252,6 +1280,57 @@ def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_firs
     (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
     tail = load.chunks[-1]
     assert (tail.prefix_hash, tail.positions, tail.block_ids, tail.blocks) == (chunk2, [[0, 1]], [[9, 10]], 4)
+
+
+def _tail_load(client: object) -> object:
+    """The load a 2000-token prompt gets from ``client``'s replies (two chunks, then a tail of 2
+    blocks in chunk 2), once its blocks are allocated; the step that carries it has run."""
+    from types import SimpleNamespace
+
+    sched = _four_block_tails_scheduler(client)
+    sched.get_num_new_matched_tokens(_prompt_request(2000), 0)  # type: ignore[attr-defined]
+    ids = list(range(1, 12))
+    sched.update_state_after_alloc(
+        SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920
+    )  # type: ignore[attr-defined]
+    (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
+    sched.update_connector_output(_step_output())  # type: ignore[attr-defined]
+    return load
+
+
+def test_a_load_names_where_the_lookups_tickets_pinned_its_objects_and_when_they_were_sent() -> None:
+    """So the workers copy from there without pinning again: each chunk's slot per object group,
+    the tail object's too, the arena the replies said they are in, and the earliest send of the
+    lookups that pinned them (no lease of theirs started before it). The tickets are released as
+    read: the server counts their objects as L1 hits."""
+    pytest.importorskip("vllm")
+    import time
+
+    chunk2 = b"\x07" * 16
+    client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(chunk2, blocks=2, object_blocks=4))
+    before = time.monotonic()
+    load = _tail_load(client)
+    assert load.arena == "tiercache-arena" and before <= load.leased_at <= time.monotonic()
+    assert [c.slots for c in load.chunks] == [
+        [(0, 0, HIT_BYTES)],
+        [(0, HIT_BYTES, HIT_BYTES)],
+        [(0, 0, 4 * 196608)],  # the tail object's, from the tail lookup's reply
+    ]
+    assert sorted(client.released) == [HIT_TICKET, HIT_TICKET + 1] and client.read == [True, True]
+
+
+def test_slots_from_two_arenas_are_not_named_the_workers_pin_by_key() -> None:
+    """The chunks' lookup answered by one server and the tail's by another (restarted in between:
+    the client says hello again by itself): no single arena holds every slot, so the load names
+    none, and its tickets are not counted as read."""
+    pytest.importorskip("vllm")
+    chunk2 = b"\x07" * 16
+    client = _SequencedClient(
+        _hit_reply(chunks=2, arena="tiercache-old"), _tail_reply(chunk2, blocks=2, object_blocks=4)
+    )
+    load = _tail_load(client)
+    assert load.arena == "" and load.leased_at == 0.0
+    assert client.read == [False, False]
 
 
 def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> None:

@@ -5,6 +5,7 @@ from vLLM's); skipped elsewhere."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,9 @@ class FakeClient:
     def __init__(self, arena: SharedArena) -> None:
         self._arena, self._next, self.objects, self.pending = arena, 0, {}, {}
         self.expired: set[int] = set()  # lease tokens the "server" let expire before their release
+        self.pins = 0  # pin calls
+        self.leases_held = True  # what leases_held_since answers after a copy (time vouches for them)
+        self.fresh = True  # what it answers before one (share < 0.5: a load planned soon enough)
 
     def arena(self) -> SharedArena:
         return self._arena
@@ -72,7 +76,11 @@ class FakeClient:
             self.pending.pop(t, None)
 
     def pin(self, keys: list[Any]) -> list[Slot | None]:
+        self.pins += 1
         return [self.objects.get(k) for k in keys]
+
+    def leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
+        return self.fresh if share < 0.5 else self.leases_held
 
     def release(self, tokens: list[int]) -> None:
         pass
@@ -405,3 +413,69 @@ def test_a_release_the_server_cannot_confirm_is_a_failed_load(worker) -> None:  
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])])]))
     assert w.get_block_ids_with_load_errors() == {7, 3}
     assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
+
+
+def _ticket_load(client: FakeClient, arena: str | None = None, **kw: Any) -> RequestLoad:
+    """A load of the chunk ``_save_batch`` stored, naming the slot it is in (as the scheduler's
+    lookup ticket pinned it), sent just now."""
+    [stored] = client.objects.values()
+    return RequestLoad(
+        "r2",
+        [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]], slots=[(0, stored.offset, stored.nbytes)])],
+        leased_at=time.monotonic(),
+        arena=client.arena().name if arena is None else arena,
+        **kw,
+    )
+
+
+def test_a_load_from_the_tickets_slots_copies_them_without_a_pin(worker) -> None:  # type: ignore[no-untyped-def]
+    w, client, caches = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client)]))
+    assert client.pins == 0
+    assert not w.get_block_ids_with_load_errors() and w.stats["loaded_chunks"] == 1
+    for t in caches.values():
+        assert torch.equal(_manager_block(t, 7), _manager_block(t, 5))
+        assert torch.equal(_manager_block(t, 3), _manager_block(t, 2))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_copy_from_the_tickets_slots_that_ended_too_late_for_its_leases_is_a_failed_load(  # type: ignore[no-untyped-def]
+    worker, asynchronous: bool
+) -> None:
+    """Time alone no longer vouches for the ticket's leases: the slot may hold another chunk's
+    bytes by then, so vLLM is told to recompute, never that the chunk loaded."""
+    w, client, _ = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    client.leases_held = False
+    w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, asynchronous=asynchronous)]))
+    if asynchronous:
+        w._finish_loads(wait=True)
+        _, done, failed = w.transfer_results(set())
+        assert done == {"r2"} and failed == {"r2"}
+    else:
+        assert w.get_block_ids_with_load_errors() == {7, 3}
+    assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
+
+
+def test_slots_in_another_servers_arena_are_never_read_the_worker_pins_by_key(worker) -> None:  # type: ignore[no-untyped-def]
+    """A server restarted since the lookup has another arena: the offsets mean nothing in it."""
+    w, client, caches = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, arena="tiercache-gone")]))
+    assert not w.get_block_ids_with_load_errors()
+    assert client.pins == 1 and w.stats["loaded_chunks"] == 1
+    for t in caches.values():
+        assert torch.equal(_manager_block(t, 7), _manager_block(t, 5))
+
+
+def test_a_load_planned_too_long_after_its_lookup_pins_by_key_instead(worker) -> None:  # type: ignore[no-untyped-def]
+    """A quarter of what the leases vouch for has passed since the lookup (the request waited for
+    blocks): the copy might outlive them, so the worker pins the objects itself and loads."""
+    w, client, caches = worker
+    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    client.fresh = False
+    w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client)]))
+    assert client.pins == 1 and not w.get_block_ids_with_load_errors() and w.stats["loaded_chunks"] == 1
+    for t in caches.values():
+        assert torch.equal(_manager_block(t, 7), _manager_block(t, 5))

@@ -5,9 +5,11 @@ Test-only launcher (``tests/e2e/test_load_failure.py``)::
     python -m tests.e2e.load_failure_run [--drop-index 1] [--hide-load-errors] ENGINE_RUN_ARGS...
 
 In this process (the engine runs in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
-executor) it wraps :meth:`tiercache.client.Client.pin` so that the key at ``--drop-index`` of every
-pin is never asked for and comes back as ``None`` (no slot), exactly what the server answers for a
-key no longer in L1; the worker must then report that chunk's blocks as load errors.
+executor) the object at ``--drop-index`` of every step's load gets no slot: the worker finds none
+for it among the slots the scheduler's lookup ticket pinned (the load names them), and if it pins
+by key instead, :meth:`tiercache.client.Client.pin` never asks for that key and it comes back as
+``None``, exactly what the server answers for a key no longer in L1. The worker must then report
+that chunk's blocks as load errors.
 ``--hide-load-errors`` also makes the connector report no load errors, so vLLM believes the blocks
 were loaded: the negative control that shows the recompute is what keeps the output right.
 (For models with several KV-cache groups, loads are asynchronous and a failure is reported per
@@ -25,7 +27,18 @@ from tests.e2e import engine_run
 
 def install(drop_index: int, hide_load_errors: bool) -> None:
     from tiercache.connector.connector import TierCacheConnector
+    from tiercache.connector.worker import WorkerHalf
     from tiercache.wire.client import Client
+
+    real_ticket_slots = WorkerHalf._ticket_slots
+
+    def ticket_slots_without_one(self: WorkerHalf, *args: Any) -> list[Any] | None:
+        slots = real_ticket_slots(self, *args)
+        if slots is not None and len(slots) > drop_index:
+            slots[drop_index] = None
+        return slots
+
+    WorkerHalf._ticket_slots = ticket_slots_without_one  # type: ignore[method-assign]
 
     real_pin = Client.pin
 

@@ -9,10 +9,11 @@ In this process (the engine runs in-process) the first page write of the run sle
 (longer than the server's ``lease_ttl_s``), so the leases of that load expire mid-copy; then another
 client floods the server's L1 with noise objects until the slot being copied from holds other bytes,
 as it would once the server evicted the unprotected object and reused its bytes. The copy goes on
-and writes those bytes. The connector must learn from the release that the leases were lost and
-report the chunks as failed loads, so vLLM recomputes them.
+and writes those bytes. The connector must learn that the leases were lost (the copy outlived
+them: their age, or the release's answer) and report the chunks as failed loads, so vLLM
+recomputes them.
 
-``--trust-lost-leases`` makes the worker's release confirm every lease, whatever the server says:
+``--trust-lost-leases`` makes the worker trust every lease, whatever its age or the server says:
 the negative control, which is what tiercache did before releases named lost leases (report the
 chunks as loaded), and whose output moves. Nothing of vLLM is patched.
 """
@@ -79,6 +80,8 @@ def install(endpoint: str, stall_s: float, trust_lost_leases: bool) -> None:
             return set()
 
         Client.release_leases = confirm_all  # type: ignore[method-assign]
+        # A hit's load copies from the scheduler's ticket's slots and trusts the lease's age alone.
+        Client.leases_held_since = lambda self, pinned_at, share=0.5: True  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -266,6 +266,22 @@ def test_a_hot_shared_prefix_survives_a_scan_of_one_off_prompts_only_with_s3fifo
         assert tier.get(hot) == payload_for(hot, UNIT)
 
 
+@pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
+def test_an_uncounted_hold_released_as_read_counts_as_the_pin_it_stood_for(make_l1, read: bool) -> None:
+    """A lookup ticket's holds (``count=False``) that a client copied from: released as read, each
+    is one hit and one access for the eviction policy, as the client's own pin would have been;
+    released unread, nothing. Under LRU the read object then outlives an older unread one."""
+    tier = make_l1(size_bytes=4 * UNIT, eviction_policy=EvictionPolicyName.LRU)
+    fill(tier, range(2))
+    before = tier.stats.snapshot()["hits"]
+    [held] = tier.pin_many([make_key(0)], count=False)
+    assert held is not None
+    assert tier.release_many([held], read=read) == [True]
+    assert tier.stats.snapshot()["hits"] - before == (1 if read else 0)
+    fill(tier, range(2, 5))  # one more than fits: the least recently used goes
+    assert tier.contains(make_key(0)) is read and tier.contains(make_key(1)) is not read
+
+
 def test_eviction_frees_contiguous_room_for_a_large_object(make_l1) -> None:
     tier = make_l1(size_bytes=8 * UNIT)
     fill(tier, range(8))

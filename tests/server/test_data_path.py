@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import S3Endpoint
 from tests.server.conftest import StartServer, manifest
 from tiercache.keys import ObjectKey, chunk_hashes
@@ -153,6 +155,29 @@ def test_a_lookup_then_a_load_of_its_chunks_counts_each_chunk_as_one_l1_hit(
         after = client.stats()["tiers"]["l1"]
     assert after["hits"] - before["hits"] == 4
     assert after["bytes_read"] - before["bytes_read"] == 4 * 64 * KiB
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
+def test_a_ticket_released_as_read_counts_each_chunk_as_one_l1_hit(
+    start_server: StartServer, read: bool
+) -> None:
+    """The connector's load from the ticket's own slots (no pin of the worker's): the release says
+    the objects were read, and the server counts what a pin's read would have. A ticket released
+    unread (the request computed instead) counts nothing. The reply names the arena its slots are
+    in: the server's."""
+    server = start_server()
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(client, group, hashes)
+        before = client.stats()["tiers"]["l1"]
+        found = client.lookup(hashes, [group])
+        assert found.chunks == 4 and len(found.slots) == 4
+        assert found.arena == client.server.arena_name
+        client.release_ticket(found.ticket, read=read)
+        after = client.stats()["tiers"]["l1"]
+    assert after["hits"] - before["hits"] == (4 if read else 0)
+    assert after["bytes_read"] - before["bytes_read"] == (4 * 64 * KiB if read else 0)
 
 
 def test_a_lookup_l1_answers_alone_replies_and_counts_as_one_the_disk_helps_answer(

@@ -11,8 +11,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class ChunkLoad:
     """Copy one chunk's objects from the L1 arena into the request's blocks.
 
-    The scheduler's lookup ticket has promoted and pinned the objects; the worker pins them again by
-    key for the copy (so an expired ticket lease can never make it read a reused slot).
+    The scheduler's lookup ticket has promoted and pinned the objects, and holds them until the
+    step carrying the load has run (an asynchronous load: until the workers report it). ``slots``
+    are where the ticket pinned them, ``(object group, offset, nbytes)`` in the arena the
+    :class:`RequestLoad` names: the worker copies from there without a pin of its own, and trusts
+    the bytes only if its copy ended well inside the leases' TTL counted from the lookup's send
+    (``RequestLoad.leased_at``), else the chunk is a failed load. Without ``slots`` the worker
+    pins by key.
 
     Per KV-cache group (groups may use different block sizes, so each has its own
     ``chunk_size / block_size`` positions): ``positions[kv_group]`` are the block positions inside
@@ -33,6 +38,7 @@ class ChunkLoad:
     #: first blocks a tail lookup found: :mod:`tiercache.connector.tails`); ``positions`` then index
     #: those ``k`` blocks.
     blocks: int = 0
+    slots: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -50,6 +56,10 @@ class RequestLoad:
     chunks: list[ChunkLoad]
     asynchronous: bool = False
     complete: bool = True
+    #: ``time.monotonic()`` when the lookups that pinned the chunks' ``slots`` were sent (no lease
+    #: of theirs started before), and the arena those slots are in (the server's ``arena_name``).
+    leased_at: float = 0.0
+    arena: str = ""
 
 
 @dataclass(slots=True)

@@ -93,6 +93,7 @@ class _Probe:
     poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
     poll_delay: float = 0.0  # the backoff between polls of a pending ticket
     sent_at: float = 0.0
+    arena: str = ""  # the L1 arena its ticket's slots are in, as the reply that named them said
     awaited: bool = False  # a reply said the ticket waits for another engine's store (in flight)
     ticket: int = 0  # held while the hit objects must stay pinned
     per_tier: dict[str, int] = field(default_factory=dict)  # what it found, by tier (stats; first reply only)
@@ -120,6 +121,7 @@ class _Request:
     states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
     request: Any = None  # vLLM's Request (block hashes and extra keys for KV events)
     loading: bool = False  # an asynchronous load was sent; the ticket is kept until it is reported
+    loaded_from_slots: bool = False  # that load named the ticket's slots (the workers pin nothing)
     load_failed: bool = False  # the workers reported its asynchronous load failed: compute instead
     # Tails (tiercache.connector.tails): the lookup of the blocks of the chunk after the full hit.
     tail_state: LookupState = LookupState.NOT_SENT
@@ -129,6 +131,7 @@ class _Request:
     tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
     tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
     tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
+    tail_slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # object group → its pinned slot
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
     def hashes(self, chunk_size: int) -> list[bytes]:
@@ -177,7 +180,8 @@ class SchedulerHalf:
         self._loads: list[RequestLoad] = []  # built by update_state_after_alloc, sent next meta
         self._step = 0
         self._lookup_wait_left = settings.lookup_wait_s  # this step's share left for lookup replies
-        self._release_at: dict[int, list[int]] = {}  # step → tickets to release once it ran
+        # step → tickets to release once it ran, each with whether a load copied from its slots
+        self._release_at: dict[int, list[tuple[int, bool]]] = {}
         self._unfinished_steps: deque[int] = deque()
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step
@@ -423,6 +427,9 @@ class SchedulerHalf:
         if result.per_tier:  # kept: ticket polls do not repeat them, and a pending reply returns None
             probe.per_tier = dict(result.per_tier)
         if result.state is not p.TicketStateName.PENDING:
+            # Taken from this very reply: the client says hello again by itself when the server
+            # restarts, so whatever it holds at connect may name an arena these slots are not in.
+            probe.arena = result.arena
             return result
         # A promotion gets timeout_s, like any round trip; a wait for another engine's store is the
         # server's to bound (inflight_wait_s), so it gets that on top.
@@ -465,6 +472,7 @@ class SchedulerHalf:
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
             by_group[group] = (prefix_hash, slot.nbytes)
+            st.tail_slots[group] = (slot.offset, slot.nbytes)
         targets = {h for h, _ in by_group.values()}
         sizes = set()
         for g in self.layout.groups:
@@ -486,12 +494,13 @@ class SchedulerHalf:
             self.stats.add("hit_tokens", blocks * self._tail_block)
         return True
 
-    def _drop_tail(self, st: _Request) -> None:
-        """Release the tail lookup's ticket after the step being built now has run."""
+    def _drop_tail(self, st: _Request, read: bool = False) -> None:
+        """Release the tail lookup's ticket after the step being built now has run (``read``: the
+        step loads from its slots)."""
         if st.tail_probe.ticket:
-            self._release_at.setdefault(self._step + 1, []).append(st.tail_probe.ticket)
+            self._release_at.setdefault(self._step + 1, []).append((st.tail_probe.ticket, read))
             st.tail_probe.ticket = 0
-        st.tail_blocks = 0
+        st.tail_blocks, st.tail_slots = 0, {}
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
@@ -573,15 +582,16 @@ class SchedulerHalf:
                 return boundary
         return 0
 
-    def _drop_ticket(self, st: _Request) -> None:
+    def _drop_ticket(self, st: _Request, read: bool = False) -> None:
         """Release the request's ticket after the step being built now has run (never earlier:
-        a worker may still be copying from its slots)."""
+        a worker may still be copying from its slots). ``read``: that step's load copies from the
+        tickets' slots (the server counts their objects as L1 reads)."""
         if st.probe.ticket:
-            self._release_at.setdefault(self._step + 1, []).append(st.probe.ticket)
+            self._release_at.setdefault(self._step + 1, []).append((st.probe.ticket, read))
             st.probe.ticket = 0
         st.slots = {}
         st.hit_chunks = 0
-        self._drop_tail(st)
+        self._drop_tail(st, read)
 
     # -- allocation and metadata ---------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -610,7 +620,12 @@ class SchedulerHalf:
             else []
         )
         chunks = [
-            ChunkLoad(hashes[cb.chunk], [list(p) for p in cb.positions], [list(i) for i in cb.block_ids])
+            ChunkLoad(
+                hashes[cb.chunk],
+                [list(p) for p in cb.positions],
+                [list(i) for i in cb.block_ids],
+                slots=[(g, *at) for g, at in st.slots.get(cb.chunk, {}).items()],
+            )
             for cb in planned
         ]
         complete = full_end <= start or (bool(planned) and planned[-1].chunk == -(-full_end // chunk) - 1)
@@ -635,6 +650,7 @@ class SchedulerHalf:
                         [[t.j for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
                         [[t.block_ids[g][0] for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
                         blocks=st.tail_object_blocks,
+                        slots=[(g, *at) for g, at in st.tail_slots.items()],
                     )
                 )
             complete = complete and len(tails) == upto - first
@@ -647,19 +663,31 @@ class SchedulerHalf:
                 at = end // sizes[kv] - 1
                 last.block_ids[kv] = [block_ids[kv][at] if at < len(block_ids[kv]) else 0]
                 last.positions[kv] = [0]
+        # Where the ticket pinned them, so the workers need not pin again: the lookups' send is
+        # before any of their leases started (RequestLoad.leased_at).
+        probes = [pr for pr in (st.probe, st.tail_probe) if pr.ticket and pr.sent_at]
+        arenas = {pr.arena for pr in probes}
+        arena = arenas.pop() if len(arenas) == 1 else ""  # two servers' slots: the workers pin by key
+        named = bool(probes and arena and chunks and all(c.slots for c in chunks))
+        leased_at = min(pr.sent_at for pr in probes) if named else 0.0
         if self._async_loads:
             # vLLM counts all ``num_external_tokens`` as computed once the load is reported: a load
             # that cannot place every chunk is reported failed by the workers (``complete``).
-            self._loads.append(RequestLoad(st.req_id, chunks, asynchronous=True, complete=complete))
-            st.loading = True  # the ticket stays until the workers report the load (update_connector_output)
+            self._loads.append(
+                RequestLoad(
+                    st.req_id, chunks, asynchronous=True, complete=complete, leased_at=leased_at, arena=arena
+                )
+            )
+            st.loading, st.loaded_from_slots = True, bool(leased_at)
+            # the ticket stays until the workers report the load (update_connector_output)
             # A request loading anew was preempted (or is new): its earlier stores were flushed at
             # the preemption and the workers forget them on this load. Finished while loading, it
             # must not be held for finished_sending too: vLLM frees it on finished_recving, and a
             # second report for a freed request fails its assertion.
             st.saves_scheduled = 0
         else:
-            self._loads.append(RequestLoad(st.req_id, chunks))
-            self._drop_ticket(st)  # released once the step carrying these loads has run
+            self._loads.append(RequestLoad(st.req_id, chunks, leased_at=leased_at, arena=arena))
+            self._drop_ticket(st, read=bool(leased_at))  # released once the step carrying these loads has run
         st.saved_upto = max(st.saved_upto, end // self.layout.chunk_size)
 
     def build_connector_meta(self, scheduler_output: Any) -> TierCacheMetadata:
@@ -879,25 +907,26 @@ class SchedulerHalf:
             if result is None:
                 keep.append(req_id)
             elif result.ticket:
-                self._release_at.setdefault(self._step + 1, []).append(result.ticket)
+                self._release_at.setdefault(self._step + 1, []).append((result.ticket, False))
         self._orphans = keep
 
     # -- step results and request end ---------------------------------------------------------
     def update_connector_output(self, connector_output: Any) -> None:
         """A step has run: release the tickets whose loads it carried, and those of the asynchronous
         loads the workers reported (``finished_recving``; failed ones are also in ``failed_recving``)."""
-        tickets: list[int] = []
+        tickets: list[tuple[int, bool]] = []
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         for rid in getattr(connector_output, "finished_recving", None) or ():
             st = self._reqs.get(rid)
             if st is None or not st.loading:
                 continue  # finished while loading: request_finished already scheduled the release
             st.loading = False
+            read = st.loaded_from_slots and rid not in failed
             tickets.extend(
-                t for t in (st.probe.ticket, st.tail_probe.ticket) if t
+                (t, read) for t in (st.probe.ticket, st.tail_probe.ticket) if t
             )  # every worker is done copying
             st.probe.ticket, st.slots, st.hit_chunks = 0, {}, 0
-            st.tail_probe.ticket, st.tail_blocks = 0, 0
+            st.tail_probe.ticket, st.tail_blocks, st.tail_slots = 0, 0, {}
             # On a failure vLLM frees the blocks and schedules the request again from its first
             # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
             st.load_failed = rid in failed
@@ -910,9 +939,9 @@ class SchedulerHalf:
         client = self.link.client()
         if client is None:
             return  # the server forgot them (restart) or leases expire by themselves
-        for ticket in tickets:
+        for ticket, read in tickets:
             try:
-                client.release_ticket(ticket)
+                client.release_ticket(ticket, read=read)
             except TierCacheError as exc:
                 if getattr(exc, "code", "") != "unknown_token":
                     self.link.failed("release of a lookup ticket", exc)

@@ -5,9 +5,12 @@
   tensors' device, connect, register the object groups of this rank and map the server's L1 arena.
 * Loads (``handle_preemptions``, at the very start of the step; ``start_load_kv`` is the fallback
   if that hook did not see the step). The scheduler's lookup ticket has promoted the hit objects
-  into L1; the worker pins them by key (one round trip per step with loads) and starts a load job
-  (:mod:`~tiercache.connector.loads`) that writes them into the requests' blocks in the layers'
-  forward order; the pins are released once the job is finished. Two kinds
+  into L1 and pins them until the step has run; the load names their slots, so the worker starts
+  a load job (:mod:`~tiercache.connector.loads`) that writes them into the requests' blocks in
+  the layers' forward order with no round trip, and trusts the bytes only if the job ended well
+  inside the leases' TTL counted from the lookup's send (else the chunks are failed loads). A load
+  that names no slots, or slots in another server's arena, pins by key instead (one round trip)
+  and releases the pins once the job is finished. Two kinds
   (``RequestLoad.asynchronous``):
 
   - synchronous (one KV-cache group, dense models): the request runs in this very step. With
@@ -75,7 +78,9 @@ from tiercache.connector.pages import PageView
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.l1.arena import SharedArena
 from tiercache.wire.client import Client
+from tiercache.wire.protocol import Slot
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ class _StepLoad:
     tokens: list[int]  # pins to release once the writes are done
     started: float
     pinned_at: float = 0.0  # time.monotonic() just before the pin was sent (see _release)
+    ticket_slots: bool = False  # copied from the scheduler's ticket's slots: no pin, no release
     chunk_tokens: dict[int, list[int]] = field(default_factory=dict)  # per chunk: its pins' tokens
     planned: list[bool] = field(default_factory=list)  # per chunk: its writes are in the job
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
@@ -243,14 +249,23 @@ class WorkerHalf:
         client = self.link.client()
         slots: list[Any] = [None] * len(keys)
         pinned_at = time.monotonic()
-        if client is not None and keys:
+        mapped = self._mapped_arena(client)
+        ticket = self._ticket_slots(client, mapped, meta, chunks, wanted)
+        if ticket is not None:  # where the scheduler's ticket pinned them: no round trip
+            slots, pinned_at = ticket, min(load.leased_at for load in meta.loads)
+        elif client is not None and keys:
             try:
                 slots = client.pin(keys)
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
-        load = _StepLoad(meta, owner, client, [s.token for s in slots if s is not None], started, pinned_at)
+        load = _StepLoad(
+            meta, owner, client, [s.token for s in slots if s is not None and s.token], started, pinned_at
+        )
+        load.ticket_slots = ticket is not None
         try:
-            arena = client.arena() if client is not None else None
+            # The ticket's slots are offsets in the very mapping they were checked against; after
+            # a pin, the client may have said hello to a restarted server (a new arena).
+            arena = mapped if ticket is not None else client.arena() if client is not None else None
             plan: list[list[PageWrite]] = [[] for _ in self._layer_order]
             at = 0
             for i, (chunk, groups) in enumerate(zip(chunks, wanted)):
@@ -279,6 +294,46 @@ class WorkerHalf:
                 self._finish_load(load)
             elif load.sync:
                 self._sync_load = load
+
+    def _mapped_arena(self, client: Client | None) -> SharedArena | None:
+        """The server's arena as this worker's client maps it now (attached on first use)."""
+        if client is None:
+            return None
+        try:
+            return client.arena()
+        except TierCacheError as exc:
+            self.link.failed("mapping the server's arena for a load", exc)
+            return None
+
+    def _ticket_slots(
+        self,
+        client: Client | None,
+        mapped: SharedArena | None,
+        meta: TierCacheMetadata,
+        chunks: list[ChunkLoad],
+        wanted: list[list[GroupLayout]],
+    ) -> list[Slot | None] | None:
+        """The slots of every object of this step's load (in ``keys`` order) where the scheduler's
+        lookup tickets pinned them, when the metadata names them all, in the arena ``mapped`` (the
+        one this worker would copy from) and recently enough that the leases surely outlive the
+        copy; else ``None`` (the worker pins by key)."""
+        if client is None or mapped is None or not meta.loads or any(not r.leased_at for r in meta.loads):
+            return None
+        if any(r.arena != mapped.name for r in meta.loads):
+            return None  # another server (restarted since the lookup): its offsets mean nothing here
+        # A load planned long after its lookup (a request that waited for blocks) pins anew rather
+        # than risk a copy that ends past what the leases vouch for (then a failed load).
+        if not client.leases_held_since(min(r.leased_at for r in meta.loads), share=0.25):
+            return None
+        out: list[Slot | None] = []
+        for chunk, groups in zip(chunks, wanted):
+            by_group = {g: (offset, nbytes) for g, offset, nbytes in chunk.slots}
+            for g in groups:
+                at = by_group.get(g.object_group)
+                if at is None:
+                    return None
+                out.append(Slot(b"", at[0], at[1], 0))
+        return out
 
     def _plan_chunk(
         self, chunk_index: int, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]
@@ -364,7 +419,19 @@ class WorkerHalf:
 
     def _release(self, load: _StepLoad) -> set[int]:
         """Release the load's leases; the chunks whose bytes no held lease vouches for (a lease
-        that had expired, or every chunk when the release itself failed)."""
+        that had expired, or every chunk when the release itself failed). A load from the
+        scheduler's ticket's slots has nothing to release (the scheduler releases the ticket after
+        the step): every chunk is lost unless its copy ended well inside the leases' TTL counted
+        from the lookup's send (``RequestLoad.leased_at``)."""
+        if load.ticket_slots:
+            if load.client is not None and load.client.leases_held_since(load.pinned_at):
+                return set()
+            log.warning(
+                "tiercache: a load's copy ended too long after its lookup for the leases pinning it "
+                "to vouch for the bytes (lease_ttl_s of the server's L1 is shorter than the load "
+                "took); its chunks are reported as failed loads and vLLM recomputes them"
+            )
+            return set(range(len(load.planned)))
         if not load.tokens or load.client is None:
             return set()
         try:

@@ -327,9 +327,12 @@ class TieredEngine:
         """Block until ``ticket`` is decided or ``timeout`` passes. For tools and tests."""
         return self._promoter.wait(ticket, timeout)
 
-    def release_ticket(self, ticket: PrefetchTicket) -> None:
-        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice."""
-        self._promoter.release(ticket)
+    def release_ticket(self, ticket: PrefetchTicket, *, read: bool = False) -> int:
+        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice. ``read``: a
+        client copied the objects from the ticket's slots; each one still held counts as an L1
+        hit (and an access for eviction), as a pin's read would. Returns how many of its leases
+        had expired first (a reader copying from its slots then may not trust the bytes)."""
+        return self._promoter.release(ticket, read=read)
 
     def get(self, key: ObjectKey) -> bytes | None:
         """A verified copy of one object from the fastest tier, promoting it into L1. Blocking."""

@@ -240,16 +240,20 @@ class Promoter:
             self.poll(ticket)
         return self.poll(ticket)
 
-    def release(self, ticket: PrefetchTicket) -> None:
-        """Unpin everything ``ticket`` holds. Safe to call in any state, and twice."""
+    def release(self, ticket: PrefetchTicket, *, read: bool = False) -> int:
+        """Unpin everything ``ticket`` holds (``read``: counted as L1 reads, see
+        :meth:`~tiercache.l1.tier.L1Tier.release_many`). Safe to call in any state, and twice.
+        Returns how many of its leases had expired first (their slots may have been reused
+        meanwhile)."""
         for f in ticket._futures:
             f.cancel()
         with self._lock:
             ticket.released = True
             ticket._writing.clear()
             handles, ticket.handles = ticket.handles, {}
-        if handles:
-            self._l1.release_many(list(handles.values()))
+        if not handles:
+            return 0
+        return sum(not held for held in self._l1.release_many(list(handles.values()), read=read))
 
     def close(self) -> None:
         """Stop the promotion threads; queued promotions are cancelled."""

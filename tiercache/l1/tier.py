@@ -479,10 +479,13 @@ class L1Tier(FrontTier):
         """End a lease. Releasing twice, after expiry or after close is harmless. O(log n)."""
         self.release_many([handle])
 
-    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
+    def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]:
         """End several leases under one lock acquisition. Says, per handle, whether its lease was
         still held: ``False`` means it expired first, so its bytes may have been reused while the
-        holder read them (a reader must not trust what it copied)."""
+        holder read them (a reader must not trust what it copied). ``read``: the leases were the
+        engine's own holds (``pin(count=False)``) and a client copied from their slots meanwhile;
+        each one still held then counts as the hit (and eviction-policy access) that a pin of its
+        own would have counted."""
         held: list[bool] = []
         with self._lock:
             if self._closed:
@@ -492,6 +495,10 @@ class L1Tier(FrontTier):
                 slot = self._leases.get(handle.token)
                 if slot is not None and (slot.key is handle.key or slot.key == handle.key):
                     del self._leases[handle.token]
+                    if read:
+                        self._policy.on_access(slot.key)
+                        self._tenants.on_access(slot.key, slot.tenant)
+                        self.stats.hit(slot.nbytes)
                     self._unpin(slot)
                     held.append(True)
                 else:

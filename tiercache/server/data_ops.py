@@ -201,6 +201,7 @@ class DataOps:
             reply.ready_chunks = ticket.chunks
             # Once settled, the ticket pins the objects of its ready chunks and nothing else.
             reply.slots = self._l1.lease_slots(list(ticket.handles.values()), p.Slot)
+            reply.arena = self._l1.arena_name
         return reply
 
     def poll_ticket(self, session: Session, msg: p.PollTicket) -> p._Msg:
@@ -209,7 +210,10 @@ class DataOps:
         return self._ticket_reply(ticket, p.LookupReply(chunks=found, per_tier={}))
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p._Msg:
-        self._engine.release_ticket(self._sessions.drop_ticket(session, msg.ticket))
+        # Counted like a release's: a connector worker may have copied from the ticket's slots.
+        self._sessions.lost_leases += self._engine.release_ticket(
+            self._sessions.drop_ticket(session, msg.ticket), read=msg.read
+        )
         return p.Done(count=1)
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------

@@ -64,7 +64,7 @@ class Sessions:
         self._nonces: OrderedDict[bytes, bytes] = OrderedDict()
         self.expired = 0  # sessions dropped for missed heartbeats
         self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
-        self.lost_leases = 0  # leases released after they had expired (the reader was told)
+        self.lost_leases = 0  # leases released after they had expired (a release's or a ticket's)
 
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)

@@ -212,9 +212,11 @@ class Tier(ABC):
         """:meth:`pin` for each key; tiers override it to pin in one lock or transaction."""
         return [self.pin(key, count=count) for key in keys]
 
-    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
+    def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]:
         """:meth:`release` each handle; tiers override it to release in one lock. Says, per handle,
-        whether its pin was still held (``True`` where the tier cannot tell)."""
+        whether its pin was still held (``True`` where the tier cannot tell). ``read``: the handles
+        are uncounted holds (``pin(count=False)``) that a client read through after all; a tier that
+        counts hits counts them now (this default counts nothing)."""
         for handle in handles:
             self.release(handle)
         return [True] * len(handles)

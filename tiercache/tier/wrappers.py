@@ -138,8 +138,8 @@ class WrapperTier(FrontTier):
     def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
         return self.inner.pin_many(keys, count=count)
 
-    def release_many(self, handles: Sequence[ReadHandle]) -> list[bool]:
-        return self.inner.release_many(handles)
+    def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]:
+        return self.inner.release_many(handles, read=read)
 
     def lookup_prefix(self, keys: Sequence[ObjectKey]) -> int:
         return self.inner.lookup_prefix(keys)

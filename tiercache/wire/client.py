@@ -620,9 +620,10 @@ class Client:
             time.sleep(pause)  # promotions take ms: back off instead of spinning on the server
             pause = min(pause * 2, 0.01)
 
-    def release_ticket(self, ticket: int, timeout: float | None = None) -> None:
-        """Unpin everything a ticket holds."""
-        self._call(p.ReleaseTicket(ticket=ticket), timeout=timeout)
+    def release_ticket(self, ticket: int, timeout: float | None = None, *, read: bool = False) -> None:
+        """Unpin everything a ticket holds. ``read``: this client copied the objects from the
+        ticket's slots (the server counts them as L1 reads: :class:`~tiercache.wire.protocol.ReleaseTicket`)."""
+        self._call(p.ReleaseTicket(ticket=ticket, read=read), timeout=timeout)
 
     # -- two-phase store / pin -------------------------------------------------------------------
     def reserve(
@@ -687,21 +688,33 @@ class Client:
         if not tokens:
             return set()
         with self._lock:
-            info = self._state.hello
             sock = self._state.sock
-            if info is not None and sock is not None and info.lease_ttl_s > 0:
-                vouched = 0.5 * min(info.lease_ttl_s, info.heartbeat_timeout_s)
-                if time.monotonic() - pinned_at < vouched:
-                    msg = p.Release(tokens=list(tokens))
-                    msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
-                    try:
-                        self._write(sock, msg)
-                    except zmq.ZMQError:
-                        pass  # the leases end by themselves; they held for the whole copy
-                    else:
-                        self._state.last_send = time.monotonic()
-                    return set()
+            if sock is not None and self._leases_held_since(pinned_at):
+                msg = p.Release(tokens=list(tokens))
+                msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
+                try:
+                    self._write(sock, msg)
+                except zmq.ZMQError:
+                    pass  # the leases end by themselves; they held for the whole copy
+                else:
+                    self._state.last_send = time.monotonic()
+                return set()
         return self.release_leases(tokens)
+
+    def leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
+        """Whether every lease whose pin was sent at ``pinned_at`` (``time.monotonic()``, any
+        process on this machine) is still held now, as far as time alone can tell: within
+        ``share`` (half by default) of ``min(lease_ttl_s, heartbeat_timeout_s)`` (see
+        :meth:`release_leases_pinned_at`). ``False`` from a server that does not say its lease
+        TTL, or before a hello."""
+        with self._lock:
+            return self._leases_held_since(pinned_at, share)
+
+    def _leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
+        info = self._state.hello
+        if info is None or info.lease_ttl_s <= 0:
+            return False
+        return time.monotonic() - pinned_at < share * min(info.lease_ttl_s, info.heartbeat_timeout_s)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:

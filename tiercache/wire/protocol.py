@@ -205,7 +205,12 @@ class PollTicket(_Msg, tag="poll_ticket"):
 
 
 class ReleaseTicket(_Msg, tag="release_ticket"):
+    """Unpin everything ``ticket`` holds. ``read``: a client copied the objects from the slots
+    the ticket named (a connector's load without pins of its own), so the server counts each
+    object it still held as an L1 hit, as a pin's read would be."""
+
     ticket: int
+    read: bool = False
 
 
 class Reserve(_Msg, tag="reserve"):
@@ -415,6 +420,9 @@ class LookupReply(_Msg, tag="lookup_ok"):
     ready_chunks: int = 0
     slots: list[Slot] = []
     awaiting: int = 0
+    #: The L1 arena ``slots`` are in (the server's ``arena_name``), set with them: a reader that
+    #: maps another arena (a server restarted since) must not copy from these offsets.
+    arena: str = ""
 
     @property
     def pending(self) -> bool:
