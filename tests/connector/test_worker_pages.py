@@ -379,6 +379,17 @@ def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps
     assert 0 < stats.data["load_seconds"] <= written
 
 
+def _assert_failed_load(w: Any, asynchronous: bool) -> None:
+    """vLLM hears that request "r2"'s load into blocks 7 and 3 failed: an asynchronous load is
+    reported done and failed, a synchronous one's blocks are load errors."""
+    if asynchronous:
+        w._finish_loads(wait=True)
+        _, done, failed = w.transfer_results(set())
+        assert done == {"r2"} and failed == {"r2"}
+    else:
+        assert w.get_block_ids_with_load_errors() == {7, 3}
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asynchronous: bool) -> None:  # type: ignore[no-untyped-def]
     """The bytes were copied, but the server says the lease expired before the release: its slot
@@ -390,12 +401,7 @@ def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asyn
     client.expired.add(stored.token)
     load = RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])], asynchronous=asynchronous)
     w.start_load_kv(TierCacheMetadata(loads=[load]))
-    if asynchronous:
-        w._finish_loads(wait=True)
-        _, done, failed = w.transfer_results(set())
-        assert done == {"r2"} and failed == {"r2"}
-    else:
-        assert w.get_block_ids_with_load_errors() == {7, 3}
+    _assert_failed_load(w, asynchronous)
     assert w.stats["loaded_chunks"] == 0
     assert w.stats["load_failures"] == 1
     assert w.stats["lost_leases"] == 1
@@ -449,12 +455,7 @@ def test_a_copy_from_the_tickets_slots_that_ended_too_late_for_its_leases_is_a_f
     w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
     client.leases_held = False
     w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, asynchronous=asynchronous)]))
-    if asynchronous:
-        w._finish_loads(wait=True)
-        _, done, failed = w.transfer_results(set())
-        assert done == {"r2"} and failed == {"r2"}
-    else:
-        assert w.get_block_ids_with_load_errors() == {7, 3}
+    _assert_failed_load(w, asynchronous)
     assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
 
 
