@@ -218,10 +218,31 @@ def main(argv: list[str] | None = None) -> int:
                 args.iters,
                 sync,
             )
+            # Each timed load, once more into cleared blocks: it must have moved every stored page,
+            # and the ticket's must have pinned nothing (the worker falls back to a pin by key
+            # without a word, and its row would then time the other path).
+            src_ids = torch.tensor([b for ids in src for b in ids])
+            dst_ids = torch.tensor([b for ids in dst for b in ids])
+            for path, fn, pins in (
+                ("ticket's slots", load_from_ticket, 0),
+                ("pin by key", lambda: load(load_meta), 1),
+            ):
+                for kv in caches.values():
+                    kv[dst_ids] = 0
+                hits = client.stats()["tiers"]["l1"]["hits"]
+                fn()
+                sync()
+                pinned = client.stats()["tiers"]["l1"]["hits"] - hits
+                if pinned != pins * args.chunks:
+                    raise RuntimeError(
+                        f"the load from the {path} pinned {pinned} objects, not {pins * args.chunks}"
+                    )
+                for name, kv in caches.items():
+                    if not torch.equal(kv[dst_ids], kv[src_ids]):
+                        raise RuntimeError(
+                            f"{name}: a page loaded from the {path} differs from the stored one"
+                        )
             client.release_ticket(found.ticket, read=True)
-            for name, kv in caches.items():  # the loads must have moved the bytes
-                if not torch.equal(kv[dst[0][0]], kv[src[0][0]]):
-                    raise RuntimeError(f"{name}: a loaded page differs from the stored one")
         finally:
             client.close()
             server.stop()
