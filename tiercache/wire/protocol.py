@@ -35,6 +35,9 @@ import msgspec
 #: ``Reserve.holds`` names the blocks each stored object holds, and a ``Lookup`` with
 #: ``every_object`` (a tail lookup) answers with the one object holding the longest prefix of the
 #: blocks asked for (``LookupReply.chunks``: how many of them).
+#: (Added within 4, with defaults: ``LookupReply.arena`` and ``ReleaseTicket.read``. A server
+#: that sends no arena gets loads that pin by key; one that ignores ``read`` counts no L1 hits
+#: for loads from a ticket's slots.)
 PROTOCOL_VERSION = 4
 
 
