@@ -36,7 +36,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
 from tests.e2e.engine_run import make_prompts, write_served_tiny_llama
-from tests.e2e.openai_server import OpenAIServer, api_server_argv, free_port, tiny_model_flags
+from tests.e2e.openai_server import OpenAIServer, api_server_argv, tiny_model_flags
 from tests.e2e.setup import engine_stats
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.testing.checkpoints import token_text
@@ -105,7 +105,9 @@ def serving(tmp: Any, server: ServerSpec, prompts: list[list[int]], **connector:
     write_served_tiny_llama(model, seed=4321)
     proc = ServerProcess(server)
     proc.wait_ready()
-    port = free_port()
+    # An ipc endpoint, not a TCP port picked now: vLLM binds it only after its start-up, and in
+    # between another engine (the other CI shard's) may take a port picked free here.
+    endpoint = f"ipc://{tmp}/kv-events.sock"
     transfer = {
         "kv_connector": "TierCacheConnector",
         "kv_role": "kv_both",
@@ -115,7 +117,7 @@ def serving(tmp: Any, server: ServerSpec, prompts: list[list[int]], **connector:
     publisher = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
+        "endpoint": endpoint,
         "topic": "kv",
     }
     engine = OpenAIServer(
@@ -127,7 +129,7 @@ def serving(tmp: Any, server: ServerSpec, prompts: list[list[int]], **connector:
         ),
         tmp / "vllm.log",
     )
-    events = Subscriber(f"tcp://127.0.0.1:{port}")
+    events = Subscriber(endpoint)
     try:
         engine.wait_ready()
         yield Stack(proc, engine, events, prompts)
