@@ -120,6 +120,24 @@ def test_raw_many_gives_the_binary_keys_many_would_build_and_checks_the_same() -
         ObjectKey.raw_many(fp, 0, [*hashes, b"short"])
 
 
+@given(st.lists(keys_st, max_size=8))
+def test_from_bytes_many_parses_each_key_as_from_bytes_does(keys: list[ObjectKey]) -> None:
+    parsed = ObjectKey.from_bytes_many([k.to_bytes() for k in keys])
+    assert parsed == keys
+    assert [(k.fingerprint, k.object_group, k.prefix_hash, hash(k)) for k in parsed] == [
+        (k.fingerprint, k.object_group, k.prefix_hash, hash(k)) for k in keys
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"), [(b"short", "35 bytes, got 5"), (b"\x02" + bytes(34), "version 2 is not 1")]
+)
+def test_from_bytes_many_refuses_a_bad_key_among_good_ones(bad: bytes, says: str) -> None:
+    good = ObjectKey(Fingerprint(bytes(range(16))), 1, b"h" * 16).to_bytes()
+    with pytest.raises(KeyFormatError, match=says):
+        ObjectKey.from_bytes_many([good, bad, good])
+
+
 def test_group_and_hash_reads_a_binary_key_without_building_it() -> None:
     key = ObjectKey(Fingerprint(bytes(range(16))), 513, b"h" * 16)
     assert ObjectKey.group_and_hash(key.to_bytes()) == (513, b"h" * 16)

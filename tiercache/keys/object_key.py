@@ -113,6 +113,37 @@ class ObjectKey:
             raw[fp_end + 2 :],
         )
 
+    @classmethod
+    def from_bytes_many(cls, raws: Sequence[bytes]) -> list[ObjectKey]:
+        """:meth:`from_bytes` of each of ``raws`` (checked the same), built as :meth:`many` builds
+        keys, with one :class:`Fingerprint` per distinct fingerprint: a pin of 128 pages parses 128
+        keys of one or two fingerprints on the server's request loop."""
+        if cls is not ObjectKey:
+            return [cls.from_bytes(raw) for raw in raws]
+        fp_end = 1 + FINGERPRINT_BYTES
+        fingerprints: dict[bytes, Fingerprint] = {}
+        new = object.__new__
+        set_fp, set_group, set_hash = _FINGERPRINT.__set__, _GROUP.__set__, _PREFIX.__set__
+        set_raw, set_code = _RAW.__set__, _CODE.__set__
+        out: list[ObjectKey] = []
+        for raw in raws:
+            if len(raw) != KEY_BYTES or raw[0] != KEY_VERSION:
+                out.append(cls.from_bytes(raw))  # raises, naming what is wrong
+                continue
+            raw = bytes(raw)
+            fp_raw = raw[1:fp_end]
+            fingerprint = fingerprints.get(fp_raw)
+            if fingerprint is None:
+                fingerprint = fingerprints[fp_raw] = Fingerprint(fp_raw)
+            key = new(cls)
+            set_fp(key, fingerprint)
+            set_group(key, int.from_bytes(raw[fp_end : fp_end + 2], "big"))
+            set_hash(key, raw[fp_end + 2 :])
+            set_raw(key, raw)
+            set_code(key, hash(raw))
+            out.append(key)
+        return out
+
     @staticmethod
     def group_and_hash(raw: bytes) -> tuple[int, bytes]:
         """The object group and prefix hash of a binary key, without building the key (a lookup's

@@ -422,9 +422,24 @@ class L1Tier(FrontTier):
             self._check_open()
             now = self._clock()
             self._sweep(now)
+            handles = self._hold_locked(keys, now)
             if count:
-                return [self._pin_locked(key, now) for key in keys]
-            return self._hold_locked(keys, now)
+                self._count_reads([self._leases[h.token] for h in handles if h is not None])
+                misses = sum(1 for h in handles if h is None)
+                if misses:
+                    self.stats.add("misses", misses)
+            return handles
+
+    def _count_reads(self, slots: Sequence[_Slot]) -> None:
+        """Count a read of each of ``slots`` (held under the lock): the hits and bytes read, and an
+        access for the eviction policy and the tenants' order."""
+        if not slots:
+            return
+        on_access, tenant_access = self._policy.on_access, self._tenants.on_access
+        for slot in slots:
+            on_access(slot.key)
+            tenant_access(slot.key, slot.tenant)
+        self.stats.hit(sum(slot.nbytes for slot in slots), len(slots))
 
     def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
         """:meth:`_pin_locked` with ``count=False`` for many keys (a ticket pins every object of a
@@ -491,18 +506,18 @@ class L1Tier(FrontTier):
             if self._closed:
                 return [False] * len(handles)
             self._sweep(self._clock())
+            reads: list[_Slot] = []
             for handle in handles:
                 slot = self._leases.get(handle.token)
                 if slot is not None and (slot.key is handle.key or slot.key == handle.key):
                     del self._leases[handle.token]
                     if read:
-                        self._policy.on_access(slot.key)
-                        self._tenants.on_access(slot.key, slot.tenant)
-                        self.stats.hit(slot.nbytes)
+                        reads.append(slot)
                     self._unpin(slot)
                     held.append(True)
                 else:
                     held.append(False)
+            self._count_reads(reads)
         return held
 
     # -- management ----------------------------------------------------------------------------

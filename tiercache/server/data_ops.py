@@ -33,6 +33,7 @@ from tiercache.server.replies import (
     Offload,
     Refused,
     parse_key,
+    parse_keys,
     parse_tenant_id,
 )
 from tiercache.server.sessions import Session, Sessions
@@ -219,13 +220,13 @@ class DataOps:
     # -- store path (L1 only: never blocks) -----------------------------------------------------
     def reserve(self, session: Session, msg: p.Reserve) -> p._Msg:
         tenants = [parse_tenant_id(raw) for raw in msg.tenants]
-        items = []
-        for raw, nbytes in msg.items:
+        for _, nbytes in msg.items:
             if not 0 <= nbytes <= self._l1.arena.size:
                 raise Refused(
                     p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}"
                 )
-            items.append((parse_key(raw), nbytes))
+        keys = parse_keys([raw for raw, _ in msg.items])
+        items = [(key, nbytes) for key, (_, nbytes) in zip(keys, msg.items)]
         for target, blocks in msg.holds:
             check_hashes([target, *blocks])
         try:
@@ -266,21 +267,17 @@ class DataOps:
         return p.Done(count=len(handles))
 
     def pin(self, session: Session, msg: p.Pin) -> p._Msg:
-        keys = [parse_key(raw) for raw in msg.keys]
-        slots: list[p.Slot | None] = []
+        keys = parse_keys(msg.keys)
         t0 = time.perf_counter()
         handles = self._l1.pin_many(keys)
-        hits = sum(1 for h in handles if h is not None)
-        self._engine.note_reads(h.key for h in handles if h is not None)  # S3 admission ``read``
-        if hits:  # one lock round trip for all: each hit gets its share, as a "read" of L1
-            self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / hits, hits)
-        for handle in handles:
-            if handle is None:
-                slots.append(None)
-                continue
+        held = [h for h in handles if h is not None]
+        self._engine.note_reads(h.key for h in held)  # S3 admission ``read``
+        if held:  # one lock round trip for all: each hit gets its share, as a "read" of L1
+            self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / len(held), len(held))
+        for handle in held:
             self._sessions.hold_lease(session, handle)
-            slots.append(self._slot(handle))
-        return p.SlotsReply(slots=slots)
+        found = iter(self._l1.lease_slots(held, p.Slot))  # one lock round trip for every slot
+        return p.SlotsReply(slots=[None if h is None else next(found) for h in handles])
 
     def _slot(self, handle: WriteHandle | ReadHandle) -> p.Slot:
         """Where a reservation's or lease's bytes live in the arena, as the client sees it."""

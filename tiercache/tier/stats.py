@@ -87,10 +87,10 @@ class TierStats(Counters):
     #: :meth:`snapshot`: the engine's ``latency()`` reports it, and metrics export it.
     latency: LatencySet = field(default_factory=lambda: LatencySet(TRANSFER_OPS), repr=False, compare=False)
 
-    def hit(self, nbytes: int) -> None:
-        """Count one hit of ``nbytes`` (one lock round trip; hits are the hot path)."""
+    def hit(self, nbytes: int, n: int = 1) -> None:
+        """Count ``n`` hits of ``nbytes`` in all (one lock round trip; hits are the hot path)."""
         with self._lock:
-            self.hits += 1
+            self.hits += n
             self.bytes_read += nbytes
 
     def put(self, nbytes: int, n: int = 1, keys: Sequence[ObjectKey] = ()) -> None:
