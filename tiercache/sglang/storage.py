@@ -54,6 +54,7 @@ from tiercache.errors import ConfigError, ServerError, TierCacheError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import SharedArena
+from tiercache.sglang.held import HeldLookup, HeldLookups
 from tiercache.sglang.keys import (
     KV_GROUP,
     KV_POOL,
@@ -274,6 +275,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         # less than a frombuffer per slot.
         self._arena: SharedArena | None = None
         self._arena_bytes: torch.Tensor | None = None
+        # batch_exists' lookup tickets, kept for the batch_get that follows (tiercache.sglang.held).
+        self._held = HeldLookups()
 
     # -- set-up --------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -374,6 +377,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
 
     def close(self) -> None:
         """Disconnect (SGLang calls it when the backend is detached)."""
+        self._held.release_all()
         if self._link is not None:
             self._link.close()
         # The tensor over the arena keeps its mapping (and the server's shared memory) alive.
@@ -526,11 +530,49 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         finally:
             client.release_ticket(found.ticket)
 
+    def _load_held(
+        self, client: Client, held: HeldLookup, objects: Sequence[ObjectKey], sinks: Sequence[Sink]
+    ) -> int | None:
+        """Copy ``objects`` from the slots of ``held``, the ticket of the ``batch_exists`` that asked
+        for them (no pin of our own); how many leading pages were copied, 0 when the copy may have
+        outlived the ticket's leases, or ``None`` when the ticket cannot be used (another connection
+        or arena, too old, its promotion failed): then the caller pins. Releases the ticket."""
+        reply = held.reply
+        if client is held.client and held.usable() and reply.pending:
+            reply = client.wait_ticket(reply.ticket, timeout=self.settings.link.timeout_s)
+        usable = (
+            client is held.client
+            and reply.state is p.TicketStateName.READY
+            and reply.arena == client.arena().name  # the slots' arena is the one mapped here
+            and held.usable()
+        )
+        if not usable:
+            held.release()
+            return None
+        by_key = {s.key: s for s in reply.slots}
+        copied = self._copy_in(
+            client, [by_key.get(o.to_bytes()) for o in objects[: reply.ready_chunks]], sinks
+        )
+        if not held.copy_held():
+            held.release()
+            return 0  # a lease may have ended during the copy: the slot may hold another object by now
+        held.release(read=copied > 0)
+        return copied
+
     def _load_pages(self, keys: Sequence[str], pages: Sequence[Sink]) -> list[bool]:
-        """Load KV ``keys`` into ``pages`` (counted); the leading run of hits is ``True``."""
+        """Load KV ``keys`` into ``pages`` (counted); the leading run of hits is ``True``. Pages a
+        ``batch_exists`` asked about just before come from its ticket's slots, others are pinned."""
         got = None
+        self._held.sweep()
         if KV_POOL in self._refs:
-            got = self._load([(KV_POOL, self._objects(KV_POOL, keys), pages)])
+            objects = self._objects(KV_POOL, keys)
+            held = self._held.take([o.prefix_hash for o in objects])
+            copied = None
+            if held is not None:
+                copied = self._call(
+                    "loading SGLang pages", lambda c: self._load_held(c, held, objects, pages)
+                )
+            got = [copied] if copied is not None else self._load([(KV_POOL, objects, pages)])
         if got is None:
             self._count(unavailable=1)
         loaded = got[0] if got else 0
@@ -557,12 +599,24 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
 
     # -- SGLang's zero-copy interface ------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, the server holds (any tier); one round trip."""
+        """How many of ``keys``, from the first, the server holds (any tier); one round trip. Its
+        lookup pins those pages (promoting any from disk or S3) and the ticket is kept for the
+        ``batch_get_v1`` SGLang sends next for them (:mod:`tiercache.sglang.held`)."""
         self._count(exists_calls=1)
+        self._held.sweep()
 
         def exists(client: Client) -> int:
             hashes = [page_hash(k) for k in keys]
-            return client.lookup(hashes, [self._refs[KV_POOL]], prefetch=False).chunks
+            hold = client.lease_window_s > 0  # a server that says no lease TTL: nothing to time a copy by
+            sent_at = time.monotonic()
+            found = client.lookup(hashes, [self._refs[KV_POOL]], prefetch=hold)
+            if found.ticket and found.chunks:
+                page_bytes = self._pools[KV_POOL].geometry.page_bytes
+                held = HeldLookup.of(client, hashes, page_bytes, found, sent_at)
+                self._held.keep(held, client.arena().size)
+            elif found.ticket:
+                client.release_ticket_unconfirmed(found.ticket)
+            return found.chunks
 
         hits = self._call("asking which SGLang pages exist", exists) if keys else 0
         if hits is None:

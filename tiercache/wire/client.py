@@ -360,17 +360,19 @@ class Client:
             return seal.open(frame, tag)
         return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
 
-    def _release_late_ticket(self, ticket: int) -> None:
-        """Release a ticket that came in a late reply; fire and forget (its reply is dropped)."""
+    def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
+        """Release a ticket; fire and forget (its reply matches no pending request: dropped)."""
         sock = self._state.sock
         if sock is None:
             return
-        msg = p.ReleaseTicket(ticket=ticket)
+        msg = p.ReleaseTicket(ticket=ticket, read=read)
         msg.req_id = next(self._ids)
         try:
             self._write(sock, msg)
         except zmq.ZMQError:
             pass  # the session's tickets go when the server drops the session
+        else:
+            self._state.last_send = time.monotonic()
 
     def _result(self, req_id: int) -> Any:
         entry = self._state.pending.pop(req_id)
@@ -625,6 +627,14 @@ class Client:
         ticket's slots (the server counts them as L1 reads: :class:`~tiercache.wire.protocol.ReleaseTicket`)."""
         self._call(p.ReleaseTicket(ticket=ticket, read=read), timeout=timeout)
 
+    def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
+        """:meth:`release_ticket` without waiting for the reply (a round trip less). For a reader
+        that learns nothing from the reply: whether its copy was inside the ticket's leases it
+        decides by time (:meth:`leases_held_since`). A ticket whose release is lost ends with its
+        leases' TTL or its session."""
+        with self._lock:
+            self._release_late_ticket(ticket, read)
+
     # -- two-phase store / pin -------------------------------------------------------------------
     def reserve(
         self,
@@ -711,10 +721,17 @@ class Client:
             return self._leases_held_since(pinned_at, share)
 
     def _leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
+        return time.monotonic() - pinned_at < share * self.lease_window_s
+
+    @property
+    def lease_window_s(self) -> float:
+        """How long a lease surely holds after its pin was sent: ``min(lease_ttl_s,
+        heartbeat_timeout_s)`` of the last hello; 0 before a hello or from a server that does not
+        say its lease TTL. Reads no socket and takes no lock."""
         info = self._state.hello
         if info is None or info.lease_ttl_s <= 0:
-            return False
-        return time.monotonic() - pinned_at < share * min(info.lease_ttl_s, info.heartbeat_timeout_s)
+            return 0.0
+        return min(info.lease_ttl_s, info.heartbeat_timeout_s)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
