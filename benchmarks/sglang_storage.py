@@ -7,17 +7,20 @@ batches of ``--batch`` pages (SGLang's controller moves at most 128 per call), m
 * ``plain copy``: the same pages copied out of the host pool into one contiguous buffer, and back
   (``torch`` ``copy_``): the floor any backend pays to move the bytes once;
 * ``tiercache``: ``batch_set_v1`` (reserve → copy into the L1 arena → commit, the server in its own
-  process with an LMDB disk tier); ``batch_get_v1`` of L1 hits; ``batch_get_v1`` of disk hits (a
-  new server process on the same LMDB directory: L1 empty, every page promoted from disk);
-  ``batch_exists`` of a batch of hits (one round trip); the L1 gets run once the disk tier has
-  written every stored page (the write-behind would otherwise share the cores with them);
+  process with an LMDB disk tier); ``batch_exists`` then ``batch_get_v1`` of the same pages, as
+  SGLang's controller calls them (the get copies from the slots the exists' lookup pinned), each
+  part timed, for L1 hits and for disk hits (a new server process on the same LMDB directory: L1
+  empty, every page promoted from disk); and ``batch_get_v1`` of L1 hits with no exists before it
+  (it pins them itself: one round trip more). The L1 calls run once the disk tier has written every
+  stored page (the write-behind would otherwise share the cores with them);
 * ``HiCacheFile``: SGLang's file backend on the same disk (its v2 calls, one file per page),
-  ``batch_exists``. Both disk paths read through the OS page cache: the pages were just written.
+  ``batch_exists`` then the get. Both disk paths read through the OS page cache: the pages were
+  just written.
 
-The gets that the ratios compare (plain copy, tiercache L1 hits, ``HiCacheFile``) run in turn, call
-by call, and so do the two ``batch_exists``: on shared cores a load that comes and goes then weighs
-on each alike. Prints GB/s, µs per ``batch_exists`` and the ratios the issue sets targets for (tiercache L1 get ≥
-0.8× the plain copy, tiercache get ≥ 2× HiCacheFile get). Needs sglang (run it with
+The calls that the ratios compare (plain copy, tiercache L1 hits, ``HiCacheFile``) run in turn,
+call by call: on shared cores a load that comes and goes then weighs on each alike. Prints GB/s,
+µs per ``batch_exists`` and the ratios the issue sets targets for (tiercache L1 get ≥ 0.8× the
+plain copy, tiercache get ≥ 2× HiCacheFile get). Needs sglang (run it with
 ``.venv-sglang/bin/python benchmarks/sglang_storage.py``).
 
     python benchmarks/sglang_storage.py [--batch 128] [--iters 8] [--layers 4] [--dir DIR]
@@ -30,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 # The server process and the host pool come from the test helpers (run from a checkout).
@@ -48,19 +51,38 @@ def median_s(fn: Callable[[int], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def interleaved(fns: dict[str, Callable[[int], object]], iters: int) -> dict[str, float]:
+Parts = Mapping[str, float]
+
+
+def interleaved(fns: dict[str, Callable[[int], Parts | None]], iters: int) -> dict[str, dict[str, float]]:
     """Median seconds of each ``fns[name](i)``, the functions called in turn for each ``i`` (a
-    warm-up round first, index -1) and in a rotating order, so none always runs first."""
+    warm-up round first, index -1) and in a rotating order, so none always runs first. A function
+    that returns ``None`` is timed whole (part ``"call"``); one that times its own parts returns
+    them (seconds by part name), and their sum is part ``"call"`` too."""
     names = list(fns)
     for name in names:
         fns[name](-1)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     for i in range(iters):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             t0 = time.perf_counter()
-            fns[name](i)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+            parts = fns[name](i)
+            whole = time.perf_counter() - t0
+            measured = dict(parts) if parts is not None else {}
+            measured["call"] = sum(measured.values()) if parts is not None else whole
+            for part, seconds in measured.items():
+                times[name].setdefault(part, []).append(seconds)
+    return {name: {part: statistics.median(t) for part, t in by.items()} for name, by in times.items()}
+
+
+def timed_parts(**calls: Callable[[], object]) -> dict[str, float]:
+    """Call each of ``calls`` in order; the seconds each took, by its name."""
+    out: dict[str, float] = {}
+    for name, call in calls.items():
+        t0 = time.perf_counter()
+        call()
+        out[name] = time.perf_counter() - t0
+    return out
 
 
 def main() -> int:
@@ -76,7 +98,7 @@ def main() -> int:
     args = parser.parse_args()
     try:
         import torch
-        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, PoolName, PoolTransfer
     except ImportError:
         print("sglang_storage: sglang is not installed; run it with .venv-sglang/bin/python (skipped)")
         return 0
@@ -107,19 +129,22 @@ def main() -> int:
     def gbps(seconds: float) -> float:
         return batch_bytes / seconds / 1e9
 
-    # The floor: every page copied once out of the pool and once back in.
-    flat = torch.empty(batch, page_bytes // 2, dtype=torch.bfloat16)
+    # The floor: every page copied once out of the pool and once back in. Each round has a buffer
+    # of its own, as each has arena slots of its own: a get reads bytes that were written a while
+    # ago, and so does the plain copy (reading one buffer again and again would find more of it in
+    # the caches than any cache's read does).
+    flats = [torch.empty(batch, page_bytes // 2, dtype=torch.bfloat16) for _ in range(rounds)]
 
-    def plain_out(_: int) -> None:
+    def plain_out(r: int) -> None:
         for i in range(batch):
-            flat[i].view(pool.get_data_page(i * page_size, flat=False).shape).copy_(
+            flats[r + 1][i].view(pool.get_data_page(i * page_size, flat=False).shape).copy_(
                 pool.get_data_page(i * page_size, flat=False)
             )
 
-    def plain_in(_: int) -> None:
+    def plain_in(r: int) -> None:
         for i in range(batch):
             page = pool.get_data_page((batch + i) * page_size, flat=False)
-            page.copy_(flat[i].view(page.shape))
+            page.copy_(flats[r + 1][i].view(page.shape))
 
     plain_set = median_s(plain_out, iters)
 
@@ -138,79 +163,105 @@ def main() -> int:
         done = hf.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=names[i + 1])])
         assert all(done[PoolName.KV])
 
+    def exists_get(b: HiCacheStorage, get: Callable[[], object], i: int) -> dict[str, float]:
+        """SGLang's prefetch of one batch: ``batch_exists``, then the get of the pages it found."""
+
+        def exists() -> None:
+            assert b.batch_exists(names[i + 1]) == batch
+
+        return timed_parts(exists=exists, get=get)
+
+    def tc_get(b: HiCacheStorage, i: int, which: list[list[str]] | None = None) -> None:
+        assert b.batch_get_v1((which or names)[i + 1], dst) == [True] * batch
+
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         spec = ServerSpec(
             listen=f"ipc://{root}/server.sock",
-            l1_bytes=batch_bytes * (rounds + 2),
+            l1_bytes=batch_bytes * (2 * rounds + 2),
             disk_path=str(root / "l2"),
-            disk_budget=batch_bytes * (rounds + 4) * 2,
+            disk_budget=batch_bytes * (2 * rounds + 4) * 2,
             options={"chunk_size": page_size},
         )
         names = [keys(batch, f"r{r}") for r in range(rounds)]
+        # Pages of their own for the gets without an exists: the first read of a slot after a while
+        # costs more than the next, and each get must be that first read.
+        alone = [keys(batch, f"a{r}") for r in range(rounds)]
         with running(spec) as server:
             tc = backend(server.endpoint, pool)
             try:
-                tc_set = median_s(lambda i: tc.batch_set_v1(names[i + 1], src), iters)
-                # The gets below are measured with the disk idle: the write-behind of those stores
-                # (LMDB, checksums) would otherwise share the 2 cores with them.
                 with Client(server.endpoint) as watcher:
-                    wait_until(
-                        lambda: watcher.stats()["tiers"]["disk"]["objects"] >= rounds * batch,
-                        timeout=600,
-                        what="the stores reached the disk",
-                    )
+
+                    def on_disk(pages: int) -> None:
+                        # Untimed, after each set: the disk tier's write-behind queue is bounded and
+                        # drops what does not fit (counted), and every page must reach the disk for
+                        # the disk-hit gets; it also keeps the writes off the cores of what follows.
+                        wait_until(
+                            lambda: watcher.stats()["tiers"]["disk"]["objects"] >= pages,
+                            timeout=600,
+                            what=f"{pages} pages reached the disk",
+                        )
+
+                    def set_round(i: int) -> dict[str, float]:
+                        parts = timed_parts(set=lambda: tc.batch_set_v1(names[i + 1], src))
+                        on_disk((i + 2) * batch)
+                        return parts
+
+                    tc_set = interleaved({"tc set": set_round}, iters)["tc set"]["set"]
+                    for r, batch_keys in enumerate(alone):
+                        assert tc.batch_set_v1(batch_keys, src) == [True] * batch
+                        on_disk((rounds + r + 1) * batch)
                 assert tc.batch_get_v1(names[0], dst) == [True] * batch, "tiercache lost a stored page"
                 # The three gets (and the two batch_exists) in turn, call by call: a load that comes
                 # and goes on the shared cores then weighs on each alike, and the ratios compare
                 # calls made under the same load.
                 hf = file_backend()
                 f_set = median_s(lambda i: file_set(hf, i), iters)
-                gets = interleaved(
+                got = interleaved(
                     {
-                        "plain": plain_in,
-                        "tc": lambda i: tc.batch_get_v1(names[i + 1], dst),
-                        "file": lambda i: file_get(hf, i),
+                        "plain": lambda i: plain_in(i),
+                        "tc": lambda i: exists_get(tc, lambda: tc_get(tc, i), i),
+                        "tc alone": lambda i: tc_get(tc, i, alone),
+                        "file": lambda i: exists_get(hf, lambda: file_get(hf, i), i),
                     },
                     iters,
                 )
-                plain_get, tc_get_l1, f_get = gets["plain"], gets["tc"], gets["file"]
-                exists = interleaved(
-                    {
-                        "tc": lambda i: tc.batch_exists(names[i + 1]),
-                        "file": lambda i: hf.batch_exists(names[i + 1]),
-                    },
-                    iters,
-                )
-                tc_exists, f_exists = exists["tc"], exists["file"]
             finally:
                 tc.close()
         with running(spec) as server:
             tc = backend(server.endpoint, pool)
             try:
-                # Each batch once: it is on disk only, and the read promotes it into L1.
-                tc_get_disk = median_s(lambda i: tc.batch_get_v1(names[i + 1], dst), iters)
-                got = tc.batch_get_v1(names[0], dst)
-                assert got == [True] * batch, f"disk hits: {sum(got)} of {batch}"
+                # Each batch once: it is on disk only, and the exists' lookup promotes it into L1.
+                disk = interleaved({"tc disk": lambda i: exists_get(tc, lambda: tc_get(tc, i), i)}, iters)
+                assert tc.batch_get_v1(names[0], dst) == [True] * batch, "a disk hit was lost"
             finally:
                 tc.close()
+    got.update(disk)
 
-    rows = [
-        ("plain copy", plain_set, plain_get, None),
-        ("tiercache, L1 hits", tc_set, tc_get_l1, tc_exists),
-        ("tiercache, disk hits", None, tc_get_disk, None),
-        ("SGLang HiCacheFile", f_set, f_get, f_exists),
+    # name, set seconds, the calls' parts (exists, get, both).
+    rows: list[tuple[str, float | None, dict[str, float]]] = [
+        ("plain copy", plain_set, {"get": got["plain"]["call"]}),
+        ("tiercache, L1 hits", tc_set, got["tc"]),
+        ("tiercache, L1, get alone", None, {"get": got["tc alone"]["call"]}),
+        ("tiercache, disk hits", None, got["tc disk"]),
+        ("SGLang HiCacheFile", f_set, got["file"]),
     ]
-    print(f"{'':24} {'set GB/s':>9} {'get GB/s':>9} {'exists µs':>10}")
-    for name, s, g, e in rows:
-        cells = [f"{gbps(v):9.2f}" if v else f"{'-':>9}" for v in (s, g)]
-        cells.append(f"{e * 1e6:10.0f}" if e else f"{'-':>10}")
-        print(f"{name:24} {' '.join(cells)}")
+    print(f"{'':26} {'set GB/s':>9} {'get GB/s':>9} {'exists µs':>10} {'exists+get GB/s':>16}")
+    for name, s, parts in rows:
+        exists_s = parts.get("exists")
+        cells = [f"{gbps(v):9.2f}" if v else f"{'-':>9}" for v in (s, parts.get("get"))]
+        cells.append(f"{exists_s * 1e6:10.0f}" if exists_s else f"{'-':>10}")
+        cells.append(f"{gbps(parts['call']):16.2f}" if exists_s else f"{'-':>16}")
+        print(f"{name:26} {' '.join(cells)}")
+    plain_get = got["plain"]["call"]
+    tc_l1, tc_disk, file = got["tc"], got["tc disk"], got["file"]
     print(
-        f"ratios: tiercache L1 get / plain copy {plain_get / tc_get_l1:.2f}x (target >= 0.8), "
-        f"set {plain_set / tc_set:.2f}x; tiercache get / HiCacheFile get: L1 {f_get / tc_get_l1:.2f}x, "
-        f"disk {f_get / tc_get_disk:.2f}x (target >= 2); set {f_set / tc_set:.2f}x; "
-        f"batch_exists {f_exists / tc_exists:.2f}x"
+        f"ratios: tiercache L1 get / plain copy {plain_get / tc_l1['get']:.2f}x (target >= 0.8; get alone "
+        f"{plain_get / got['tc alone']['call']:.2f}x), set {plain_set / tc_set:.2f}x; "
+        f"tiercache get / HiCacheFile get: L1 {file['get'] / tc_l1['get']:.2f}x, "
+        f"disk {file['get'] / tc_disk['get']:.2f}x (target >= 2); exists+get: L1 {file['call'] / tc_l1['call']:.2f}x, "
+        f"disk {file['call'] / tc_disk['call']:.2f}x; set {f_set / tc_set:.2f}x; "
+        f"batch_exists {file['exists'] / tc_l1['exists']:.2f}x"
     )
     return 0
 
