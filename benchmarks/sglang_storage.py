@@ -54,11 +54,15 @@ def median_s(fn: Callable[[int], object], iters: int) -> float:
 Parts = Mapping[str, float]
 
 
-def interleaved(fns: dict[str, Callable[[int], Parts | None]], iters: int) -> dict[str, dict[str, float]]:
-    """Median seconds of each ``fns[name](i)``, the functions called in turn for each ``i`` (a
-    warm-up round first, index -1) and in a rotating order, so none always runs first. A function
-    that returns ``None`` is timed whole (part ``"call"``); one that times its own parts returns
-    them (seconds by part name), and their sum is part ``"call"`` too."""
+Samples = dict[str, dict[str, list[float]]]
+
+
+def interleaved(fns: dict[str, Callable[[int], Parts | None]], iters: int) -> Samples:
+    """Seconds of each ``fns[name](i)`` for ``i`` in ``range(iters)`` (``[name][part][i]``), the
+    functions called in turn for each ``i`` (a warm-up round first, index -1) and in a rotating
+    order, so none always runs first. A function that returns ``None`` is timed whole (part
+    ``"call"``); one that times its own parts returns them (seconds by part name), and their sum is
+    part ``"call"`` too."""
     names = list(fns)
     for name in names:
         fns[name](-1)
@@ -72,7 +76,19 @@ def interleaved(fns: dict[str, Callable[[int], Parts | None]], iters: int) -> di
             measured["call"] = sum(measured.values()) if parts is not None else whole
             for part, seconds in measured.items():
                 times[name].setdefault(part, []).append(seconds)
-    return {name: {part: statistics.median(t) for part, t in by.items()} for name, by in times.items()}
+    return times
+
+
+def medians(samples: Samples) -> dict[str, dict[str, float]]:
+    """The median of each function's each part."""
+    return {name: {part: statistics.median(t) for part, t in by.items()} for name, by in samples.items()}
+
+
+def paired(slower: list[float], faster: list[float]) -> float:
+    """The median over rounds of ``slower[i] / faster[i]``: two calls of one round ran within
+    milliseconds of each other, so a load on the shared cores that comes and goes between rounds
+    weighs on both sides of each ratio."""
+    return statistics.median(a / b for a, b in zip(slower, faster, strict=True))
 
 
 def timed_parts(**calls: Callable[[], object]) -> dict[str, float]:
@@ -94,6 +110,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4, help="layers per page (default 4)")
     parser.add_argument(
         "--dir", type=Path, default=None, help="where the disk tier and files go (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--each", action="store_true", help="also print every round's milliseconds of the interleaved L1 calls"
     )
     args = parser.parse_args()
     try:
@@ -207,7 +226,7 @@ def main() -> int:
                         on_disk((i + 2) * batch)
                         return parts
 
-                    tc_set = interleaved({"tc set": set_round}, iters)["tc set"]["set"]
+                    tc_set = statistics.median(interleaved({"tc set": set_round}, iters)["tc set"]["set"])
                     for r, batch_keys in enumerate(alone):
                         assert tc.batch_set_v1(batch_keys, src) == [True] * batch
                         on_disk((rounds + r + 1) * batch)
@@ -217,7 +236,7 @@ def main() -> int:
                 # calls made under the same load.
                 hf = file_backend()
                 f_set = median_s(lambda i: file_set(hf, i), iters)
-                got = interleaved(
+                rounds_l1 = interleaved(
                     {
                         "plain": lambda i: plain_in(i),
                         "tc": lambda i: exists_get(tc, lambda: tc_get(tc, i), i),
@@ -236,7 +255,11 @@ def main() -> int:
                 assert tc.batch_get_v1(names[0], dst) == [True] * batch, "a disk hit was lost"
             finally:
                 tc.close()
-    got.update(disk)
+    got = medians(rounds_l1) | medians(disk)
+    if args.each:
+        for name, parts in rounds_l1.items():
+            for part, seconds in parts.items():
+                print(f"{name:>9} {part:>6} ms: {' '.join(f'{1e3 * t:6.1f}' for t in seconds)}")
 
     # name, set seconds, the calls' parts (exists, get, both).
     rows: list[tuple[str, float | None, dict[str, float]]] = [
@@ -253,15 +276,18 @@ def main() -> int:
         cells.append(f"{exists_s * 1e6:10.0f}" if exists_s else f"{'-':>10}")
         cells.append(f"{gbps(parts['call']):16.2f}" if exists_s else f"{'-':>16}")
         print(f"{name:26} {' '.join(cells)}")
-    plain_get = got["plain"]["call"]
-    tc_l1, tc_disk, file = got["tc"], got["tc disk"], got["file"]
+    # The L1 ratios pair the calls of each round (they ran in turn); the disk hits ran on another
+    # server, minutes later, so theirs are ratios of medians.
+    plain, tc_l1, alone, file = (rounds_l1[n] for n in ("plain", "tc", "tc alone", "file"))
+    tc_disk = got["tc disk"]
     print(
-        f"ratios: tiercache L1 get / plain copy {plain_get / tc_l1['get']:.2f}x (target >= 0.8; get alone "
-        f"{plain_get / got['tc alone']['call']:.2f}x), set {plain_set / tc_set:.2f}x; "
-        f"tiercache get / HiCacheFile get: L1 {file['get'] / tc_l1['get']:.2f}x, "
-        f"disk {file['get'] / tc_disk['get']:.2f}x (target >= 2); exists+get: L1 {file['call'] / tc_l1['call']:.2f}x, "
-        f"disk {file['call'] / tc_disk['call']:.2f}x; set {f_set / tc_set:.2f}x; "
-        f"batch_exists {file['exists'] / tc_l1['exists']:.2f}x"
+        f"ratios (L1: median over rounds of each round's ratio): tiercache L1 get / plain copy "
+        f"{paired(plain['call'], tc_l1['get']):.2f}x (target >= 0.8; get alone "
+        f"{paired(plain['call'], alone['call']):.2f}x); tiercache get / HiCacheFile get: "
+        f"L1 {paired(file['get'], tc_l1['get']):.2f}x, disk {got['file']['get'] / tc_disk['get']:.2f}x "
+        f"(target >= 2); exists+get: L1 {paired(file['call'], tc_l1['call']):.2f}x, "
+        f"disk {got['file']['call'] / tc_disk['call']:.2f}x; batch_exists {paired(file['exists'], tc_l1['exists']):.2f}x; "
+        f"set: plain / tiercache {plain_set / tc_set:.2f}x, HiCacheFile / tiercache {f_set / tc_set:.2f}x"
     )
     return 0
 
