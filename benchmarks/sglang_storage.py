@@ -112,7 +112,9 @@ def main() -> int:
         "--dir", type=Path, default=None, help="where the disk tier and files go (default: a temp dir)"
     )
     parser.add_argument(
-        "--each", action="store_true", help="also print every round's milliseconds of the interleaved L1 calls"
+        "--each",
+        action="store_true",
+        help="also print every round's milliseconds of the interleaved L1 calls",
     )
     args = parser.parse_args()
     try:
