@@ -16,6 +16,7 @@ pytest.importorskip(
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageFailureInjector
 
+from tests.conftest import S3Endpoint
 from tests.server.conftest import manifest as vllm_manifest
 from tests.sglang.hostpool import MHALayoutHostPool
 from tests.sglang.setup import PAGE, backend, keys, running, server_spec, storage_config
@@ -128,6 +129,27 @@ def test_pages_survive_a_server_restart_on_disk(tmp_path: Path, make: Make) -> N
         assert b.batch_exists(names) == 3
         assert b.batch_get_v1(names, fresh.indices([3, 4, 5])) == [True, True, True]
         assert [fresh.page_bytes(p) for p in (3, 4, 5)] == stored
+
+
+def test_pages_come_back_from_s3_into_a_new_server(tmp_path: Path, make: Make, s3: S3Endpoint) -> None:
+    """Pages stored through a server with an S3 tier (moto's server over HTTP, no disk) load, byte
+    for byte, through a new server on the same bucket: its L1 is empty, so the exists' lookup
+    promotes them from S3 and the get copies them from its ticket."""
+    spec = server_spec(tmp_path, disk=False, s3_url=s3.url)
+    names = keys(3)
+    with running(spec) as server:
+        pool = MHALayoutHostPool(8, page_size=PAGE)
+        b = make(server.endpoint, pool)
+        stored = _store(b, pool, names, [0, 1, 2])
+        b.close()
+    # (a clean stop has flushed the write-behind to the bucket)
+    with running(spec) as server, Client(server.endpoint) as watcher:
+        fresh = MHALayoutHostPool(8, page_size=PAGE)
+        b = make(server.endpoint, fresh)
+        assert b.batch_exists(names) == 3
+        assert b.batch_get_v1(names, fresh.indices([3, 4, 5])) == [True, True, True]
+        assert [fresh.page_bytes(p) for p in (3, 4, 5)] == stored
+        assert watcher.stats()["engine"]["promotions"] == 3
 
 
 def test_a_page_damaged_on_disk_is_a_miss(tmp_path: Path, make: Make) -> None:
