@@ -104,9 +104,8 @@ class OpenAIServer:
         port: int | None = None,
     ) -> None:
         assert "--port" not in argv and "--host" not in argv, "OpenAIServer chooses the host and port"
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        self._base_argv = list(argv)
+        self._port_given = port is not None
         self.log = log
         environ = {
             k: v
@@ -118,14 +117,37 @@ class OpenAIServer:
             PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [environ.get("PYTHONPATH")])]),
         )
         environ.update(env or {})  # may replace PYTHONPATH too (e.g. a test-only sitecustomize first)
+        self._environ = environ
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
+        self._start(port or free_port())
+        self.model = ""  # the served model's name, from /v1/models once ready
+
+    def _start(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = [*self._base_argv, "--host", "127.0.0.1", "--port", str(port)]
+        self._log_start = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as out:
             # A session of its own: stop() can reach the engine core process vLLM forks, by group id.
             self.process = subprocess.Popen(
-                self.argv, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                cwd=ROOT,
+                env=self._environ,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self._http = httpx.Client(base_url=self.url, timeout=120.0)
-        self.model = ""  # the served model's name, from /v1/models once ready
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server exited because another process bound its port first: a port picked
+        free here is bound by vLLM only after its imports, and another engine on the machine (the
+        other CI shard's) may take it meanwhile."""
+        if self._port_given or self.process.poll() is None:
+            return False
+        with self.log.open("rb") as f:
+            f.seek(self._log_start)
+            return b"Address already in use" in f.read()
 
     # -- life cycle --------------------------------------------------------------------------------
     def log_text(self) -> str:
@@ -148,11 +170,20 @@ class OpenAIServer:
             return False
 
     def wait_ready(self, timeout: float = 240.0) -> None:
-        """Poll ``/health`` until it answers 200; fail with the log's end if the process exits."""
-        try:
-            wait_until(self._healthy, timeout=timeout, interval=0.25, what=f"{self.url}/health")
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}; the server's log ends:\n{self.log_tail()}") from exc
+        """Poll ``/health`` until it answers 200; fail with the log's end if the process exits. A
+        server that lost the port picked for it to another process starts once more on a new one."""
+        for attempt in (0, 1):
+            try:
+                wait_until(self._healthy, timeout=timeout, interval=0.25, what=f"{self.url}/health")
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}; the server's log ends:\n{self.log_tail()}") from exc
+            except AssertionError:
+                if attempt == 1 or not self._lost_its_port():
+                    raise
+                self.stop()
+                self._start(free_port())
+                continue
+            break
         self.model = self._http.get("/v1/models").json()["data"][0]["id"]
 
     def stop(self, timeout: float = 30.0) -> int:
