@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageF
 
 from tests.conftest import S3Endpoint
 from tests.server.conftest import manifest as vllm_manifest
+from tests.server.serverproc import ServerSpec
 from tests.sglang.hostpool import MHALayoutHostPool
 from tests.sglang.setup import PAGE, backend, keys, running, server_spec, storage_config
 from tiercache.errors import ConfigError
@@ -114,42 +115,35 @@ def test_two_tp_ranks_keep_their_own_pages(tmp_path: Path, make: Make) -> None:
             assert [pools[r].page_bytes(p) for p in (2, 3)] == stored
 
 
-def test_pages_survive_a_server_restart_on_disk(tmp_path: Path, make: Make) -> None:
-    """A new server process (empty L1) on the same LMDB directory serves the pages from disk."""
-    spec = server_spec(tmp_path)
+def _loaded_by_a_new_server(spec: ServerSpec, make: Make) -> int:
+    """Store 3 pages through a server of ``spec``, stop it (a clean stop flushes the write-behind),
+    then load them through a new one of the same ``spec`` (empty L1): exists, then the get into
+    other host pages, bytes equal. How many objects the new server promoted."""
     names = keys(3)
     with running(spec) as server:
         pool = MHALayoutHostPool(8, page_size=PAGE)
-        b = make(server.endpoint, pool)
-        stored = _store(b, pool, names, [0, 1, 2])
-        b.close()
-    with running(spec) as server:
-        fresh = MHALayoutHostPool(8, page_size=PAGE)
-        b = make(server.endpoint, fresh)
-        assert b.batch_exists(names) == 3
-        assert b.batch_get_v1(names, fresh.indices([3, 4, 5])) == [True, True, True]
-        assert [fresh.page_bytes(p) for p in (3, 4, 5)] == stored
-
-
-def test_pages_come_back_from_s3_into_a_new_server(tmp_path: Path, make: Make, s3: S3Endpoint) -> None:
-    """Pages stored through a server with an S3 tier (moto's server over HTTP, no disk) load, byte
-    for byte, through a new server on the same bucket: its L1 is empty, so the exists' lookup
-    promotes them from S3 and the get copies them from its ticket."""
-    spec = server_spec(tmp_path, disk=False, s3_url=s3.url)
-    names = keys(3)
-    with running(spec) as server:
-        pool = MHALayoutHostPool(8, page_size=PAGE)
-        b = make(server.endpoint, pool)
-        stored = _store(b, pool, names, [0, 1, 2])
-        b.close()
-    # (a clean stop has flushed the write-behind to the bucket)
+        first = make(server.endpoint, pool)
+        stored = _store(first, pool, names, [0, 1, 2])
+        first.close()
     with running(spec) as server, Client(server.endpoint) as watcher:
         fresh = MHALayoutHostPool(8, page_size=PAGE)
         b = make(server.endpoint, fresh)
         assert b.batch_exists(names) == 3
         assert b.batch_get_v1(names, fresh.indices([3, 4, 5])) == [True, True, True]
         assert [fresh.page_bytes(p) for p in (3, 4, 5)] == stored
-        assert watcher.stats()["engine"]["promotions"] == 3
+        return int(watcher.stats()["engine"]["promotions"])
+
+
+def test_pages_survive_a_server_restart_on_disk(tmp_path: Path, make: Make) -> None:
+    """A new server process (empty L1) on the same LMDB directory serves the pages from disk."""
+    assert _loaded_by_a_new_server(server_spec(tmp_path), make) == 3
+
+
+def test_pages_come_back_from_s3_into_a_new_server(tmp_path: Path, make: Make, s3: S3Endpoint) -> None:
+    """Pages stored through a server with an S3 tier (moto's server over HTTP, no disk) load, byte
+    for byte, through a new server on the same bucket: its L1 is empty, so the exists' lookup
+    promotes them from S3 and the get copies them from its ticket."""
+    assert _loaded_by_a_new_server(server_spec(tmp_path, disk=False, s3_url=s3.url), make) == 3
 
 
 def test_a_page_damaged_on_disk_is_a_miss(tmp_path: Path, make: Make) -> None:
