@@ -240,7 +240,7 @@ def main() -> int:
                 f_set = median_s(lambda i: file_set(hf, i), iters)
                 rounds_l1 = interleaved(
                     {
-                        "plain": lambda i: plain_in(i),
+                        "plain": plain_in,
                         "tc": lambda i: exists_get(tc, lambda: tc_get(tc, i), i),
                         "tc alone": lambda i: tc_get(tc, i, alone),
                         "file": lambda i: exists_get(hf, lambda: file_get(hf, i), i),

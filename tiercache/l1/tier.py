@@ -442,8 +442,9 @@ class L1Tier(FrontTier):
         self.stats.hit(sum(slot.nbytes for slot in slots), len(slots))
 
     def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
-        """:meth:`_pin_locked` with ``count=False`` for many keys (a ticket pins every object of a
-        long prompt: 512 for 128k tokens), with the loop's lookups hoisted out of it. Each handle
+        """Pin ``keys`` (under the lock; :meth:`pin_many` counts the reads when asked): one lease
+        per object found and one heap entry for all (a ticket pins every object of a long prompt:
+        512 for 128k tokens), with the loop's lookups hoisted out of it. Each handle
         names its slot's own key object (equal to the one asked for), so that the checks of a
         later release or :meth:`lease_slots` find it by identity."""
         objects, leases, deadlines, tokens = self._objects, self._leases, self._lease_deadlines, self._tokens
@@ -469,26 +470,6 @@ class L1Tier(FrontTier):
         if first:  # the tokens first..token were drawn in a row, under the lock: one heap entry
             heapq.heappush(deadlines, (expires_at, first, token))
         return out
-
-    def _pin_locked(self, key: ObjectKey, now: float, count: bool = True) -> ReadHandle | None:
-        slot = self._objects.get(key.raw)
-        if slot is None:
-            if count:
-                self.stats.add("misses")
-            return None
-        slot.pins += 1
-        token = next(self._tokens)
-        expires_at = now + self._config.lease_ttl_s
-        self._leases[token] = slot
-        heapq.heappush(self._lease_deadlines, (expires_at, token, token))
-        if count:  # the engine's own holds are no use: S3-FIFO would take them for a second read
-            self._policy.on_access(key)
-            self._tenants.on_access(key, slot.tenant)
-            self.stats.hit(slot.nbytes)
-        buffer = slot.view
-        if buffer is None:
-            buffer = slot.view = self._arena.view(slot.offset, slot.nbytes).toreadonly()
-        return ReadHandle(key=key, buffer=buffer, token=token, expires_at=expires_at)
 
     def release(self, handle: ReadHandle) -> None:
         """End a lease. Releasing twice, after expiry or after close is harmless. O(log n)."""

@@ -81,9 +81,6 @@ class HeldLookups:
         self._lock = threading.Lock()
         self._held: dict[bytes, HeldLookup] = {}  # oldest first
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def keep(self, held: HeldLookup, arena_bytes: int) -> None:
         """Hold ``held`` for a get; releases the one it replaces and the oldest over the limits
         (``held`` itself if it alone pins more than :data:`ARENA_SHARE` of ``arena_bytes``)."""
