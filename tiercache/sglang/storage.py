@@ -414,9 +414,9 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             link.failed(what, exc)
         return None
 
-    def _arena_view(self, client: Client) -> torch.Tensor:
-        """The mapped arena as one uint8 tensor (made again only when the mapping changes)."""
-        arena = client.arena()
+    def _arena_view(self, arena: SharedArena) -> torch.Tensor:
+        """``arena`` (a client's mapping of the server's arena) as one uint8 tensor (made again
+        only when the mapping changes)."""
         if arena is not self._arena or self._arena_bytes is None:
             self._arena_bytes = self._copy.host(arena, 0, arena.size)
             self._arena = arena
@@ -434,7 +434,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
 
         def store(client: Client) -> int:
             slots = client.reserve([(o, t.numel() * t.element_size()) for o, t in items])
-            arena = self._arena_view(client)
+            arena = self._arena_view(client.arena())
             tokens = [s.token for s in slots if s is not None]
             try:
                 for slot, (_, page) in zip(slots, items):
@@ -491,7 +491,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             try:
                 for n in whole:
                     a, b = cuts[n]
-                    loaded[n] = self._copy_in(client, slots[a:b], parts[n][2])
+                    loaded[n] = self._copy_in(client.arena(), slots[a:b], parts[n][2])
             except BaseException:
                 client.release(held)
                 raise
@@ -526,7 +526,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
                 return 0
             by_key = {s.key: s for s in found.slots}
             ready = objects[: found.ready_chunks]
-            return self._copy_in(client, [by_key.get(o.to_bytes()) for o in ready], sinks)
+            return self._copy_in(client.arena(), [by_key.get(o.to_bytes()) for o in ready], sinks)
         finally:
             client.release_ticket(found.ticket)
 
@@ -540,10 +540,13 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         reply = held.reply
         if client is held.client and held.usable() and reply.pending:
             reply = client.wait_ticket(reply.ticket, timeout=self.settings.link.timeout_s)
+        # Taken once and copied from: a re-hello on another thread may map a restarted server's
+        # arena meanwhile, and the slots' offsets mean nothing there.
+        mapped = client.arena()
         usable = (
             client is held.client
             and reply.state is p.TicketStateName.READY
-            and reply.arena == client.arena().name  # the slots' arena is the one mapped here
+            and reply.arena == mapped.name  # the slots' arena is the one copied from
             and held.usable()
         )
         if not usable:
@@ -551,7 +554,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             return None
         by_key = {s.key: s for s in reply.slots}
         copied = self._copy_in(
-            client, [by_key.get(o.to_bytes()) for o in objects[: reply.ready_chunks]], sinks
+            mapped, [by_key.get(o.to_bytes()) for o in objects[: reply.ready_chunks]], sinks
         )
         if not held.copy_held():
             held.release()
@@ -579,10 +582,10 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         self._count(loaded=loaded, load_missed=len(keys) - loaded)
         return [i < loaded for i in range(len(keys))]
 
-    def _copy_in(self, client: Client, slots: Sequence[p.Slot | None], pages: Sequence[Sink]) -> int:
-        """Copy each slot into its page, in order, up to the first that is missing or of another
-        size; how many were copied."""
-        arena = self._arena_view(client)
+    def _copy_in(self, mapped: SharedArena, slots: Sequence[p.Slot | None], pages: Sequence[Sink]) -> int:
+        """Copy each slot of arena ``mapped`` into its page, in order, up to the first that is
+        missing or of another size; how many were copied."""
+        arena = self._arena_view(mapped)
         for i, (slot, page) in enumerate(zip(slots, pages)):
             if slot is None:
                 return i
