@@ -72,10 +72,12 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.engine.release_ticket(ticket)
 
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    # Drawn whether or not a ticket is held: which pins got READY depends on the write-behind
+    # thread's timing, and a draw that depends on it makes Hypothesis's replays inconsistent.
+    @rule(k=st.integers(min_value=0, max_value=63))
+    def release(self, k: int) -> None:
         if self.tickets:
-            ticket = self.tickets.pop(data.draw(st.integers(0, len(self.tickets) - 1)))
+            ticket = self.tickets.pop(k % len(self.tickets))
             self.engine.release_ticket(ticket)
 
     @rule()
