@@ -54,6 +54,9 @@ class FakeClient:
     def arena(self) -> SharedArena:
         return self._arena
 
+    def in_session(self, call: Any) -> tuple[Any, SharedArena]:
+        return call(), self._arena  # one arena: the "server" never restarts
+
     def reserve(self, items: list[tuple[Any, int]], tenants: Any = (), holds: Any = ()) -> list[Slot]:
         self.holds = list(holds)  # the last reservation's (prefix hash, blocks) for the block index
         slots = []

@@ -118,6 +118,7 @@ class _Reservation:
     slots: list[Any] = field(default_factory=list)
     sources: list[tuple[GroupLayout, ChunkSave]] = field(default_factory=list)
     skipped: bool = False
+    arena: SharedArena | None = None  # the arena the slots are in (Client.in_session)
 
 
 class WorkerHalf:
@@ -251,21 +252,24 @@ class WorkerHalf:
         pinned_at = time.monotonic()
         mapped = self._mapped_arena(client)
         ticket = self._ticket_slots(client, mapped, meta, chunks, wanted)
+        pinned_in: SharedArena | None = None  # the arena of the session that answered the pin
         if ticket is not None:  # where the scheduler's ticket pinned them: no round trip
             slots, pinned_at = ticket, min(load.leased_at for load in meta.loads)
         elif client is not None and keys:
             try:
-                slots = client.pin(keys)
+                slots, pinned_in = client.in_session(lambda: client.pin(keys))
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
+        else:
+            pinned_in = mapped  # nothing to pin
         load = _StepLoad(
             meta, owner, client, [s.token for s in slots if s is not None and s.token], started, pinned_at
         )
         load.ticket_slots = ticket is not None
         try:
-            # The ticket's slots are offsets in the very mapping they were checked against; after
-            # a pin, the client may have said hello to a restarted server (a new arena).
-            arena = mapped if ticket is not None else client.arena() if client is not None else None
+            # The ticket's slots are offsets in the very mapping they were checked against, a
+            # pin's in the arena of the session that answered it (a restarted server's is another).
+            arena = mapped if ticket is not None else pinned_in
             plan: list[list[PageWrite]] = [[] for _ in self._layer_order]
             at = 0
             for i, (chunk, groups) in enumerate(zip(chunks, wanted)):
@@ -570,11 +574,11 @@ class WorkerHalf:
             self.stats["save_skipped"] += len(batch)
             return 0
         client, slots, sources = reservation.client, reservation.slots, reservation.sources
-        if client is None or not slots:
+        arena = reservation.arena
+        if client is None or arena is None or not slots:
             return 0  # nothing in the batch to store
         tokens = [s.token for s in slots if s is not None]
         try:
-            arena = client.arena()
             assert self._copy is not None
             for slot, (g, save) in zip(slots, sources):
                 assert slot is not None
@@ -649,8 +653,8 @@ class WorkerHalf:
             return _Reservation()
         holds = [(save.prefix_hash, save.holds) for save in batch if save.holds]
         try:
-            slots = client.reserve(items, tenants=tenants, holds=holds)
-            return _Reservation(client=client, slots=slots, sources=sources)
+            slots, arena = client.in_session(lambda: client.reserve(items, tenants=tenants, holds=holds))
+            return _Reservation(client=client, slots=slots, sources=sources, arena=arena)
         except TierCacheError as exc:
             if getattr(exc, "code", "") in ("tier_full", "busy"):
                 log.debug("tiercache: store skipped: %s", exc)

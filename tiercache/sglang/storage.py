@@ -433,8 +433,10 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         all were stored, or ``None`` when the server was away."""
 
         def store(client: Client) -> int:
-            slots = client.reserve([(o, t.numel() * t.element_size()) for o, t in items])
-            arena = self._arena_view(client.arena())
+            slots, mapped = client.in_session(
+                lambda: client.reserve([(o, t.numel() * t.element_size()) for o, t in items])
+            )
+            arena = self._arena_view(mapped)
             tokens = [s.token for s in slots if s is not None]
             try:
                 for slot, (_, page) in zip(slots, items):
@@ -475,7 +477,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         def load(client: Client) -> list[int]:
             everything = [o for _, objects, _ in parts for o in objects]
             pinned_at = time.monotonic()
-            slots = client.pin(everything)
+            slots, mapped = client.in_session(lambda: client.pin(everything))
             loaded = [0] * len(parts)
             whole: list[int] = []  # the parts wholly in L1, copied under the pin
             held: list[int] = []
@@ -491,7 +493,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
             try:
                 for n in whole:
                     a, b = cuts[n]
-                    loaded[n] = self._copy_in(client.arena(), slots[a:b], parts[n][2])
+                    loaded[n] = self._copy_in(mapped, slots[a:b], parts[n][2])
             except BaseException:
                 client.release(held)
                 raise
@@ -522,11 +524,12 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         try:
             if found.pending:
                 found = client.wait_ticket(found.ticket, timeout=self.settings.link.timeout_s)
-            if found.state is not p.TicketStateName.READY:
-                return 0
+            mapped = client.arena()
+            if found.state is not p.TicketStateName.READY or found.arena != mapped.name:
+                return 0  # not ready, or a restarted server's arena is mapped now: misses
             by_key = {s.key: s for s in found.slots}
             ready = objects[: found.ready_chunks]
-            return self._copy_in(client.arena(), [by_key.get(o.to_bytes()) for o in ready], sinks)
+            return self._copy_in(mapped, [by_key.get(o.to_bytes()) for o in ready], sinks)
         finally:
             client.release_ticket(found.ticket)
 

@@ -742,6 +742,19 @@ class Client:
                 self._arena = SharedArena.attach(info.arena_name)
             return self._arena
 
+    def in_session(self, call: Callable[[], T]) -> tuple[T, SharedArena]:
+        """``call()`` (calls on this client, e.g. a :meth:`pin` or :meth:`reserve`) and the arena
+        of the server session that answered it: the one its slots' offsets are in.
+
+        Mapping the arena after the call returns is not enough: another thread may say hello to a
+        restarted server in between, and the client then maps that server's arena, where the same
+        offsets hold other objects. The client's lock, held across both, keeps every other
+        thread's hello out; a hello the call itself needed happens before its reply.
+        """
+        with self._lock:
+            result = call()
+            return result, self.arena()
+
     def store_chunks(
         self,
         keys: Sequence[ObjectKey],
@@ -756,8 +769,9 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
         items = [(k, v.nbytes) for k, v in zip(keys, views)]
-        slots = self.reserve(items, timeout, tenants=[tenant] * len(items) if tenant else ())
-        arena = self.arena()
+        slots, arena = self.in_session(
+            lambda: self.reserve(items, timeout, tenants=[tenant] * len(items) if tenant else ())
+        )
         try:
             for slot, view in zip(slots, views):
                 assert slot is not None
@@ -770,8 +784,7 @@ class Client:
     def load_chunks(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[bytes | None]:
         """Copies of the L1 objects of ``keys`` (``None`` where not in L1): pin → copy → release.
         Use :meth:`lookup` + :meth:`read_ticket` to restore from lower tiers too."""
-        slots = self.pin(keys, timeout)
-        arena = self.arena()
+        slots, arena = self.in_session(lambda: self.pin(keys, timeout))
         tokens = [s.token for s in slots if s is not None]
         try:
             copies = [None if s is None else bytes(arena.view(s.offset, s.nbytes)) for s in slots]
@@ -784,7 +797,8 @@ class Client:
         return [None if s is None or s.token in lost else c for s, c in zip(slots, copies)]
 
     def read_ticket(self, result: LookupResult, *, release: bool = True) -> dict[ObjectKey, bytes]:
-        """Copy out every slot of a READY lookup (then release its ticket unless told not to)."""
+        """Copy out every slot of a READY lookup (then release its ticket unless told not to);
+        nothing (all misses) when the lookup's slots are in an arena this client no longer maps."""
         if result.state is not p.TicketStateName.READY:
             raise ServerError(
                 f"ticket {result.ticket} is {result.state.value}, not ready; wait_ticket() first, or read only READY "
@@ -792,6 +806,8 @@ class Client:
                 "invalid",
             )
         arena = self.arena()
+        if result.arena and result.arena != arena.name:
+            return {}  # a server restarted since the lookup (and forgot its ticket): other objects here
         try:
             return {ObjectKey.from_bytes(s.key): bytes(arena.view(s.offset, s.nbytes)) for s in result.slots}
         finally:
