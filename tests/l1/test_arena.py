@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import stat
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,43 @@ def test_writes_through_one_mapping_are_seen_through_another() -> None:
             assert bytes(other.view(100, 5)) == b"hello"
         finally:
             other.close()
+
+
+def _mapped_kib(arena: SharedArena) -> int:
+    """KiB of ``arena`` that this process's page tables map now (its mapping's Rss in smaps)."""
+    rss, ours = 0, False
+    for line in (Path("/proc/self/smaps")).read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            ours = line.rstrip().endswith(str(arena.path))  # a mapping's header line
+        elif ours and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/<pid>/smaps")
+def test_populate_maps_every_page_ahead_of_the_first_copy_and_changes_no_byte() -> None:
+    size = 4 << 20
+    with SharedArena.create(default_arena_name(), size) as owner:
+        owner.view(size - 5, 5)[:] = b"hello"
+        other = SharedArena.attach(owner.name)
+        try:
+            assert _mapped_kib(other) < 64  # a fresh mapping maps a page at its first access
+            assert other.populate(step=1 << 20)
+            assert _mapped_kib(other) >= size // 1024
+            assert bytes(other.view(size - 5, 5)) == b"hello"
+            assert bytes(other.view(0, 4096)) == bytes(4096)
+        finally:
+            other.close()
+
+
+def test_populate_stops_once_the_arena_is_closed() -> None:
+    with SharedArena.create(default_arena_name(), 1 << 20) as owner:
+        other = SharedArena.attach(owner.name)
+        other.close()
+        assert not other.populate()
+        outcome: list[tuple[bool, float]] = []
+        owner.populate_in_background(lambda done, seconds: outcome.append((done, seconds))).join(timeout=30)
+        assert outcome and outcome[0][0]
 
 
 def test_creating_an_existing_name_is_refused() -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tiercache.config.parts import L1Config
+from tiercache.config.units import format_bytes
 from tiercache.errors import (
     ArenaError,
     ConfigError,
@@ -117,6 +118,9 @@ class L1Tier(FrontTier):
                     )
             self._arena = SharedArena.create(config.name, config.size_bytes)
             self._owns_arena = True
+            # Off the request path: a promotion or store into a page this process never mapped
+            # would pay the page fault in its copy.
+            self._arena.populate_in_background(self._populated)
         else:
             if arena.size < config.size_bytes:
                 raise ArenaError(
@@ -146,6 +150,15 @@ class L1Tier(FrontTier):
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
         self._tokens = itertools.count(1)
         self._closed = False
+
+    def _populated(self, done: bool, seconds: float) -> None:
+        size = format_bytes(self._arena.size)
+        if done:
+            log.info(
+                "L1 arena %s: all %s mapped ahead of the copies in %.1f s", self._arena.name, size, seconds
+            )
+        else:
+            log.info("L1 arena %s: not mapped ahead (closed, or a kernel before 5.14)", self._arena.name)
 
     # -- what the server hands to workers ------------------------------------------------------
     @property

@@ -740,6 +740,8 @@ class Client:
             info = self.server
             if self._arena is None:
                 self._arena = SharedArena.attach(info.arena_name)
+                # Off the copies: each page's first access through a fresh mapping is a fault.
+                self._arena.populate_in_background()
             return self._arena
 
     def in_session(self, call: Callable[[], T]) -> tuple[T, SharedArena]:
