@@ -921,6 +921,7 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
             SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))
         ][: len(keys)],
         arena=lambda: arena,
+        in_session=lambda call: (call(), arena),  # one arena: the "server" never restarts
         release=lambda tokens: len(tokens),
         release_leases=lambda tokens: set(),  # every lease was held for the whole copy
         release_leases_pinned_at=lambda tokens, pinned_at: set(),
