@@ -361,18 +361,21 @@ class Client:
         return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
 
     def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
-        """Release a ticket; fire and forget (its reply matches no pending request: dropped)."""
+        """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
+        self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read))
+
+    def _send_unanswered(self, msg: p._Msg) -> None:
+        """Send ``msg`` if the socket takes it, without waiting for its reply (which matches no
+        pending request: dropped). Called with ``_lock`` held."""
         sock = self._state.sock
         if sock is None:
             return
-        msg = p.ReleaseTicket(ticket=ticket, read=read)
         msg.req_id = next(self._ids)
         try:
             self._write(sock, msg)
         except zmq.ZMQError:
-            pass  # the session's tickets go when the server drops the session
-        else:
-            self._state.last_send = time.monotonic()
+            return
+        self._state.last_send = time.monotonic()
 
     def _result(self, req_id: int) -> Any:
         entry = self._state.pending.pop(req_id)
@@ -698,16 +701,9 @@ class Client:
         if not tokens:
             return set()
         with self._lock:
-            sock = self._state.sock
-            if sock is not None and self._leases_held_since(pinned_at):
-                msg = p.Release(tokens=list(tokens))
-                msg.req_id = next(self._ids)  # its reply matches no pending request: dropped
-                try:
-                    self._write(sock, msg)
-                except zmq.ZMQError:
-                    pass  # the leases end by themselves; they held for the whole copy
-                else:
-                    self._state.last_send = time.monotonic()
+            if self._state.sock is not None and self._leases_held_since(pinned_at):
+                # Unsent, the leases end by themselves; they held for the whole copy.
+                self._send_unanswered(p.Release(tokens=list(tokens)))
                 return set()
         return self.release_leases(tokens)
 
