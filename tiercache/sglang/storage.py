@@ -524,14 +524,23 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         try:
             if found.pending:
                 found = client.wait_ticket(found.ticket, timeout=self.settings.link.timeout_s)
-            mapped = client.arena()
-            if found.state is not p.TicketStateName.READY or found.arena != mapped.name:
-                return 0  # not ready, or a restarted server's arena is mapped now: misses
-            by_key = {s.key: s for s in found.slots}
-            ready = objects[: found.ready_chunks]
-            return self._copy_in(mapped, [by_key.get(o.to_bytes()) for o in ready], sinks)
+            return self._copy_ticket(client, found, objects, sinks) or 0
         finally:
             client.release_ticket(found.ticket)
+
+    def _copy_ticket(
+        self, client: Client, reply: p.LookupReply, objects: Sequence[ObjectKey], sinks: Sequence[Sink]
+    ) -> int | None:
+        """Copy the leading ``objects`` from the slots a lookup's ticket pinned; how many were
+        copied, or ``None`` when the ticket is not READY or its slots are in another arena than
+        the one mapped (a restarted server's). The mapping is taken once and copied from: a
+        re-hello on another thread may map a new arena meanwhile, where the offsets mean nothing."""
+        mapped = client.arena()
+        if reply.state is not p.TicketStateName.READY or reply.arena != mapped.name:
+            return None
+        by_key = {s.key: s for s in reply.slots}
+        ready = objects[: reply.ready_chunks]
+        return self._copy_in(mapped, [by_key.get(o.to_bytes()) for o in ready], sinks)
 
     def _load_held(
         self, client: Client, held: HeldLookup, objects: Sequence[ObjectKey], sinks: Sequence[Sink]
@@ -540,25 +549,16 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         for them (no pin of our own); how many leading pages were copied, 0 when the copy may have
         outlived the ticket's leases, or ``None`` when the ticket cannot be used (another connection
         or arena, too old, its promotion failed): then the caller pins. Releases the ticket."""
-        reply = held.reply
-        if client is held.client and held.usable() and reply.pending:
-            reply = client.wait_ticket(reply.ticket, timeout=self.settings.link.timeout_s)
-        # Taken once and copied from: a re-hello on another thread may map a restarted server's
-        # arena meanwhile, and the slots' offsets mean nothing there.
-        mapped = client.arena()
-        usable = (
-            client is held.client
-            and reply.state is p.TicketStateName.READY
-            and reply.arena == mapped.name  # the slots' arena is the one copied from
-            and held.usable()
-        )
-        if not usable:
+        if client is not held.client or not held.usable():
             held.release()
             return None
-        by_key = {s.key: s for s in reply.slots}
-        copied = self._copy_in(
-            mapped, [by_key.get(o.to_bytes()) for o in objects[: reply.ready_chunks]], sinks
-        )
+        reply = held.reply
+        if reply.pending:
+            reply = client.wait_ticket(reply.ticket, timeout=self.settings.link.timeout_s)
+        copied = self._copy_ticket(client, reply, objects, sinks) if held.usable() else None
+        if copied is None:
+            held.release()
+            return None
         if not held.copy_held():
             held.release()
             return 0  # a lease may have ended during the copy: the slot may hold another object by now
