@@ -50,11 +50,11 @@ sys.path.insert(0, str(REPO))
 
 from tests.server.conftest import manifest  # noqa: E402  (after the path: tests/ from the checkout)
 from tests.server.serverproc import ServerProcess, ServerSpec  # noqa: E402
+from tiercache.client.client import Client  # noqa: E402
 from tiercache.config import L3Admission, L3WritePolicy  # noqa: E402
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher  # noqa: E402
 from tiercache.testing.fixtures import payload_for  # noqa: E402
 from tiercache.testing.s3 import s3_endpoint  # noqa: E402
-from tiercache.wire.client import Client  # noqa: E402
 from tiercache.wire.protocol import GroupRef, TicketStateName  # noqa: E402
 
 #: The target of issue 22: ``read`` needs at most this share of ``all``'s PUTs ...

@@ -68,6 +68,7 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
     from tiercache.connector.copy import CudaPageCopy
     from tiercache.connector.loads import PageWrite
     from tiercache.connector.pages import page_view
+    from tiercache.keys.digest import Digest
     from tiercache.l1.arena import SharedArena
 
     heads, content = 8, 2 * 128 * 2  # 8 KV heads, K|V of head size 128 in bf16, per token
@@ -95,7 +96,7 @@ def _measure(dev, page: int, k: int, bpc: int, layers: int, iters: int) -> dict[
         raw_host = torch.empty(chunk, dtype=torch.uint8).pin_memory()
 
         def save() -> None:
-            engine.save(engine.save_point(), views, ids, host)
+            engine.save(engine.save_point(), views, ids, host, Digest())
 
         plan = [[PageWrite(0, pv, ids, src)] for pv, src in zip(views, host, strict=True)]
 

@@ -171,8 +171,8 @@ class TierCacheServer:
 
     def _wait_ready(self, deadline_s: float = 60.0) -> None:
         # Poll with hello round trips while the process lives, as tests/server/serverproc.py does.
+        from tiercache.client.client import Client
         from tiercache.errors import ServerUnavailableError
-        from tiercache.wire.client import Client
 
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
@@ -189,7 +189,7 @@ class TierCacheServer:
         raise RuntimeError("tiercache server did not answer within 60 s")
 
     def stats(self) -> dict[str, Any]:
-        from tiercache.wire.client import Client
+        from tiercache.client.client import Client
 
         c = Client(self.endpoint, timeout=5.0, heartbeat=False)
         try:

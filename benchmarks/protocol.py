@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
 from tiercache.keys import (
     Fingerprint,
@@ -45,7 +46,6 @@ from tiercache.keys import (
     chunk_hashes,
 )
 from tiercache.l1.arena import SharedArena
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef
 
 MiB = 1 << 20

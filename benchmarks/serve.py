@@ -211,8 +211,8 @@ class TierCacheServer:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, **SERVER_ENV)
             )
+        from tiercache.client.client import Client
         from tiercache.errors import ServerUnavailableError
-        from tiercache.wire.client import Client
 
         end = time.monotonic() + 60
         while time.monotonic() < end:
@@ -227,7 +227,7 @@ class TierCacheServer:
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (``engine``: stores, hits, promotions, evictions, ...)."""
-        from tiercache.wire.client import Client
+        from tiercache.client.client import Client
 
         c = Client(self.endpoint, timeout=5.0, heartbeat=False)
         try:

@@ -130,8 +130,8 @@ def main() -> int:
     from tests.server.serverproc import ServerSpec
     from tests.sglang.hostpool import MHALayoutHostPool
     from tests.sglang.setup import backend, keys, running, storage_config
+    from tiercache.client.client import Client
     from tiercache.testing.poll import wait_until
-    from tiercache.wire.client import Client
 
     torch.set_num_threads(1)  # SGLang's storage threads copy on one thread each
     page_size, heads, head_dim = 64, 8, 128

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             found = client.lookup(hashes, [ref], max_chunks=args.chunks)
             if found.ready_chunks != args.chunks:
                 raise RuntimeError(f"the lookup pinned {found.ready_chunks} of {args.chunks} chunks")
-            at = {ObjectKey.group_and_hash(s.key)[1]: (s.offset, s.nbytes) for s in found.slots}
+            at = {ObjectKey.group_and_hash(s.key)[1]: (s.offset, s.nbytes, s.digest) for s in found.slots}
             ticket_meta = [
                 RequestLoad(
                     "bench",

@@ -36,7 +36,7 @@ def server_side(modules: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["tiercache.wire.client", "tiercache.connector", "tiercache.l1.arena", "tiercache.l1.copy"]
+    "module", ["tiercache.client.client", "tiercache.connector", "tiercache.l1.arena", "tiercache.l1.copy"]
 )
 def test_the_worker_side_loads_nothing_of_the_server_side(module: str) -> None:
     assert server_side(loaded_after(f"import {module}")) == []
@@ -52,7 +52,7 @@ def test_the_package_face_the_config_and_the_connector_package_stay_light() -> N
     """vLLM and torch load only when vLLM builds the connector (its class is imported lazily)."""
     loaded = loaded_after(
         "import tiercache, tiercache.config, tiercache.errors, tiercache.keys, tiercache.connector, "
-        "tiercache.connector.identity"
+        "tiercache.keys.weights"
     )
     assert sorted(m for m in loaded if m.split(".")[0] in ("torch", "vllm", "zmq")) == []
     assert server_side(loaded) == []

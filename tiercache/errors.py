@@ -8,6 +8,7 @@ The tree::
     ├── KeyFormatError                  bytes or text that are not a valid ObjectKey / fingerprint
     ├── FrameError                      an object frame failed verification (never surfaces as a hit)
     │   └── FrameVersionError           written by an unknown format version
+    ├── IntegrityError                  bytes copied out of the shared arena differ from their digest
     ├── TierError                       a tier operation failed
     │   ├── TierFullError               no room even after evicting (all pinned/owed, or too large)
     │   ├── ReservationError            commit/abort of an unknown, expired or already finished reservation
@@ -67,6 +68,16 @@ class FrameError(TierCacheError):
 
 class FrameVersionError(FrameError):
     """A stored object was written by a format version this build cannot read."""
+
+
+class IntegrityError(TierCacheError):
+    """Bytes copied out of the shared L1 arena differ from the digest their writer committed with
+    them: another process wrote into the slot (late, outside its own slots, or torn). Never served;
+    ``path`` names where it was caught (``l1_read``, ``write_through``, ``s3_upload``, ...)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TierError(TierCacheError):

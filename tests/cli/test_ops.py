@@ -18,9 +18,9 @@ from tests.conftest import make_key
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.cli.app import main
 from tiercache.cli.output import Progress
+from tiercache.client.client import Client
 from tiercache.keys import ObjectKey
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 KiB = 1 << 10
 OBJECTS = 12

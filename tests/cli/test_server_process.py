@@ -211,7 +211,7 @@ def test_metrics_histograms_time_lookups_and_tier_transfers(start_server, tmp_pa
 
     from tests.server.conftest import manifest
     from tests.server.test_data_path import prompt_hashes, store_prompt
-    from tiercache.wire.client import Client
+    from tiercache.client.client import Client
 
     def counts(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every histogram's ``_count`` sample, by metric and labels."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiercache.client.link import LinkFactory, OnConnect
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.link import LinkFactory, OnConnect
 
 
 class FakeLink:

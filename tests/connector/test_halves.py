@@ -7,15 +7,16 @@ environment. ``tests/e2e`` runs the real engine.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.connector.fakes import link_to
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.identity import content_fingerprint, weights_identity
 from tiercache.connector.layout import check_block_sizes
 from tiercache.errors import ConfigError
+from tiercache.keys.weights import content_fingerprint, weights_identity
 from tiercache.testing.poll import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -522,7 +523,7 @@ def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() ->
     assert client.waits == [ConnectorSettings().lookup_wait_s] and client.waits[0] > 0
     st = sched._reqs["r"]  # type: ignore[attr-defined]
     assert st.probe.ticket == HIT_TICKET
-    assert st.slots == {0: {0: (0, HIT_BYTES)}, 1: {0: (HIT_BYTES, HIT_BYTES)}}
+    assert st.slots == {0: {0: (0, HIT_BYTES, 0)}, 1: {0: (HIT_BYTES, HIT_BYTES, 0)}}
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(1, 8)),))
     sched.update_state_after_alloc(SimpleNamespace(request_id="r"), blocks, 2 * 768)  # type: ignore[attr-defined]
     (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
@@ -720,7 +721,8 @@ def test_an_asynchronous_load_from_the_tickets_slots_releases_it_as_read_unless_
     sched, st, client = _hit_scheduler(True)
     st.probe.sent_at, st.probe.arena = time.monotonic(), "tiercache-arena"  # type: ignore[attr-defined]
     st.slots = {
-        c: {0: (2 * c * HIT_BYTES, HIT_BYTES), 1: ((2 * c + 1) * HIT_BYTES, HIT_BYTES)} for c in (0, 1, 2)
+        c: {0: (2 * c * HIT_BYTES, HIT_BYTES, 0), 1: ((2 * c + 1) * HIT_BYTES, HIT_BYTES, 0)}
+        for c in (0, 1, 2)
     }  # type: ignore[attr-defined]
     _alloc(sched)
     (load,) = sched.build_connector_meta(_output([], {}, {})).loads  # type: ignore[attr-defined]
@@ -911,20 +913,25 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[object, _FakeArena]:
     from tiercache.connector.pages import page_view
     from tiercache.connector.worker import WorkerHalf
     from tiercache.keys import Fingerprint
+    from tiercache.keys.digest import digest
+    from tiercache.wire import protocol as p
 
     arena = _FakeArena(sum(slot_bytes))
     offsets = [sum(slot_bytes[:i]) for i in range(len(slot_bytes))]
     for i, (off, n) in enumerate(zip(offsets, slot_bytes)):
         arena.buf[off : off + n] = bytes([i + 1]) * n
+    slots = [
+        p.Slot(b"", o, n, i + 1, digest(arena.view(o, n)))
+        for i, (o, n) in enumerate(zip(offsets, slot_bytes))
+    ]
     client = SimpleNamespace(
-        pin=lambda keys: [
-            SimpleNamespace(token=i, offset=o, nbytes=n) for i, (o, n) in enumerate(zip(offsets, slot_bytes))
-        ][: len(keys)],
+        pin=lambda keys, timeout=None: slots[: len(keys)],
         arena=lambda: arena,
         in_session=lambda call: (call(), arena),  # one arena: the "server" never restarts
-        release=lambda tokens: len(tokens),
-        release_leases=lambda tokens: set(),  # every lease was held for the whole copy
-        release_leases_pinned_at=lambda tokens, pinned_at: set(),
+        clock=time.monotonic,
+        lease_window_s=100.0,
+        release_unanswered=lambda tokens: None,  # every lease was held for the whole copy
+        report_corrupt=lambda slots: None,
     )
     w = WorkerHalf(None, None, ConnectorSettings(overlap_loads=True), link=link_to(client))
     w.use_layout(
@@ -1313,9 +1320,9 @@ def test_a_load_names_where_the_lookups_tickets_pinned_its_objects_and_when_they
     load = _tail_load(client)
     assert load.arena == "tiercache-arena" and before <= load.leased_at <= time.monotonic()
     assert [c.slots for c in load.chunks] == [
-        [(0, 0, HIT_BYTES)],
-        [(0, HIT_BYTES, HIT_BYTES)],
-        [(0, 0, 4 * 196608)],  # the tail object's, from the tail lookup's reply
+        [(0, 0, HIT_BYTES, 0)],
+        [(0, HIT_BYTES, HIT_BYTES, 0)],
+        [(0, 0, 4 * 196608, 0)],  # the tail object's, from the tail lookup's reply
     ]
     assert sorted(client.released) == [HIT_TICKET, HIT_TICKET + 1] and client.read == [True, True]
 

@@ -33,12 +33,13 @@ from vllm.v1.request import Request
 import tiercache.connector.events as events_module
 from tests.server.conftest import manifest
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.events import KVEventTracker
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher, chunk_hashes, tail_hashes
+from tiercache.keys.digest import digest
 from tiercache.testing.poll import wait_until
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client
 
 CHUNK = 256  # the test server's chunk size (tests/server/conftest.py)
 BLOCK = 16
@@ -253,10 +254,14 @@ def store_objects(
     (as the worker's commit of a full chunk does)."""
     slots = client.reserve([(k, nbytes) for k in keys])
     arena = client.arena()
+    digests = []
     for slot in slots:
         assert slot is not None
-        arena.view(slot.offset, slot.nbytes)[:] = os.urandom(nbytes)
-    assert client.commit([s.token for s in slots if s is not None], supersedes=supersedes or ()) == len(keys)
+        data = os.urandom(nbytes)
+        arena.view(slot.offset, slot.nbytes)[:] = data
+        digests.append(digest(data))
+    tokens = [s.token for s in slots if s is not None]
+    assert client.commit(tokens, digests, supersedes=supersedes or ()) == len(keys)
 
 
 def test_a_stored_tail_is_published_per_tier_with_the_blocks_vllm_would_publish(

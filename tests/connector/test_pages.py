@@ -22,6 +22,7 @@ from tiercache.connector.copy import (  # noqa: E402
 from tiercache.connector.loads import PageWrite  # noqa: E402
 from tiercache.connector.pages import PageView, page_view  # noqa: E402
 from tiercache.errors import ConfigError  # noqa: E402
+from tiercache.keys.digest import Digest, digest  # noqa: E402
 
 NUM_BLOCKS = 6
 K = 4  # kernel blocks per manager block
@@ -116,7 +117,10 @@ def test_store_then_load_round_trips_exact_bytes_and_never_touches_block_0(
     engine = CpuPageCopy()
     arena = torch.empty(2, 4, MANAGER_PAGE, dtype=torch.uint8)  # [layers, blocks per chunk, page]
     save_ids = torch.tensor([4, 2, 5, 1])
-    engine.save(engine.save_point(), [src, src], save_ids, list(arena))
+    h = Digest()
+    engine.save(engine.save_point(), [src, src], save_ids, list(arena), h)
+    # The writer's digest, read from its own pages, is the digest of what the slot received.
+    assert h.value == digest(arena.numpy().tobytes())
     load_ids = torch.tensor([3, 5, 1, 2])  # other blocks than the ones saved: pages move as units
     load(engine, [dst, dst], load_ids, list(arena), overlap)
     for s, d in zip(save_ids.tolist(), load_ids.tolist()):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -29,27 +28,27 @@ from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
 from tiercache.errors import ServerUnavailableError  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402
+from tiercache.wire import protocol as p  # noqa: E402
 
 K, KERNEL_BLOCK, HEADS, HEAD, NUM_BLOCKS, BPC = 4, 4, 2, 8, 9, 2
 PAGE = K * KERNEL_BLOCK * HEADS * 2 * HEAD * 2  # bf16, K|V per head
 
 
-@dataclass
-class Slot:
-    offset: int
-    nbytes: int
-    token: int
-
-
 class FakeClient:
-    """reserve → copy → commit and pin → copy → release, over a real arena."""
+    """reserve → copy → commit and pin → copy → release, over a real arena: a
+    :class:`~tiercache.client.transfer.DataPathClient` with a clock the test moves."""
 
     def __init__(self, arena: SharedArena) -> None:
         self._arena, self._next, self.objects, self.pending = arena, 0, {}, {}
         self.expired: set[int] = set()  # lease tokens the "server" let expire before their release
         self.pins = 0  # pin calls
-        self.leases_held = True  # what leases_held_since answers after a copy (time vouches for them)
-        self.fresh = True  # what it answers before one (share < 0.5: a load planned soon enough)
+        self.now = 1000.0  # the clock holds are timed by: a test moves it instead of sleeping
+        self.lease_window_s = 100.0
+        self.reservation_window_s = 100.0
+        self.corrupt: list[p.Slot] = []  # slots reported corrupt
+
+    def clock(self) -> float:
+        return self.now
 
     def arena(self) -> SharedArena:
         return self._arena
@@ -57,42 +56,50 @@ class FakeClient:
     def in_session(self, call: Any) -> tuple[Any, SharedArena]:
         return call(), self._arena  # one arena: the "server" never restarts
 
-    def reserve(self, items: list[tuple[Any, int]], tenants: Any = (), holds: Any = ()) -> list[Slot]:
+    def reserve(
+        self,
+        items: list[tuple[Any, int]],
+        timeout: float | None = None,
+        *,
+        tenants: Any = (),
+        holds: Any = (),
+    ) -> list[p.Slot]:
         self.holds = list(holds)  # the last reservation's (prefix hash, blocks) for the block index
         slots = []
         for key, nbytes in items:
-            slot = Slot(self._next, nbytes, len(self.pending) + len(self.objects) + 1)
+            slot = p.Slot(key.to_bytes(), self._next, nbytes, len(self.pending) + len(self.objects) + 1)
             self._next += nbytes
             self.pending[slot.token] = (key, slot)
             slots.append(slot)
         return slots
 
-    def commit(self, tokens: list[int], supersedes: Any = ()) -> None:
-        for t in tokens:
+    def commit(
+        self, tokens: list[int], digests: list[int], timeout: float | None = None, supersedes: Any = ()
+    ) -> int:
+        for t, d in zip(tokens, digests, strict=True):
             key, slot = self.pending.pop(t)
-            self.objects[key] = slot
+            self.objects[key] = p.Slot(slot.key, slot.offset, slot.nbytes, slot.token, d)
         for key in supersedes:  # as the server does: once the covering chunk is visible
             self.objects.pop(key, None)
+        return len(tokens)
 
-    def abort(self, tokens: list[int]) -> None:
+    def abort(self, tokens: list[int], timeout: float | None = None) -> int:
         for t in tokens:
             self.pending.pop(t, None)
+        return len(tokens)
 
-    def pin(self, keys: list[Any]) -> list[Slot | None]:
+    def pin(self, keys: list[Any], timeout: float | None = None) -> list[p.Slot | None]:
         self.pins += 1
         return [self.objects.get(k) for k in keys]
 
-    def leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
-        return self.fresh if share < 0.5 else self.leases_held
-
-    def release(self, tokens: list[int]) -> None:
-        pass
-
-    def release_leases(self, tokens: list[int]) -> set[int]:
+    def release_leases(self, tokens: list[int], timeout: float | None = None) -> set[int]:
         return self.expired.intersection(tokens)
 
-    def release_leases_pinned_at(self, tokens: list[int], pinned_at: float) -> set[int]:
-        return self.release_leases(tokens)  # the server is asked every time: expired is its answer
+    def release_unanswered(self, tokens: list[int]) -> None:
+        pass
+
+    def report_corrupt(self, slots: list[p.Slot]) -> None:
+        self.corrupt += slots
 
 
 def _kv() -> torch.Tensor:
@@ -230,9 +237,9 @@ class RecordingCopy(CpuPageCopy):
         self.points.append((threading.current_thread().name, token))
         return token
 
-    def save(self, ready, pages, ids, dsts) -> None:  # type: ignore[no-untyped-def]
+    def save(self, ready, pages, ids, dsts, digest, zeros=0) -> None:  # type: ignore[no-untyped-def]
         self.waited.append((threading.current_thread().name, ready))
-        super().save(ready, pages, ids, dsts)
+        super().save(ready, pages, ids, dsts, digest, zeros)
 
 
 def test_saves_wait_for_the_save_point_taken_after_the_forward_pass(worker) -> None:  # type: ignore[no-untyped-def]
@@ -319,7 +326,14 @@ class GatedClient(FakeClient):
         super().__init__(arena)
         self.gate, self.reserved, self.timeout = threading.Event(), threading.Event(), timeout
 
-    def reserve(self, items: list[tuple[Any, int]], tenants: Any = (), holds: Any = ()) -> list[Slot]:
+    def reserve(
+        self,
+        items: list[tuple[Any, int]],
+        timeout: float | None = None,
+        *,
+        tenants: Any = (),
+        holds: Any = (),
+    ) -> list[p.Slot]:
         from tiercache.errors import ServerUnavailableError
 
         if not self.gate.wait(self.timeout):
@@ -367,7 +381,6 @@ def test_a_producer_whose_server_never_answers_skips_the_store_at_the_clients_ti
 def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps_end(worker) -> None:  # type: ignore[no-untyped-def]
     """vLLM reports a synchronous load at the end of its step, after the forward pass; the
     connector's load time (``vllm:tiercache_load_seconds``) must not include that pass."""
-    import time
 
     w, _client, _ = worker
     w._save_batch([ChunkSave("r", 0, b"t" * 16, [[1, 2]])])
@@ -404,6 +417,7 @@ def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asyn
     client.expired.add(stored.token)
     load = RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])], asynchronous=asynchronous)
     w.start_load_kv(TierCacheMetadata(loads=[load]))
+    client.now += client.lease_window_s  # the copy outlasted what time vouches for: the server is asked
     _assert_failed_load(w, asynchronous)
     assert w.stats["loaded_chunks"] == 0
     assert w.stats["load_failures"] == 1
@@ -420,6 +434,7 @@ def test_a_release_the_server_cannot_confirm_is_a_failed_load(worker) -> None:  
 
     client.release_leases = unreachable  # type: ignore[method-assign]
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])])]))
+    client.now += client.lease_window_s  # the copy outlasted what time vouches for: the server is asked
     assert w.get_block_ids_with_load_errors() == {7, 3}
     assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
 
@@ -430,8 +445,8 @@ def _ticket_load(client: FakeClient, arena: str | None = None, **kw: Any) -> Req
     [stored] = client.objects.values()
     return RequestLoad(
         "r2",
-        [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]], slots=[(0, stored.offset, stored.nbytes)])],
-        leased_at=time.monotonic(),
+        [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]], slots=[(0, stored.offset, stored.nbytes, stored.digest)])],
+        leased_at=client.now,
         arena=client.arena().name if arena is None else arena,
         **kw,
     )
@@ -456,8 +471,8 @@ def test_a_copy_from_the_tickets_slots_that_ended_too_late_for_its_leases_is_a_f
     bytes by then, so vLLM is told to recompute, never that the chunk loaded."""
     w, client, _ = worker
     w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
-    client.leases_held = False
     w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, asynchronous=asynchronous)]))
+    client.now += client.lease_window_s / 2  # the copy "ended" half the leases' window after the lookup
     _assert_failed_load(w, asynchronous)
     assert w.stats["loaded_chunks"] == 0 and w.stats["lost_leases"] == 1
 
@@ -478,8 +493,9 @@ def test_a_load_planned_too_long_after_its_lookup_pins_by_key_instead(worker) ->
     blocks): the copy might outlive them, so the worker pins the objects itself and loads."""
     w, client, caches = worker
     w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
-    client.fresh = False
-    w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client)]))
+    load = _ticket_load(client)
+    client.now += client.lease_window_s / 4  # the request waited for blocks since its lookup
+    w.start_load_kv(TierCacheMetadata(step=1, loads=[load]))
     assert client.pins == 1 and not w.get_block_ids_with_load_errors() and w.stats["loaded_chunks"] == 1
     for t in caches.values():
         assert torch.equal(_manager_block(t, 7), _manager_block(t, 5))

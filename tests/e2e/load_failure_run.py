@@ -26,9 +26,9 @@ from tests.e2e import engine_run
 
 
 def install(drop_index: int, hide_load_errors: bool) -> None:
+    from tiercache.client.client import Client
     from tiercache.connector.connector import TierCacheConnector
     from tiercache.connector.worker import WorkerHalf
-    from tiercache.wire.client import Client
 
     real_ticket_slots = WorkerHalf._ticket_slots
 

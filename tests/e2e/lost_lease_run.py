@@ -13,9 +13,9 @@ and writes those bytes. The connector must learn that the leases were lost (the 
 them: their age, or the release's answer) and report the chunks as failed loads, so vLLM
 recomputes them.
 
-``--trust-lost-leases`` makes the worker trust every lease, whatever its age or the server says:
-the negative control, which is what tiercache did before releases named lost leases (report the
-chunks as loaded), and whose output moves. Nothing of vLLM is patched.
+``--trust-lost-leases`` makes the worker trust every lease, whatever its age or the server says,
+and every copy, whatever its digest: the negative control (report the chunks as loaded), whose
+output moves. Nothing of vLLM is patched.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def _reuse_slot(endpoint: str, src: Any, before: Any, nbytes: int) -> None:
     """Store noise objects through another client until ``src`` (a view of an arena slot) changed."""
     import torch
 
+    from tiercache.client.client import Client
     from tiercache.keys import Fingerprint, ObjectKey
-    from tiercache.wire.client import Client
 
     rng = np.random.default_rng(0)
     with Client(endpoint, timeout=10, heartbeat=False, client_name="lost-lease-flood") as client:
@@ -56,9 +56,10 @@ def _reuse_slot(endpoint: str, src: Any, before: Any, nbytes: int) -> None:
 
 
 def install(endpoint: str, stall_s: float, trust_lost_leases: bool) -> None:
+    from tiercache.client import transfer
+    from tiercache.client.client import Client
     from tiercache.connector import copy
     from tiercache.connector.loads import PageWrite
-    from tiercache.wire.client import Client
 
     real_write = copy._write_page
     stalled: list[bool] = []
@@ -80,8 +81,10 @@ def install(endpoint: str, stall_s: float, trust_lost_leases: bool) -> None:
             return set()
 
         Client.release_leases = confirm_all  # type: ignore[method-assign]
-        # A hit's load copies from the scheduler's ticket's slots and trusts the lease's age alone.
-        Client.leases_held_since = lambda self, pinned_at, share=0.5: True  # type: ignore[method-assign]
+        # A hit's load copies from the scheduler's ticket's slots and trusts the lease's age alone,
+        # and every copy is checked against its object's digest: neither may reject the copy.
+        transfer.Window.held = lambda self, now=None: True  # type: ignore[method-assign]
+        transfer.SlotCheck.ok = lambda self: True  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:

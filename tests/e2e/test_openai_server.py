@@ -78,7 +78,7 @@ STORED_CHUNKS = sum(n // CHUNK for n in LENGTHS) + sum((n + 1) // CHUNK for n in
 LOGPROB_TOLERANCE = 1e-3
 RETRY_S = 600.0
 #: What the scheduler and the worker half each log once when the server cannot be reached at start
-#: (tiercache/connector/link.py, ``ServerLink.start``), and once per outage when a call fails.
+#: (tiercache/client/link.py, ``ServerLink.start``), and once per outage when a call fails.
 UNREACHABLE_WARNING = "is not reachable"
 FAILED_WARNING = "treating the cache as unavailable"
 #: Flags this test adds to the documented command; none of them is one of the documented flags.

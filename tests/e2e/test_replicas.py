@@ -101,7 +101,7 @@ RETRY_S = 1.0  # how often vLLM B's connector tries a server it lost again
 # A round trip bound far above the 2 s default: in CI two vLLM engines (and another shard's) share two
 # cores, and a write-through commit late by 2 s would take the link down and skip the next stores.
 TIMEOUT_S = 10.0
-#: What a connector half's link logs (tiercache/connector/link.py): on each (re)connect, and once per
+#: What a connector half's link logs (tiercache/client/link.py): on each (re)connect, and once per
 #: outage when a call fails. vLLM B has two halves (scheduler and worker), each connected at start.
 CONNECTED = "tiercache: connected to"
 FAILED_WARNING = "treating the cache as unavailable"

@@ -111,7 +111,7 @@ def test_lease_slots_names_each_open_lease_and_refuses_a_closed_one(make_l1) -> 
     keys = [make_key(i) for i in range(3)]
     fill(tier, range(3))
     held = [h for h in tier.pin_many(keys, count=False) if h]
-    built = tier.lease_slots(held, lambda raw, offset, nbytes, token: (raw, offset, nbytes, token))
+    built = tier.lease_slots(held, lambda raw, offset, nbytes, token, digest: (raw, offset, nbytes, token))
     for handle, (raw, offset, nbytes, token) in zip(held, built, strict=True):
         where = tier.slot_of(handle)
         assert (raw, offset, nbytes, token) == (

@@ -156,7 +156,7 @@ def test_read_into_verifies_what_it_copied_and_reports_corruption_as_a_miss(
     patch_file(path / "data.mdb", at + 700, bytes([payload[700] ^ 0x80]))
     out = bytearray(len(payload))
     with open_tier(path, clock) as tier:
-        assert tier.read_into(victim, lambda n: memoryview(out)[:n]) is False
+        assert tier.read_into(victim, lambda n: memoryview(out)[:n]) is None
         assert tier.stats.snapshot()["verify_failures"] == 1
         assert not tier.contains(victim)
 
@@ -168,7 +168,7 @@ def test_read_into_decompresses_compressed_objects(tmp_path: Path, clock: FakeCl
     with open_tier(tmp_path / "l2", clock, compress=True) as tier:
         tier.put(key, payload)
         assert tier.usage().bytes_used < len(payload)  # really stored compressed
-        assert tier.read_into(key, lambda n: memoryview(out)[:n]) is True
+        assert tier.read_into(key, lambda n: memoryview(out)[:n]) is not None
     assert bytes(out) == payload
 
 
@@ -315,11 +315,11 @@ def test_read_into_never_copies_an_object_stored_under_another_key(tmp_path: Pat
         return memoryview(bytearray(n))
 
     with open_tier(path, clock) as tier:
-        assert tier.read_into(b, alloc) is False
+        assert tier.read_into(b, alloc) is None
         assert asked == []  # the header names another key: nothing was copied anywhere
         assert tier.stats.snapshot()["verify_failures"] == 1
         assert not tier.contains(b)
-        assert tier.read_into(a, alloc) is True
+        assert tier.read_into(a, alloc) is not None
 
 
 def test_read_into_a_missing_key_is_a_counted_miss_that_allocates_nothing(
@@ -332,7 +332,7 @@ def test_read_into_a_missing_key_is_a_counted_miss_that_allocates_nothing(
         return memoryview(bytearray(n))
 
     with open_tier(tmp_path / "l2", clock) as tier:
-        assert tier.read_into(make_key(1), alloc) is False
+        assert tier.read_into(make_key(1), alloc) is None
         assert asked == []
         assert tier.stats.snapshot()["misses"] == 1
         assert tier.stats.snapshot()["verify_failures"] == 0
@@ -344,7 +344,7 @@ def test_read_into_makes_the_object_the_youngest(tmp_path: Path, clock: FakeCloc
     with open_tier(tmp_path / "l2", clock) as tier:
         for key in keys[:9]:
             tier.put(key, payload_for(key, CHUNK))
-        assert tier.read_into(keys[0], lambda n: memoryview(out)[:n]) is True
+        assert tier.read_into(keys[0], lambda n: memoryview(out)[:n]) is not None
         tier.put(keys[9], payload_for(keys[9], CHUNK))  # evicts the two oldest
         present = set(tier.iter_keys())
     assert keys[0] in present

@@ -14,10 +14,11 @@ from pathlib import Path
 import lmdb
 
 from tests.server.conftest import CHUNK, StartServer, manifest
+from tiercache.client.client import Client, LookupResult
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher, tail_hashes
+from tiercache.keys.digest import digest
 from tiercache.testing.poll import wait_until
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client, LookupResult
 
 BLOCK = 16  # the manifest's kernel block size
 BLOCK_BYTES = 4096
@@ -33,7 +34,7 @@ def store_tail(client: Client, key: ObjectKey, holds: list[bytes]) -> None:
     payload = tail_payload(key, len(holds))
     [slot] = client.reserve([(key, len(payload))], holds=[(key.prefix_hash, holds)])
     client.arena().view(slot.offset, slot.nbytes)[:] = payload
-    assert client.commit([slot.token]) == 1
+    assert client.commit([slot.token], [digest(payload)]) == 1
 
 
 def tail_lookup(client: Client, hashes: list[bytes], group: p.GroupRef) -> LookupResult:

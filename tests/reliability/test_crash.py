@@ -127,7 +127,7 @@ def test_kill_9_during_concurrent_writes_then_restart(start_server: StartServer,
 
 def _worker_killed_mid_store(endpoint: str, ready: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
     """A worker that reserves, copies half its chunks, and then hangs until it is killed."""
-    from tiercache.wire.client import Client
+    from tiercache.client.client import Client
 
     client = Client(endpoint, timeout=10.0)
     keys = [ObjectKey(FP, 0, b"K" * 12 + i.to_bytes(4, "big")) for i in range(16)]
@@ -143,7 +143,11 @@ def _worker_killed_mid_store(endpoint: str, ready: multiprocessing.synchronize.E
 def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(
     start_server: StartServer,
 ) -> None:
-    server = start_server(l1_bytes=8 * MiB, options={"heartbeat_timeout_s": 0.5})
+    # A killed client's reservations are dropped with its session and their slots kept out of use
+    # for the quarantine (it could be stalled, not dead, and write late): a second here.
+    server = start_server(
+        l1_bytes=8 * MiB, options={"heartbeat_timeout_s": 0.5}, l1_options={"quarantine_s": 1.0}
+    )
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
     worker = ctx.Process(target=_worker_killed_mid_store, args=(server.endpoint, ready), daemon=True)
@@ -161,6 +165,11 @@ def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(
                 lambda: watcher.stats()["server"]["reservations"] == 0,
                 timeout=30,
                 what="reservations to expire",
+            )
+            wait_until(
+                lambda: watcher.stats()["tiers"]["l1"]["quarantine_bytes"] == 0,
+                timeout=30,
+                what="their slots' quarantine to end",
             )
             reclaim_s = time.monotonic() - killed
             after = watcher.stats()

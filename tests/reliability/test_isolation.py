@@ -25,11 +25,11 @@ from pathlib import Path
 from tests.conftest import S3Endpoint
 from tests.reliability.common import FaultyS3Proxy, figures, payload
 from tests.server.conftest import StartServer, manifest
+from tiercache.client.client import Client
 from tiercache.errors import ServerUnavailableError
 from tiercache.keys import ExtraKeys, ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import TicketStateName
 
 KiB = 1 << 10

@@ -32,7 +32,7 @@ def prompt_hashes(p: int) -> list[bytes]:
 
 def worker(endpoint: str, seed: int, ops: int, out: Any) -> None:
     """One client process: ``ops`` random operations; puts its counts and committed keys on ``out``."""
-    from tiercache.wire.client import Client
+    from tiercache.client.client import Client
 
     rng = random.Random(seed)
     counts = dict(ops=0, stores=0, lookups=0, loads=0, chunks_read=0, wrong=0, errors=0)

@@ -18,12 +18,12 @@ from tests.conftest import S3Endpoint
 from tests.l3_s3.helpers import StoppableProxy
 from tests.reliability.common import FaultyS3Proxy, figures, payload
 from tests.server.conftest import StartServer, manifest
+from tiercache.client.client import Client
 from tiercache.config import S3Config
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.l3_s3 import S3Tier
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef, TicketStateName
 
 KiB = 1 << 10

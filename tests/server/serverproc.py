@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiercache.client.client import Client
 from tiercache.errors import ServerUnavailableError
-from tiercache.wire.client import Client
 
 MiB = 1 << 20
 

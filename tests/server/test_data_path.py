@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import S3Endpoint
 from tests.server.conftest import StartServer, manifest
+from tiercache.client.client import Client
 from tiercache.keys import ObjectKey, chunk_hashes
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef, TicketStateName
 
 KiB = 1 << 10

@@ -20,6 +20,7 @@ from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
 from tiercache.errors import ProtocolError, ServerError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.keys.digest import digest
 from tiercache.testing.poll import wait_until
 from tiercache.wire import protocol as p
 
@@ -84,7 +85,7 @@ def test_malformed_oversized_and_unknown_messages_get_error_replies(
 def test_out_of_order_messages_are_refused_and_the_loop_goes_on(server: ServerProcess) -> None:
     with server.client() as alice, server.client() as bob:
         with pytest.raises(ServerError) as err:
-            alice.commit([123456])
+            alice.commit([123456], [0])
         assert err.value.code == "unknown_token"
 
         assert alice.put(key(1), b"x" * 4096)
@@ -94,12 +95,16 @@ def test_out_of_order_messages_are_refused_and_the_loop_goes_on(server: ServerPr
             bob.release([lease.token])
         assert err.value.code == "not_owner"
         [slot] = bob.reserve([(key(2), 4096)])
+        bob.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
         with pytest.raises(ServerError) as err:
-            alice.commit([slot.token])
+            alice.commit([slot.token], [digest(bytes(4096))])
         assert err.value.code == "not_owner"
-        assert bob.commit([slot.token]) == 1
         with pytest.raises(ServerError) as err:
-            bob.commit([slot.token])  # twice
+            bob.commit([slot.token], [])  # no digest for the object
+        assert err.value.code == "invalid"
+        assert bob.commit([slot.token], [digest(bytes(4096))]) == 1
+        with pytest.raises(ServerError) as err:
+            bob.commit([slot.token], [digest(bytes(4096))])  # twice
         assert err.value.code == "unknown_token"
         assert alice.release([lease.token]) == 1
         with pytest.raises(ServerError):
@@ -115,7 +120,9 @@ def test_version_mismatch_surfaces_as_a_protocol_error(
 
 
 def test_a_silent_clients_reservations_and_leases_are_released(start_server: StartServer) -> None:
-    server = start_server(options={"heartbeat_timeout_s": 0.5})
+    # Its reservation's slot is then kept out of use for a while (the client may be stalled, not
+    # dead, and write late): here a second.
+    server = start_server(options={"heartbeat_timeout_s": 0.5}, l1_options={"quarantine_s": 1.0})
     with server.client() as watcher:
         silent = server.client(heartbeat=False)
         assert silent.put(key(1), b"y" * 4096)
@@ -133,7 +140,11 @@ def test_a_silent_clients_reservations_and_leases_are_released(start_server: Sta
 
         stats = wait_until(released, what="the silent client's reservations and leases to go")
         assert stats["server"]["clients_expired"] >= 1
-        assert stats["tiers"]["l1"]["bytes_used"] == 4096  # only the committed object remains
+        assert stats["tiers"]["l1"]["quarantined"] == 1  # its reservation's slot, for the second
+        wait_until(
+            lambda: watcher.stats()["tiers"]["l1"]["bytes_used"] == 4096,
+            what="only the committed object to remain once the quarantine ended",
+        )
         # The heartbeating client was kept all along.
         watcher.ping()
         # The silent one comes back: it says hello again transparently.
@@ -165,12 +176,13 @@ def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(
     client = server.client(timeout=0.3)
     try:
         [slot] = client.reserve([(key(3), 4096)])
+        client.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
         os.kill(server.process.pid, signal.SIGSTOP)
         try:
             time.sleep(3.5)  # a ping goes out 2-3 s after the reserve, unanswered past 0.3 s
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
-        assert client.commit([slot.token], timeout=10) == 1
+        assert client.commit([slot.token], [digest(bytes(4096))], timeout=10) == 1
         assert client.get(key(3), timeout=10) is not None
     finally:
         client.close()

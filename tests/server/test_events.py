@@ -9,11 +9,11 @@ from pathlib import Path
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.client.client import Client
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.server.events import ResidencyLog
 from tiercache.testing.poll import wait_until
 from tiercache.tier import EvictionReason
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import EventKind, Events
 
 KiB = 1 << 10

@@ -12,6 +12,7 @@ from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import KiB, prompt_hashes, store_prompt
 from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.keys.digest import digest
 from tiercache.wire.protocol import TicketStateName
 
 
@@ -40,7 +41,7 @@ def test_a_consumer_waits_for_a_producers_store_in_flight(start_server: StartSer
 
         for slot, data in zip(slots, late.values(), strict=True):
             arena.view(slot.offset, slot.nbytes)[:] = data
-        producer.commit([s.token for s in slots])
+        producer.commit([s.token for s in slots], [digest(data) for data in late.values()])
 
         ready = consumer.wait_ticket(found.ticket, timeout=30)
         assert (ready.state, ready.ready_chunks, ready.awaiting) == (TicketStateName.READY, 4, 0)

@@ -11,9 +11,10 @@ import pytest
 
 from tests.server.conftest import StartServer, manifest
 from tiercache.cli.app import main
+from tiercache.client.client import Client
+from tiercache.client.transfer import Load
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 # Short enough to wait out, long enough that a pin and its release on a loaded shared host are in time.
 TTL_S = 1.0
@@ -82,14 +83,12 @@ def test_a_release_well_inside_its_leases_is_sent_without_waiting_for_the_reply(
     with server.client(timeout=1.0) as client, server.client() as watcher:
         assert client.server.lease_ttl_s == TTL_S  # said at hello
         keys = stored_keys(client, 2)
-        pinned_at = time.monotonic()
-        slots = client.pin(keys)
-        tokens = [s.token for s in slots if s is not None]
-        assert len(tokens) == 2
+        load = Load.pin(client, keys)
+        assert len(load.tokens) == 2
         os.kill(server.process.pid, signal.SIGSTOP)  # nobody would answer a release now
         try:
             # Within half the lease TTL of the pin, both leases held for the whole copy.
-            assert client.release_leases_pinned_at(tokens, pinned_at) == set()
+            assert load.finish() == set()
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         wait_until(lambda: watcher.stats()["server"]["leases"] == 0, timeout=10, what="the release to land")
@@ -102,9 +101,8 @@ def test_a_release_past_that_window_asks_the_server_and_hears_of_the_expired_lea
     server = start_server(l1_lease_ttl_s=TTL_S)
     with server.client() as client:
         [key] = stored_keys(client, 1)
-        pinned_at = time.monotonic()
-        [slot] = client.pin([key])
-        assert slot is not None
+        load = Load.pin(client, [key])
+        assert load.slots[0] is not None
         time.sleep(TTL_S * 3)  # the copy "took" longer than the lease
-        assert client.release_leases_pinned_at([slot.token], pinned_at) == {slot.token}
+        assert load.finish() == {0}  # slot 0's copy is not vouched for
         assert client.stats()["server"]["leases_lost"] == 1

@@ -8,10 +8,10 @@ import pytest
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.client.client import Client
 from tiercache.errors import ServerError
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 KiB = 1 << 10
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import StartServer, curve_keys
+from tiercache.client.client import Client
 from tiercache.errors import AuthenticationError, ServerUnavailableError
-from tiercache.wire.client import Client
 
 
 def free_port() -> int:

@@ -17,11 +17,11 @@ import zmq
 import zmq.auth
 
 from tests.server.conftest import StartServer, curve_keys, manifest
+from tiercache.client.client import Client
 from tiercache.errors import AuthenticationError
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
-from tiercache.wire.client import Client
 
 SECRET = "s3cret-of-the-node"
 

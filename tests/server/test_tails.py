@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 
 from tests.server.conftest import CHUNK, StartServer, manifest
+from tiercache.client.client import Client
 from tiercache.config import DiskConfig
 from tiercache.engine.engine import BLOCK_INDEX_STATE
 from tiercache.keys import ExtraKeys, Fingerprint, ObjectKey, PrefixHasher, chunk_hashes, tail_hashes
+from tiercache.keys.digest import digest
 from tiercache.l2_disk import DiskTier
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client
 
 BLOCK = 16
 BLOCK_BYTES = 4096
@@ -40,7 +41,7 @@ def reserve(
 
 def store(client: Client, group: p.GroupRef, prefix_hash: bytes, holds: list[bytes]) -> bytes:
     slot, data = reserve(client, group, prefix_hash, holds)
-    assert client.commit([slot.token]) == 1
+    assert client.commit([slot.token], [digest(data)]) == 1
     return data
 
 
@@ -104,7 +105,7 @@ def test_a_tail_lookup_waits_for_a_tail_still_being_stored(start_server: StartSe
         slot, data = reserve(producer, group, HASHES[2], HASHES[:3])  # a prefill engine's, in flight
         found = tail(consumer, group, HASHES[:2], inflight_wait_s=30)  # a prompt one block shorter
         assert (found.state, found.chunks, found.awaiting) == (p.TicketStateName.PENDING, 2, 1)
-        producer.commit([slot.token])
+        producer.commit([slot.token], [digest(data)])
         ready = consumer.wait_ticket(found.ticket, timeout=30)
         assert (ready.state, ready.chunks, ready.ready_chunks) == (p.TicketStateName.READY, 2, 1)
         assert consumer.read_ticket(ready) == {key(group, HASHES[2]): data}
@@ -116,7 +117,9 @@ def test_a_committed_object_drops_the_shorter_tails_it_supersedes(start_server: 
         [group] = client.register([(0, manifest())])
         store(client, group, HASHES[0], HASHES[:1])
         slot, data = reserve(client, group, CHUNK_HASH, HASHES[: CHUNK // BLOCK - 1])
-        assert client.commit([slot.token], supersedes=[key(group, h) for h in HASHES[:3]]) == 1
+        assert (
+            client.commit([slot.token], [digest(data)], supersedes=[key(group, h) for h in HASHES[:3]]) == 1
+        )
         assert client.get(key(group, HASHES[0])) is None
         assert client.stats()["engine"]["tails_superseded"] == 1
         found = tail(client, group, HASHES[:1])

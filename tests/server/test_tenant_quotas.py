@@ -18,12 +18,12 @@ import pytest
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes
 from tiercache.cli.app import main
+from tiercache.client.client import Client
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.tenant import tenant_id, tenant_label
 from tiercache.server.metrics import render
 from tiercache.server.tenants import top
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import GroupRef
 
 KiB = 1 << 10

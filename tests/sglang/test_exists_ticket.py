@@ -18,10 +18,11 @@ pytest.importorskip(
 
 from tests.sglang.hostpool import MHALayoutHostPool
 from tests.sglang.setup import PAGE, backend, keys, running, server_spec
+from tiercache.client.client import Client
+from tiercache.client.transfer import Window
 from tiercache.sglang import TierCacheStorage
-from tiercache.sglang.held import ARENA_SHARE, BEFORE_COPY, MAX_HELD
+from tiercache.sglang.held import ARENA_SHARE, MAX_HELD
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 #: A lease window of 0.4 s: a held ticket is too old for a copy after 0.1 s.
 SHORT_TTL_S = 0.4
@@ -113,7 +114,7 @@ def test_a_get_of_fewer_leading_pages_uses_the_ticket_and_any_other_get_pins(
 
 
 def test_a_copy_that_may_have_outlived_the_tickets_leases_is_all_misses(
-    tmp_path: Path, made: list[TierCacheStorage]
+    tmp_path: Path, made: list[TierCacheStorage], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A copy from the ticket's slots that ended after half the lease window (since the lookup was
     sent) may have read a slot the server reused: every page is a miss, none counted as read."""
@@ -124,7 +125,8 @@ def test_a_copy_that_may_have_outlived_the_tickets_leases_is_all_misses(
         _stored(s, pool, names)
         before = _server(watcher)
         assert s.b.batch_exists(names) == 3
-        s.client.leases_held_since = lambda since, share=0.5: False  # type: ignore[method-assign]
+        # Every copy "ends" past half the window: the leases may have ended meanwhile.
+        monkeypatch.setattr(Window, "held", lambda self, now=None: False)
         assert s.b.batch_get_v1(names, pool.indices([5, 6, 7])) == [False] * 3
         assert s.pins == 0  # no second try: SGLang recomputes those pages
         assert s.b.counters()["load_missed"] == 3
@@ -144,7 +146,7 @@ def test_a_ticket_too_old_for_a_copy_is_released_and_the_get_pins(
         names = keys(3)
         stored = _stored(s, pool, names)
         assert s.b.batch_exists(names) == 3
-        time.sleep(2 * BEFORE_COPY * SHORT_TTL_S)
+        time.sleep(2 * Window.START * SHORT_TTL_S)
         assert s.b.batch_get_v1(names, pool.indices([5, 6, 7])) == [True] * 3
         assert s.pins == 1
         assert [pool.page_bytes(p) for p in (5, 6, 7)] == stored
@@ -167,7 +169,7 @@ def test_tickets_no_get_takes_are_released_and_at_most_a_few_are_held(
         wait_until(
             lambda: _server(watcher)["tickets"] == MAX_HELD, timeout=10, what="the oldest tickets' release"
         )
-        time.sleep(2 * BEFORE_COPY * SHORT_TTL_S)
+        time.sleep(2 * Window.START * SHORT_TTL_S)
         assert s.b.batch_exists(names[:1]) == 1  # releases every stale ticket, holds its own
         wait_until(lambda: _server(watcher)["tickets"] == 1, timeout=10, what="the stale tickets' release")
         s.b.close()

@@ -21,13 +21,13 @@ from tests.server.conftest import manifest as vllm_manifest
 from tests.server.serverproc import ServerSpec
 from tests.sglang.hostpool import MHALayoutHostPool
 from tests.sglang.setup import PAGE, backend, keys, running, server_spec, storage_config
+from tiercache.client.client import Client
 from tiercache.errors import ConfigError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.sglang import TierCacheStorage
 from tiercache.sglang.keys import page_hash
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 Make = Callable[..., HiCacheStorage]
 

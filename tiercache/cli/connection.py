@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tiercache.client.client import Client
 from tiercache.config.parts import default_endpoint
 from tiercache.errors import ConfigError, ServerUnavailableError
-from tiercache.wire.client import Client
 
 LISTEN_ENV = "TIERCACHE_LISTEN"
 SECRET_ENV = "TIERCACHE_AUTH_SECRET"
@@ -36,7 +36,7 @@ def add_server_options(parser: Any, *, timeout: float, timeout_help: str) -> Non
 
 
 def connect(args: argparse.Namespace, client_name: str) -> Client:
-    """A :class:`~tiercache.wire.client.Client` for the parsed server options (defaults from the
+    """A :class:`~tiercache.client.client.Client` for the parsed server options (defaults from the
     environment), or a one-line :class:`ConfigError` / :class:`ServerUnavailableError`."""
     endpoint = args.server or os.environ.get(LISTEN_ENV) or default_endpoint()
     timeout = args.timeout

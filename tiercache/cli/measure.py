@@ -259,7 +259,7 @@ def bench_disk(
                     # read_into: what promotion into an L1 slot does (copy, verify in cache).
                     for key in keys:
                         # Never inside an assert: ``python -O`` would strip the read being timed.
-                        if not tier.read_into(key, lambda n: dst_view[:n]):
+                        if tier.read_into(key, lambda n: dst_view[:n]) is None:
                             raise RuntimeError(f"the disk bench lost {key}")
 
                 def raw_get() -> None:

@@ -21,11 +21,11 @@ from typing import Any
 from tiercache.cli.connection import add_server_options, connect
 from tiercache.cli.inspect import parse_fingerprint
 from tiercache.cli.output import Progress, format_bytes, print_json
+from tiercache.client.client import Client
 from tiercache.config.units import parse_size
 from tiercache.errors import ConfigError, ProtocolError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
-from tiercache.wire.client import Client
 
 #: Keys per list_keys page while warming (the server's maximum: each page scans the tier once).
 _LIST_PAGE = 10_000

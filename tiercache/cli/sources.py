@@ -2,7 +2,7 @@
 
 Two sources answer the same four questions (``summary``, ``keys``, ``fingerprints``, ``explain``):
 
-* :class:`LiveSource` asks a running server through :class:`~tiercache.wire.client.Client` (``stats``,
+* :class:`LiveSource` asks a running server through :class:`~tiercache.client.client.Client` (``stats``,
   ``list_keys``, ``manifest``, ``explain``). Counters (hits, evictions, verify failures, queue drops)
   and eviction reasons exist only here: they live in the server's memory.
 * :class:`OfflineSource` reads a disk tier (:class:`~tiercache.l2_disk.reader.DiskReader`) and/or an S3

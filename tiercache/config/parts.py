@@ -106,6 +106,9 @@ class L1Config:
     alignment: int = 4096
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    #: How long the slot of a reservation that ended without its writer's word (expired, or its
+    #: session dropped) stays out of use, so that a late write lands there and in no other object.
+    quarantine_s: float = 300.0
     tenant_share: float = 1.0
     tenant_quotas: str = ""
 
@@ -119,6 +122,10 @@ class L1Config:
             )
         _positive("reservation_ttl_s", "L1 reservation TTL", self.reservation_ttl_s, " s")
         _positive("lease_ttl_s", "L1 lease TTL", self.lease_ttl_s, " s")
+        if self.quarantine_s < 0:
+            raise SettingError(
+                "quarantine_s", "--l1-quarantine-s", f"must be >= 0 seconds, got {self.quarantine_s}"
+            )
 
     def tenant_overrides(self) -> dict[bytes, float]:
         """``tenant_quotas`` parsed: tenant id → share of the arena."""

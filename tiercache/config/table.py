@@ -128,6 +128,13 @@ META: dict[tuple[str, str], Meta] = {
     ("l1", "lease_ttl_s"): Meta(
         "Seconds an unreleased L1 read lease lives before it is dropped.", metavar="SECONDS"
     ),
+    ("l1", "quarantine_s"): Meta(
+        "Seconds the slot of a reservation that expired, or whose client's session was dropped, stays "
+        "out of use unless its writer commits or aborts it meanwhile: a stalled writer that resumes "
+        "writes there, not into another object (readers' checks catch what comes later). At most a "
+        "quarter of the arena is held so; 0 frees such slots at once.",
+        metavar="SECONDS",
+    ),
     **_tenant_metas("l1", "the arena"),
     # disk
     ("disk", "path"): Meta(

@@ -7,7 +7,7 @@ Point vLLM at it with::
 
 Importing this package is cheap: vLLM and torch are imported only when ``TierCacheConnector`` is
 first accessed (vLLM does that when it builds the connector). The settings and the weights identity
-(:mod:`tiercache.config.connector`, :mod:`tiercache.connector.identity`) work without vLLM.
+(:mod:`tiercache.config.connector`, :mod:`tiercache.keys.weights`) work without vLLM.
 """
 
 from __future__ import annotations

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from tiercache.client.tensors import arena_bytes, feed
 from tiercache.connector.loads import (
     FinishedLoad,
     LoadJob,
@@ -50,6 +50,7 @@ from tiercache.connector.loads import (
 )
 from tiercache.connector.pages import PageView
 from tiercache.errors import ConfigError, CopyBackendError
+from tiercache.keys.digest import Digest
 from tiercache.l1.arena import SharedArena
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,7 @@ class PageCopyEngine(ABC):
 
     def host(self, arena: SharedArena, offset: int, nbytes: int) -> torch.Tensor:
         """A writable uint8 tensor over arena bytes ``[offset, offset + nbytes)`` (no copy)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # frombuffer on a writable mmap is fine
-            return torch.frombuffer(arena.view(offset, nbytes), dtype=torch.uint8)
+        return arena_bytes(arena, offset, nbytes)
 
     def save_point(self) -> Any:
         """Called on the model-runner thread right after the forward pass; what :meth:`save` must
@@ -77,10 +76,19 @@ class PageCopyEngine(ABC):
 
     @abstractmethod
     def save(
-        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+        self,
+        ready: Any,
+        pages: Sequence[PageView],
+        ids: torch.Tensor,
+        dsts: Sequence[torch.Tensor],
+        digest: Digest,
+        zeros: int = 0,
     ) -> None:
         """Copy the pages of blocks ``ids`` of each layer into ``dsts[layer]``; returns once the bytes
-        are in host memory. Raises :class:`CopyBackendError` when the device reports an error."""
+        are in host memory. Feeds ``digest``, per layer, ``zeros`` zero pages (rows the caller
+        zeroed before ``dsts``) and then the pages copied, read from this process's own memory,
+        never from the arena (:class:`~tiercache.client.transfer.Store`). Raises
+        :class:`CopyBackendError` when the device reports an error."""
 
     @abstractmethod
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
@@ -99,10 +107,20 @@ class CpuPageCopy(PageCopyEngine):
     name = "cpu"
 
     def save(
-        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+        self,
+        ready: Any,
+        pages: Sequence[PageView],
+        ids: torch.Tensor,
+        dsts: Sequence[torch.Tensor],
+        digest: Digest,
+        zeros: int = 0,
     ) -> None:
+        blocks = ids.tolist()
         for pv, dst in zip(pages, dsts, strict=True):
             pv.gather(ids, dst)
+            if zeros:
+                digest.update(bytes(zeros * pv.page_bytes))
+            pv.feed(digest, blocks)  # the source pages, just read: still in cache
 
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
         if overlap:
@@ -114,6 +132,8 @@ class CpuPageCopy(PageCopyEngine):
 
 def _write_page(w: PageWrite) -> None:
     w.pages.scatter(w.ids, w.rows())
+    if w.check is not None:  # the slot's part is still in cache: check it now
+        w.check.copied(*w.part)
 
 
 class CudaPageCopy(PageCopyEngine):
@@ -134,6 +154,7 @@ class CudaPageCopy(PageCopyEngine):
         self._backend: Any = None
         self._arena: SharedArena | None = None  # the mapping registered (identity, not name: a
         # restarted server may reuse the name for a new file, which is a new mapping)
+        self._own: torch.Tensor | None = None  # a store's pages, hashed before they enter the arena
 
     def attach(self, arena: SharedArena) -> None:
         from tiercache.l1.copy import CudaCopyBackend
@@ -169,23 +190,49 @@ class CudaPageCopy(PageCopyEngine):
         return event
 
     def save(
-        self, ready: Any, pages: Sequence[PageView], ids: torch.Tensor, dsts: Sequence[torch.Tensor]
+        self,
+        ready: Any,
+        pages: Sequence[PageView],
+        ids: torch.Tensor,
+        dsts: Sequence[torch.Tensor],
+        digest: Digest,
+        zeros: int = 0,
     ) -> None:
+        """The pages leave the GPU into pinned memory of this process's own, are hashed there
+        (the digest must not be read from the shared arena) and copied into the slot on the host."""
         stream = self._pinned().stream
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if ready is not None:
                     stream.wait_event(ready)  # the forward pass that wrote these blocks is done
                 idx = ids.to(self.device, non_blocking=True)
+                own = self._own_buffer(sum(d.numel() for d in dsts))
+                at = 0
+                landed = []
                 for pv, dst in zip(pages, dsts, strict=True):
                     staged = torch.empty(dst.shape, dtype=torch.uint8, device=self.device)
                     pv.gather(idx, staged)  # pages are strided runs: gather on the GPU, one DMA out
-                    dst.copy_(staged, non_blocking=True)
+                    mine = own[at : at + dst.numel()].view(dst.shape)
+                    mine.copy_(staged, non_blocking=True)
+                    landed.append(mine)
+                    at += dst.numel()
                 done = torch.cuda.Event()
                 done.record(stream)
-            done.synchronize()  # commit only bytes that landed
+            done.synchronize()  # only bytes that landed are hashed and committed
         except RuntimeError as exc:
             raise CopyBackendError(f"tiercache: CUDA copy of a store failed: {exc}") from exc
+        for mine, dst, pv in zip(landed, dsts, pages, strict=True):
+            if zeros:
+                digest.update(bytes(zeros * pv.page_bytes))
+            feed(digest, mine)
+            dst.copy_(mine)
+
+    def _own_buffer(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory of this process's own, at least ``nbytes``, reused by every store
+        (the save thread is the only caller)."""
+        if self._own is None or self._own.numel() < nbytes:
+            self._own = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._own
 
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
         return _CudaLoad(self, plan, overlap)

@@ -44,11 +44,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ProtocolError, TierCacheError
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
 

@@ -43,13 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiercache.connector.identity import weights_identity
 from tiercache.connector.kernel_blocks import (
     attention_backend,
     derive_kernel_block_size,
 )
 from tiercache.errors import ConfigError
 from tiercache.keys import Fingerprint, GroupKind, LayoutManifest, restore
+from tiercache.keys.weights import weights_identity
 
 if TYPE_CHECKING:
     from tiercache.connector.pages import PageView

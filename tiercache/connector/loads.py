@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.connector.affinity import spread_current_thread
+from tiercache.client.affinity import spread_current_thread
+from tiercache.client.transfer import SlotCheck
 from tiercache.connector.pages import PageView
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PageWrite:
-    """Write ``src`` (rows ``pos`` of it, or all) into the pages of blocks ``ids`` of one layer."""
+    """Write ``src`` (rows ``pos`` of it, or all) into the pages of blocks ``ids`` of one layer.
+
+    ``check`` is the check of the copy out of the slot ``src`` lies in, and ``part`` (start,
+    bytes) where ``src`` lies in that slot: a copier that knows when its write landed tells the
+    check right after (:meth:`~tiercache.client.transfer.SlotCheck.copied`), while it is cached.
+    """
 
     chunk: int  # the chunk's index in the step's load: failures are reported per chunk
     pages: PageView
     ids: torch.Tensor  # block ids, CPU int64
     src: torch.Tensor  # host uint8 [blocks of the chunk, page_bytes]: a view of the arena slot
     pos: torch.Tensor | None = None  # which rows of ``src`` (None: all, in order)
+    check: SlotCheck | None = None
+    part: tuple[int, int] = (0, 0)
 
     def rows(self) -> torch.Tensor:
         """The source rows, one per block id."""

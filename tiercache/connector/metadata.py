@@ -38,7 +38,7 @@ class ChunkLoad:
     #: first blocks a tail lookup found: :mod:`tiercache.connector.tails`); ``positions`` then index
     #: those ``k`` blocks.
     blocks: int = 0
-    slots: list[tuple[int, int, int]] = field(default_factory=list)
+    slots: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

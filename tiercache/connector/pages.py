@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.client.tensors import feed
 from tiercache.errors import ConfigError
+from tiercache.keys.digest import Digest
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,18 @@ class PageView:
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the pages of blocks ``ids`` into ``out`` (``[len(ids), page_bytes]``, same device)."""
         torch.index_select(self.view, 0, ids, out=self._rows(out))
+
+    def feed(self, digest: Digest, ids: Sequence[int]) -> None:
+        """Feed the bytes of the pages of blocks ``ids`` (in order, each in its physical order: what
+        :meth:`gather` writes) into ``digest``, read in place: one piece per run of consecutive
+        blocks where pages are one contiguous run. Host tensors only."""
+        i, n = 0, len(ids)
+        while i < n:
+            j = i + 1
+            while j < n and ids[j] == ids[j - 1] + 1:
+                j += 1
+            feed(digest, self.view[ids[i] : ids[i] + (j - i)])
+            i = j
 
     def scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         """Write ``src`` (``[len(ids), page_bytes]``, same device) into the pages of blocks ``ids``.

@@ -41,6 +41,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercache.client.client import Client, LookupResult
+from tiercache.client.link import LinkFactory, ServerLink
 from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save, freed_blocks
 from tiercache.connector.events import KVEventTracker
@@ -50,7 +52,6 @@ from tiercache.connector.layout import (
     cpu_in_step_checkpoints,
     derive_layout,
 )
-from tiercache.connector.link import LinkFactory, ServerLink
 from tiercache.connector.metadata import (
     ChunkLoad,
     ChunkSave,
@@ -69,7 +70,6 @@ from tiercache.errors import TierCacheError
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher, tail_hashes
 from tiercache.keys.tenant import DEFAULT_TENANT, tenant_id
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client, LookupResult
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _Request:
     query_chunks: int = 0  # chunks the outstanding lookup asked about (stats)
     hit_chunks: int = 0
     server_chunks: int = 0  # the server's restorable prefix (chunks below need no store)
-    slots: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)  # chunk → group → slot
+    slots: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)  # chunk → group → slot
     local_tokens: int = 0  # the engine's own (block-aligned) hit at the last match
     block_ids: list[list[int]] = field(default_factory=list)
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
@@ -131,7 +131,9 @@ class _Request:
     tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
     tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
     tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
-    tail_slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # object group → its pinned slot
+    tail_slots: dict[int, tuple[int, int, int]] = field(
+        default_factory=dict
+    )  # object group → its pinned slot
     tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
 
     def hashes(self, chunk_size: int) -> list[bytes]:
@@ -472,7 +474,7 @@ class SchedulerHalf:
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
             by_group[group] = (prefix_hash, slot.nbytes)
-            st.tail_slots[group] = (slot.offset, slot.nbytes)
+            st.tail_slots[group] = (slot.offset, slot.nbytes, slot.digest)
         targets = {h for h, _ in by_group.values()}
         sizes = set()
         for g in self.layout.groups:
@@ -536,12 +538,12 @@ class SchedulerHalf:
             self._record_lookup(st)
             return True
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
-        slots: dict[int, dict[int, tuple[int, int]]] = {}
+        slots: dict[int, dict[int, tuple[int, int, int]]] = {}
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
             i = index.get(prefix_hash)
             if i is not None:
-                slots.setdefault(i, {})[group] = (slot.offset, slot.nbytes)
+                slots.setdefault(i, {})[group] = (slot.offset, slot.nbytes, slot.digest)
         hit = self._restorable(slots, result.ready_chunks)
         st.hit_chunks, st.slots = hit, slots
         if hit == 0:
@@ -567,7 +569,7 @@ class SchedulerHalf:
             self._outages_counted = outages
         return self.stats.take()
 
-    def _restorable(self, slots: dict[int, dict[int, tuple[int, int]]], ready: int) -> int:
+    def _restorable(self, slots: dict[int, dict[int, tuple[int, int, int]]], ready: int) -> int:
         """The longest boundary ``<= ready`` whose needed objects (every chunk of a full-attention
         group, the trailing window chunks of a sliding one) are all pinned for us."""
         layout = self.layout

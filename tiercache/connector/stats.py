@@ -35,6 +35,7 @@ COUNTERS: tuple[str, ...] = (
     "loaded_bytes",
     "load_failures",  # chunks that could not be loaded (their blocks are recomputed)
     "lost_leases",  # of those, chunks copied under a lease that expired first (bytes not trusted)
+    "corrupt_copies",  # objects whose copy out of the arena did not match their digest (not used)
     "stored_chunks",
     "stored_bytes",
     "store_skipped",  # chunks not stored: server down, full or busy, or a failed copy
@@ -118,6 +119,7 @@ class TierCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM i
         out["Load GB/s"] = round(d["loaded_bytes"] / GB / d["load_seconds"], 3) if d["load_seconds"] else 0.0
         out["Load failures"] = d["load_failures"]
         out["Lost leases"] = d["lost_leases"]
+        out["Corrupt copies"] = d["corrupt_copies"]
         out["Stored chunks"] = d["stored_chunks"]
         out["Store GB/s"] = (
             round(d["stored_bytes"] / GB / d["store_seconds"], 3) if d["store_seconds"] else 0.0
@@ -175,6 +177,11 @@ COUNTER_METRICS: dict[str, tuple[str, str]] = {
     "lost_leases": (
         "vllm:tiercache_lost_leases",
         "Chunks whose lease expired before their copy was done (reported failed, recomputed by vLLM)",
+    ),
+    "corrupt_copies": (
+        "vllm:tiercache_corrupt_copies",
+        "Objects copied out of the L1 arena that did not match their digest (another process wrote into "
+        "their slots); their chunks failed to load and were recomputed",
     ),
     "stored_chunks": ("vllm:tiercache_stored_chunks", "Chunks stored into tiercache"),
     "stored_bytes": ("vllm:tiercache_stored_bytes", "Bytes stored into tiercache"),

@@ -13,7 +13,7 @@ longer request), and the worker loads its first blocks: the hit ends where vLLM'
 would end.
 
 A chunk's shorter tails are superseded when the chunk, or a longer tail, is stored: the commit names
-them and the server drops them from its local tiers (:meth:`tiercache.wire.client.Client.commit`).
+them and the server drops them from its local tiers (:meth:`tiercache.client.client.Client.commit`).
 
 Plain Python (no vLLM, no torch): the scheduler half plans with these.
 """

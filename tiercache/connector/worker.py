@@ -61,8 +61,11 @@ from typing import Any
 
 import torch
 
+from tiercache.client.affinity import describe_binding, spread_current_thread
+from tiercache.client.client import Client
+from tiercache.client.link import LinkFactory, ServerLink
+from tiercache.client.transfer import Load, SlotCheck, Store
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.affinity import describe_binding, spread_current_thread
 from tiercache.connector.copy import PageCopyEngine, select_copy_engine
 from tiercache.connector.layout import (
     EngineLayout,
@@ -71,15 +74,14 @@ from tiercache.connector.layout import (
     parallel_rank,
     verify_kv_caches,
 )
-from tiercache.connector.link import LinkFactory, ServerLink
 from tiercache.connector.loads import LoadJob, PageWrite, forward_order
 from tiercache.connector.metadata import ChunkLoad, ChunkSave, TierCacheMetadata
 from tiercache.connector.pages import PageView
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.errors import ConfigError, TierCacheError
 from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.keys.digest import Digest
 from tiercache.l1.arena import SharedArena
-from tiercache.wire.client import Client
 from tiercache.wire.protocol import Slot
 
 log = logging.getLogger(__name__)
@@ -93,12 +95,12 @@ class _StepLoad:
 
     meta: TierCacheMetadata
     owner: list[int]  # chunk → index of its request in ``meta.loads``
-    client: Client | None
-    tokens: list[int]  # pins to release once the writes are done
     started: float
-    pinned_at: float = 0.0  # time.monotonic() just before the pin was sent (see _release)
+    #: The slots copied from (the scheduler's ticket's, adopted, or pinned here), or ``None``.
+    transfer: Load | None = None
     ticket_slots: bool = False  # copied from the scheduler's ticket's slots: no pin, no release
-    chunk_tokens: dict[int, list[int]] = field(default_factory=dict)  # per chunk: its pins' tokens
+    chunk_objects: dict[int, range] = field(default_factory=dict)  # per chunk: its slots' indexes
+    checks: dict[int, SlotCheck] = field(default_factory=dict)  # per planned slot: its copy's check
     planned: list[bool] = field(default_factory=list)  # per chunk: its writes are in the job
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
     job: LoadJob | None = None
@@ -111,14 +113,13 @@ class _StepLoad:
 
 @dataclass(eq=False)
 class _Reservation:
-    """A save batch's arena slots, in the order of ``sources`` (the group and save of each object);
-    ``skipped``: nothing was reserved although the batch had objects (server down, L1 full)."""
+    """A save batch's reservation (``store``: its slots, in the order of ``sources``, the group and
+    save of each object); ``skipped``: nothing was reserved although the batch had objects (server
+    down, L1 full); neither: nothing in the batch to store."""
 
-    client: Client | None = None
-    slots: list[Any] = field(default_factory=list)
+    store: Store | None = None
     sources: list[tuple[GroupLayout, ChunkSave]] = field(default_factory=list)
     skipped: bool = False
-    arena: SharedArena | None = None  # the arena the slots are in (Client.in_session)
 
 
 class WorkerHalf:
@@ -169,6 +170,8 @@ class WorkerHalf:
             "lost_leases": 0,
             "saved_chunks": 0,
             "save_skipped": 0,
+            "corrupt_copies": 0,
+            "stale_reservations": 0,
         }
         self.recorder = StatsRecorder()  # the same events per interval, for vLLM's metrics
         self._outages_counted = 0
@@ -248,43 +251,39 @@ class WorkerHalf:
             for g in groups
         ]
         client = self.link.client()
-        slots: list[Any] = [None] * len(keys)
-        pinned_at = time.monotonic()
+        transfer: Load | None = None
         mapped = self._mapped_arena(client)
-        ticket = self._ticket_slots(client, mapped, meta, chunks, wanted)
-        pinned_in: SharedArena | None = None  # the arena of the session that answered the pin
+        ticket = self._ticket_slots(client, mapped, meta, chunks, wanted, keys)
         if ticket is not None:  # where the scheduler's ticket pinned them: no round trip
-            slots, pinned_at = ticket, min(load.leased_at for load in meta.loads)
+            transfer = ticket
         elif client is not None and keys:
             try:
-                slots, pinned_in = client.in_session(lambda: client.pin(keys))
+                # The slots are offsets in the arena of the session that answered the pin.
+                transfer = Load.pin(client, keys)
             except TierCacheError as exc:
                 self.link.failed("pin for a load", exc)
-        else:
-            pinned_in = mapped  # nothing to pin
-        load = _StepLoad(
-            meta, owner, client, [s.token for s in slots if s is not None and s.token], started, pinned_at
-        )
-        load.ticket_slots = ticket is not None
+        load = _StepLoad(meta, owner, started, transfer, ticket_slots=ticket is not None)
         try:
-            # The ticket's slots are offsets in the very mapping they were checked against, a
-            # pin's in the arena of the session that answered it (a restarted server's is another).
-            arena = mapped if ticket is not None else pinned_in
             plan: list[list[PageWrite]] = [[] for _ in self._layer_order]
             at = 0
             for i, (chunk, groups) in enumerate(zip(chunks, wanted)):
-                chunk_slots = slots[at : at + len(groups)]
+                objects = range(at, at + len(groups))
                 at += len(groups)
-                load.chunk_tokens[i] = [s.token for s in chunk_slots if s is not None]
+                load.chunk_objects[i] = objects
                 writes: list[tuple[int, PageWrite]] | None = None
                 try:
-                    writes = None if arena is None else self._plan_chunk(i, arena, chunk, groups, chunk_slots)
+                    writes = (
+                        None
+                        if transfer is None
+                        else self._plan_chunk(i, transfer, chunk, groups, objects, load)
+                    )
                 except Exception as exc:  # never let a cache failure kill the forward pass
                     log.warning("tiercache: loading a chunk failed: %s", exc)
                 if writes is not None:
                     for position, write in writes:
                         plan[position].append(write)
-                    load.nbytes[i] = sum(s.nbytes for s in chunk_slots)
+                    assert transfer is not None
+                    load.nbytes[i] = sum(transfer.slot(j).nbytes for j in objects)
                 load.planned.append(writes is not None)
             assert self._copy is not None
             load.job = self._copy.start_load(plan, overlap=self._overlap)
@@ -316,44 +315,54 @@ class WorkerHalf:
         meta: TierCacheMetadata,
         chunks: list[ChunkLoad],
         wanted: list[list[GroupLayout]],
-    ) -> list[Slot | None] | None:
+        keys: list[ObjectKey],
+    ) -> Load | None:
         """The slots of every object of this step's load (in ``keys`` order) where the scheduler's
         lookup tickets pinned them, when the metadata names them all, in the arena ``mapped`` (the
-        one this worker would copy from) and recently enough that the leases surely outlive the
-        copy; else ``None`` (the worker pins by key)."""
+        one this worker would copy from) and recently enough that a copy may still start in the
+        leases' window (:class:`~tiercache.client.transfer.Window`); else ``None`` (the worker
+        pins by key: a request that waited for blocks long after its lookup, another server)."""
         if client is None or mapped is None or not meta.loads or any(not r.leased_at for r in meta.loads):
             return None
-        if any(r.arena != mapped.name for r in meta.loads):
-            return None  # another server (restarted since the lookup): its offsets mean nothing here
-        # A load planned long after its lookup (a request that waited for blocks) pins anew rather
-        # than risk a copy that ends past what the leases vouch for (then a failed load).
-        if not client.leases_held_since(min(r.leased_at for r in meta.loads), share=0.25):
-            return None
+        arenas = {r.arena for r in meta.loads}
+        if len(arenas) != 1:
+            return None  # slots of two servers' arenas
         out: list[Slot | None] = []
+        objects = iter(keys)
         for chunk, groups in zip(chunks, wanted):
-            by_group = {g: (offset, nbytes) for g, offset, nbytes in chunk.slots}
+            by_group = {g: (offset, nbytes, digest) for g, offset, nbytes, digest in chunk.slots}
             for g in groups:
                 at = by_group.get(g.object_group)
                 if at is None:
                     return None
-                out.append(Slot(b"", at[0], at[1], 0))
-        return out
+                out.append(Slot(next(objects).to_bytes(), at[0], at[1], 0, at[2]))
+        since = min(r.leased_at for r in meta.loads)
+        return Load.adopt(client, mapped, arenas.pop(), out, since)
 
     def _plan_chunk(
-        self, chunk_index: int, arena: Any, chunk: ChunkLoad, groups: list[GroupLayout], slots: list[Any]
+        self,
+        chunk_index: int,
+        transfer: Load,
+        chunk: ChunkLoad,
+        groups: list[GroupLayout],
+        objects: range,
+        load: _StepLoad,
     ) -> list[tuple[int, PageWrite]] | None:
-        """The page writes of one chunk, as (layer position, write); ``None`` when it cannot be loaded."""
+        """The page writes of one chunk (its objects are slots ``objects`` of ``transfer``), as
+        (layer position, write), each telling its slot's check what it copied; ``None`` when it
+        cannot be loaded."""
 
         def blocks(g: GroupLayout) -> int:  # a whole chunk's blocks, or a tail object's
             return chunk.blocks or g.blocks_per_chunk
 
+        slots = [transfer.slots[j] for j in objects]
         if not groups or any(
             s is None or s.nbytes != len(g.layer_names) * blocks(g) * g.page_bytes
             for s, g in zip(slots, groups)
         ):
             return None
         writes: list[tuple[int, PageWrite]] = []
-        for g, slot in zip(groups, slots):
+        for g, slot, j in zip(groups, slots, objects):
             if g.is_recurrent:
                 # One state page per layer, into the block vLLM assigned to the boundary state.
                 ids = chunk.block_ids[g.kv_group]
@@ -369,15 +378,20 @@ class WorkerHalf:
                     return None  # never write the null block
                 if any(not 0 <= p < blocks(g) for p, _ in pairs):
                     return None  # positions from another block size: refuse rather than misplace
-            assert self._copy is not None
-            src = self._copy.host(arena, slot.offset, slot.nbytes)
+            assert self._copy is not None and slot is not None
+            src = self._copy.host(transfer.arena, slot.offset, slot.nbytes)
             src = src.view(len(g.layer_names), blocks(g), g.page_bytes)
             idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
             whole = [p for p, _ in pairs] == list(range(blocks(g)))
             # The whole chunk is copied straight from the (pinned) slot; a part picks its rows.
             pos = None if whole else torch.tensor([p for p, _ in pairs], dtype=torch.long)
-            for name, pv, rows in zip(g.layer_names, self._pages[g.kv_group], src, strict=True):
-                writes.append((self._layer_position[name], PageWrite(chunk_index, pv, idx, rows, pos)))
+            check = load.checks[j] = transfer.check(j)
+            part = blocks(g) * g.page_bytes  # one layer's rows of the slot
+            for li, (name, pv, rows) in enumerate(
+                zip(g.layer_names, self._pages[g.kv_group], src, strict=True)
+            ):
+                write = PageWrite(chunk_index, pv, idx, rows, pos, check, (li * part, part))
+                writes.append((self._layer_position[name], write))
         return writes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -400,15 +414,28 @@ class WorkerHalf:
 
     def _finish_load(self, load: _StepLoad) -> None:
         failed = load.job.finish() if load.job is not None else set()
-        # Released before the report: a chunk is loaded only if the server confirms that every
-        # lease it was copied under was still held when the copy was done. An expired lease's slot
-        # may have been reused meanwhile, so its bytes could be another chunk's.
-        lost = self._release(load)
-        loaded = [ok and i not in failed and i not in lost for i, ok in enumerate(load.planned)]
+        # Every copy is checked against its object's digest (the slot is shared memory another
+        # process may have written into), and released before the report: a chunk is loaded only
+        # if every lease it was copied under still held when the copy was done. An expired
+        # lease's slot may have been reused meanwhile, so its bytes could be another chunk's.
+        corrupt = [j for j, check in load.checks.items() if not check.ok()]
+        lost = self._release(load, corrupt)
+        bad = set(corrupt) | lost
+        wrong = {i for i, objects in load.chunk_objects.items() if bad.intersection(objects)}
+        if corrupt:
+            self.stats["corrupt_copies"] += len(corrupt)
+            self.recorder.add("corrupt_copies", len(corrupt))
+            log.warning(
+                "tiercache: %d object(s) copied out of the L1 arena did not match their digest (another "
+                "process wrote into their slots); their chunks are failed loads and vLLM recomputes them",
+                len(corrupt),
+            )
+        loaded = [ok and i not in failed and i not in wrong for i, ok in enumerate(load.planned)]
         for ok in loaded:
             self.stats["loaded_chunks" if ok else "load_failures"] += 1
             self.recorder.add("loaded_chunks" if ok else "load_failures")
-        lost_planned = sum(1 for i, ok in enumerate(load.planned) if ok and i in lost)
+        lost_chunks = {i for i, objects in load.chunk_objects.items() if lost.intersection(objects)}
+        lost_planned = sum(1 for i, ok in enumerate(load.planned) if ok and i in lost_chunks)
         if lost_planned:
             self.stats["lost_leases"] += lost_planned
             self.recorder.add("lost_leases", lost_planned)
@@ -421,39 +448,29 @@ class WorkerHalf:
         self.recorder.add("load_seconds", elapsed)
         self.recorder.add("load_durations", elapsed)
 
-    def _release(self, load: _StepLoad) -> set[int]:
-        """Release the load's leases; the chunks whose bytes no held lease vouches for (a lease
-        that had expired, or every chunk when the release itself failed). A load from the
-        scheduler's ticket's slots has nothing to release (the scheduler releases the ticket after
-        the step): every chunk is lost unless its copy ended well inside the leases' TTL counted
-        from the lookup's send (``RequestLoad.leased_at``)."""
-        if load.ticket_slots:
-            if load.client is not None and load.client.leases_held_since(load.pinned_at):
-                return set()
-            log.warning(
-                "tiercache: a load's copy ended too long after its lookup for the leases pinning it "
-                "to vouch for the bytes (lease_ttl_s of the server's L1 is shorter than the load "
-                "took); its chunks are reported as failed loads and vLLM recomputes them"
-            )
-            return set(range(len(load.planned)))
-        if not load.tokens or load.client is None:
+    def _release(self, load: _StepLoad, corrupt: list[int]) -> set[int]:
+        """Finish the load's transfer (:meth:`Load.finish <tiercache.client.transfer.Load.finish>`:
+        report the ``corrupt`` copies, release this worker's pins); the slots whose copy no held
+        lease vouches for. A load from the scheduler's ticket's slots has nothing to release (the
+        scheduler releases the ticket after the step): every slot is lost unless its copy ended
+        well inside the leases' window counted from the lookup's send."""
+        transfer = load.transfer
+        if transfer is None:
             return set()
         try:
-            # A copy done well inside its leases needs no reply (Client.release_leases_pinned_at).
-            lost = load.client.release_leases_pinned_at(load.tokens, load.pinned_at)
-        except TierCacheError as exc:  # the leases expire by themselves; nothing vouches for the copy
+            lost = transfer.finish(corrupt)
+        except TierCacheError as exc:  # the report or release could not be sent: the server is away
             self.link.failed("release after a load", exc)
-            lost = set(load.tokens)
-        else:
-            if lost:
-                log.warning(
-                    "tiercache: %d of %d leases of a load expired before its copy was done "
-                    "(lease_ttl_s of the server's L1 is shorter than a copy took); their chunks are "
-                    "reported as failed loads and vLLM recomputes them",
-                    len(lost),
-                    len(load.tokens),
-                )
-        return {i for i, tokens in load.chunk_tokens.items() if lost.intersection(tokens)}
+            return set(range(len(transfer.slots)))
+        if lost:
+            log.warning(
+                "tiercache: %d of %d slots of a load were copied after the leases pinning them may have "
+                "ended (lease_ttl_s of the server's L1 is shorter than the load took); their chunks are "
+                "reported as failed loads and vLLM recomputes them",
+                len(lost),
+                len(transfer.slots),
+            )
+        return lost
 
     def _report_loads(self, meta: TierCacheMetadata, owner: list[int], loaded: list[bool]) -> None:
         """Record each request's outcome (``loaded`` may be short: chunks not reached failed)."""
@@ -568,47 +585,60 @@ class WorkerHalf:
         self, batch: list[ChunkSave], ready: Any = None, early: _Reservation | None = None
     ) -> int:
         """Store a batch (reserving it first unless ``early`` holds its reservation, made on the
-        engine thread by a producer); returns the bytes committed (0 when skipped)."""
+        engine thread by a producer, and still young enough to write into); returns the bytes
+        committed (0 when skipped)."""
         reservation = early if early is not None else self._reserve(batch)
+        if reservation.store is not None and not reservation.store.may_write():
+            # A producer's reservation that waited behind earlier saves past its window: a copy
+            # into it now could land in a slot the server gave to another object. Reserve anew.
+            reservation.store.abort()
+            self.stats["stale_reservations"] += 1
+            reservation = self._reserve(batch)
         if reservation.skipped:
             self.stats["save_skipped"] += len(batch)
             return 0
-        client, slots, sources = reservation.client, reservation.slots, reservation.sources
-        arena = reservation.arena
-        if client is None or arena is None or not slots:
+        store, sources = reservation.store, reservation.sources
+        if store is None:
             return 0  # nothing in the batch to store
-        tokens = [s.token for s in slots if s is not None]
-        try:
-            assert self._copy is not None
-            for slot, (g, save) in zip(slots, sources):
-                assert slot is not None
-                n = save.blocks or g.blocks_per_chunk
-                dst = self._copy.host(arena, slot.offset, slot.nbytes)
-                dst = dst.view(len(g.layer_names), n, g.page_bytes)
-                ids = save.block_ids[g.kv_group]
-                if len(ids) != n:
-                    raise ValueError(
-                        f"the object of KV-cache group {g.kv_group} is {n} blocks, the save has {len(ids)}"
-                    )
-                # A tail's sliding group: its first blocks may be gone (zeros, which the tail's
-                # block index entries never let a load read); never a null block anywhere else.
-                zeros = next((i for i, b in enumerate(ids) if b), n) if _zeros_allowed(save, g) else 0
-                if 0 in ids[zeros:]:
-                    raise ValueError("refusing to store the null block")
-                if zeros:
-                    dst[:, :zeros].zero_()
-                self._copy.save(
-                    ready,
-                    self._pages[g.kv_group],
-                    torch.tensor(ids[zeros:], dtype=torch.long),
-                    [rows[zeros:] for rows in dst],
+        assert self._copy is not None
+        copy = self._copy
+
+        def write(i: int, target: memoryview) -> int:
+            g, save = sources[i]
+            n = save.blocks or g.blocks_per_chunk
+            dst = copy.host(store.arena, store.slot(i).offset, len(target))
+            dst = dst.view(len(g.layer_names), n, g.page_bytes)
+            ids = save.block_ids[g.kv_group]
+            if len(ids) != n:
+                raise ValueError(
+                    f"the object of KV-cache group {g.kv_group} is {n} blocks, the save has {len(ids)}"
                 )
-        except BaseException:
-            try:
-                client.abort(tokens)
-            except TierCacheError:
-                pass
-            raise
+            # A tail's sliding group: its first blocks may be gone (zeros, which the tail's block
+            # index entries never let a load read); never a null block anywhere else.
+            zeros = next((k for k, b in enumerate(ids) if b), n) if _zeros_allowed(save, g) else 0
+            if 0 in ids[zeros:]:
+                raise ValueError("refusing to store the null block")
+            if zeros:
+                dst[:, :zeros].zero_()
+            digest = Digest()
+            copy.save(
+                ready,
+                self._pages[g.kv_group],
+                torch.tensor(ids[zeros:], dtype=torch.long),
+                [rows[zeros:] for rows in dst],
+                digest,
+                zeros,
+            )
+            return digest.value
+
+        digests = store.fill(write)
+        if digests is None:  # the window passed while the batch was being copied: aborted
+            log.warning(
+                "tiercache: a store's copies outlasted a quarter of its reservation's window "
+                "(--l1-reservation-ttl-s); it was dropped rather than risk writing into reused slots"
+            )
+            self.stats["save_skipped"] += len(batch)
+            return 0
         # The shorter tails the committed chunks and tails cover (every KV group's objects of them).
         covered = [
             ObjectKey(self._fingerprints[g.object_group], g.object_group, h)
@@ -618,13 +648,13 @@ class WorkerHalf:
             if not g.is_recurrent
         ]
         try:
-            client.commit(tokens, supersedes=covered)
+            store.commit(digests, supersedes=covered)
         except TierCacheError as exc:
             self.link.failed("commit of a store", exc)
             self.stats["save_skipped"] += len(batch)
             return 0
         self.stats["saved_chunks"] += len(batch)
-        return sum(s.nbytes for s in slots if s is not None)
+        return sum(s.nbytes for s in store.slots if s is not None)
 
     def _reserve(self, batch: list[ChunkSave]) -> _Reservation:
         """Reserve arena slots for every object of ``batch`` (one round trip). Touches no counter:
@@ -653,8 +683,7 @@ class WorkerHalf:
             return _Reservation()
         holds = [(save.prefix_hash, save.holds) for save in batch if save.holds]
         try:
-            slots, arena = client.in_session(lambda: client.reserve(items, tenants=tenants, holds=holds))
-            return _Reservation(client=client, slots=slots, sources=sources, arena=arena)
+            return _Reservation(Store.reserve(client, items, tenants=tenants, holds=holds), sources)
         except TierCacheError as exc:
             if getattr(exc, "code", "") in ("tier_full", "busy"):
                 log.debug("tiercache: store skipped: %s", exc)

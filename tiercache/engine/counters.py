@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from time import perf_counter
+from time import monotonic, perf_counter
 
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier.contract import ReadHandle, Tier
@@ -40,6 +42,43 @@ class EngineCounters(Counters):
     )
     tail_lookups: int = 0  # lookups of the blocks of one chunk (tails)
     tail_blocks_hit: int = 0  # blocks those found, in stored tails and chunks
+    # Copies out of the shared L1 arena that did not match the object's digest (a late, stray or
+    # torn write into its slot), by where they were caught; each was a miss, never served.
+    integrity_failures_l1_read: int = 0  # a client's copy (a vLLM load, an SGLang get, a tool)
+    integrity_failures_server_read: int = 0  # the server's own read for a get over the socket
+    integrity_failures_promotion: int = 0  # a promotion's copy into its L1 reservation
+    integrity_failures_write_through: int = 0  # L1's copy to the first lower tier
+
+
+#: Where an integrity failure can be caught (the ``integrity_failures_<path>`` counters).
+INTEGRITY_PATHS = ("l1_read", "server_read", "promotion", "write_through")
+
+
+#: ``report(path, key, offset, suspects)``: a copy out of L1 did not match its digest
+#: (:meth:`TieredEngine.integrity_failure <tiercache.engine.TieredEngine.integrity_failure>`).
+IntegrityReport = Callable[[str, ObjectKey, int | None, str], bool | None]
+
+
+class Throttle:
+    """At most one event per ``interval_s`` goes through (a log line); the rest are counted and
+    the next one that goes through says how many were held back. Thread-safe."""
+
+    def __init__(self, interval_s: float = 30.0, clock: Callable[[], float] = monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: float | None = None  # guarded by _lock
+        self._held = 0  # guarded by _lock
+
+    def allow(self) -> int | None:
+        """``None`` if this event is held back; else how many were held back since the last one."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < self._interval_s:
+                self._held += 1
+                return None
+            held, self._held, self._last = self._held, 0, now
+            return held
 
 
 def timed_pin(tier: Tier, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:

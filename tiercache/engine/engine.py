@@ -25,12 +25,13 @@ import msgspec
 
 from tiercache.config.parts import EngineConfig
 from tiercache.engine.blocks import BlockIndex, BlockIndexFormatError
-from tiercache.engine.counters import EngineCounters, timed_pin
+from tiercache.engine.counters import EngineCounters, Throttle, timed_pin
 from tiercache.engine.groups import GroupSpec
 from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
 from tiercache.engine.writes import WriteBehind
 from tiercache.errors import TierCacheError, TierError
+from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
@@ -77,8 +78,11 @@ class TieredEngine:
         self._manifests: dict[Fingerprint, LayoutManifest] = {}  # guarded by _lock
         self._closed = False
         self._locator = Locator(self.tiers)
-        self._writes = WriteBehind(l1, self.lower, self.config, self.counters)
-        self._promoter = Promoter(l1, self.lower, self.config.promote_workers, self.counters)
+        self._integrity_log = Throttle()
+        self._writes = WriteBehind(l1, self.lower, self.config, self.counters, self.integrity_failure)
+        self._promoter = Promoter(
+            l1, self.lower, self.config.promote_workers, self.counters, self.integrity_failure
+        )
         self._blocks = BlockIndex(self.config.tail_index_blocks)
         self._restore_block_index()
 
@@ -155,11 +159,14 @@ class TieredEngine:
             log.debug("store of %s dropped: %s", key, exc)
             return None
 
-    def commit(self, handle: WriteHandle) -> None:
-        """Publish a filled reservation in L1 and queue it for the lower tiers. Non-blocking."""
+    def commit(self, handle: WriteHandle, digest: int | None = None) -> None:
+        """Publish a filled reservation in L1 (with its payload's ``digest``, as its writer computed
+        it over its own bytes; ``None``: a writer in this process, see
+        :meth:`FrontTier.commit <tiercache.tier.FrontTier.commit>`) and queue it for the lower
+        tiers. Non-blocking."""
         owed = self._writes.owes
         t0 = perf_counter()
-        self.l1.commit(handle, owed=owed)
+        self.l1.commit(handle, owed=owed, digest=digest)
         self.l1.stats.latency.observe("write", perf_counter() - t0)
         self.counters.add("stores")
         if owed:
@@ -176,7 +183,7 @@ class TieredEngine:
         if handle is None:
             return False
         handle.buffer[:] = view
-        self.commit(handle)
+        self.commit(handle, digest_of(view))
         return True
 
     # -- read path -------------------------------------------------------------------------------
@@ -335,17 +342,54 @@ class TieredEngine:
         return self._promoter.release(ticket, read=read)
 
     def get(self, key: ObjectKey) -> bytes | None:
-        """A verified copy of one object from the fastest tier, promoting it into L1. Blocking."""
-        handle = timed_pin(self.l1, key)
-        if handle is None:
-            handle = self._promoter.promote_one(key)
-        if handle is None:
-            return None
-        self.note_reads((key,))
-        try:
-            return bytes(handle.buffer)
-        finally:
-            self.l1.release(handle)
+        """A verified copy of one object from the fastest tier, promoting it into L1. Blocking.
+
+        The copy out of L1 (shared memory) counts only if it matches the object's digest; an L1
+        object that does not is dropped (``integrity_failures_server_read``) and the lower tiers
+        are asked instead."""
+        for _ in range(2):  # the L1 copy, then once more after a corrupt one was dropped
+            handle = timed_pin(self.l1, key)
+            if handle is None:
+                handle = self._promoter.promote_one(key)
+            if handle is None:
+                return None
+            try:
+                data = bytes(handle.buffer)
+            finally:
+                self.l1.release(handle)
+            if handle.digest is None or digest_of(data) == handle.digest:
+                self.note_reads((key,))
+                return data
+            self.integrity_failure("server_read", key)
+        return None
+
+    def integrity_failure(
+        self, path: str, key: ObjectKey, offset: int | None = None, suspects: str = ""
+    ) -> bool | None:
+        """A copy of ``key`` out of L1 (at ``offset``) did not match its digest, caught at ``path``
+        (one of :data:`~tiercache.engine.counters.INTEGRITY_PATHS`): count it, have L1 re-check the
+        object, dropping it if it is corrupt (see :meth:`FrontTier.recheck
+        <tiercache.tier.FrontTier.recheck>`, whose answer this returns), and warn (at most once per
+        30 s), naming ``suspects`` when the caller knows who may have written there. Blocking:
+        hashes the object."""
+        self.counters.add(f"integrity_failures_{path}")
+        found = self.l1.recheck(key, offset)
+        held = self._integrity_log.allow()
+        if held is not None:
+            log.warning(
+                "integrity: a copy of %s out of L1 (%s) did not match the digest its writer committed, so it "
+                "was a miss: %s. %s%s(tiercache_engine_integrity_failures_total; see docs/caveats.md)",
+                key,
+                path,
+                {
+                    True: "the object was corrupt and is dropped",
+                    False: "the object is intact now",
+                    None: "it is gone",
+                }[found],
+                f"Who may have written into its slot late: {suspects}. " if suspects else "",
+                f"{held} more since the last such warning " if held else "",
+            )
+        return found
 
     def warm(self, key: ObjectKey) -> int | None:
         """Promote ``key`` into L1 from the fastest lower tier holding it (``tiercache warm``).

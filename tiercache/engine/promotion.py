@@ -26,9 +26,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from time import perf_counter
 
-from tiercache.engine.counters import EngineCounters, hold
+from tiercache.engine.counters import EngineCounters, IntegrityReport, hold
 from tiercache.engine.groups import GroupSpec, needed_keys
-from tiercache.errors import TierError
+from tiercache.errors import IntegrityError, TierError
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import FrontTier, ReadHandle, Tier, WriteHandle
@@ -77,7 +77,15 @@ class PrefetchTicket:
 class Promoter:
     """Moves objects from ``lower`` tiers (fastest first) into ``l1`` on ``workers`` threads."""
 
-    def __init__(self, l1: FrontTier, lower: Sequence[Tier], workers: int, counters: EngineCounters) -> None:
+    def __init__(
+        self,
+        l1: FrontTier,
+        lower: Sequence[Tier],
+        workers: int,
+        counters: EngineCounters,
+        on_integrity: IntegrityReport,
+    ) -> None:
+        self._on_integrity = on_integrity
         self._l1 = l1
         self._lower = list(lower)
         self._counters = counters
@@ -147,18 +155,25 @@ class Promoter:
                 t0 = perf_counter()
                 found = tier.read_into(key, alloc)
                 elapsed = perf_counter() - t0
+            except IntegrityError:
+                # The tier's own copy was intact: another process wrote into the L1 reservation.
+                if dst:
+                    l1.abort(dst[0])
+                self._on_integrity("promotion", key, None, "")
+                break
             except TierError as exc:
                 log.debug("promotion of %s from %s failed: %s", key, tier.name, exc)
                 if dst:
                     l1.abort(dst[0])
                 break  # L1 is full or the tier failed: recompute rather than wait
-            if not found:  # a miss, or corrupt here (then dst held unverified bytes)
+            if found is None:  # a miss, or corrupt here (then dst held unverified bytes)
                 if dst:
                     l1.abort(dst[0])
                 continue  # a lower tier may still have it
             tier.stats.latency.observe("read", elapsed)  # hits only: a miss is not a transfer
             t0 = perf_counter()
-            l1.commit(dst[0])
+            # The lower tier's digest of the verified payload: L1's readers check against it.
+            l1.commit(dst[0], digest=found)
             l1.stats.latency.observe("write", perf_counter() - t0)
             pinned = hold(l1, key)
             if pinned is None:

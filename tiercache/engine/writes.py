@@ -26,8 +26,8 @@ from typing import Generic, Literal, TypeVar
 
 from tiercache.config.parts import EngineConfig, L3Admission, L3WritePolicy
 from tiercache.engine.admission import AdmissionRule
-from tiercache.engine.counters import EngineCounters, hold, timed_pin
-from tiercache.errors import CircuitOpenError, TierCacheError
+from tiercache.engine.counters import EngineCounters, IntegrityReport, hold, timed_pin
+from tiercache.errors import CircuitOpenError, IntegrityError, TierCacheError
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier.contract import FrontTier, ReadHandle, Tier
 
@@ -173,9 +173,15 @@ class WriteBehind:
     """
 
     def __init__(
-        self, l1: FrontTier, lower: list[Tier], config: EngineConfig, counters: EngineCounters
+        self,
+        l1: FrontTier,
+        lower: list[Tier],
+        config: EngineConfig,
+        counters: EngineCounters,
+        on_integrity: IntegrityReport,
     ) -> None:
         self._l1 = l1
+        self._on_integrity = on_integrity
         self._l2 = lower[0] if lower else None
         self._l3 = lower[1] if len(lower) > 1 else None
         self._config = config
@@ -278,6 +284,10 @@ class WriteBehind:
     def _write_l2(self, key: ObjectKey) -> None:
         """Copy one owed chunk from L1 to the first lower tier, then let L1 evict it again.
 
+        The lower tier checks the copy it keeps against the digest the chunk's writer committed,
+        so it never keeps bytes another process scribbled into the L1 slot (then nothing is
+        written, and the corrupt L1 object is dropped: ``integrity_failures_write_through``).
+
         One chunk per call on purpose: LMDB commits one large value per transaction fastest
         (measured: 6.3 GB/s, but 1.7 GB/s with two 256 KiB values per transaction).
         """
@@ -288,9 +298,15 @@ class WriteBehind:
             return
         try:
             t0 = perf_counter()
-            l2.put(key, pinned.buffer, tenant=self._l1.tenant_of(key))
+            l2.put(key, pinned.buffer, tenant=self._l1.tenant_of(key), digest=pinned.digest)
             l2.stats.latency.observe("write", perf_counter() - t0)
             self._counters.add("l2_writes")
+        except IntegrityError:
+            self._admission.forget(key)
+            self._l1.release(pinned)
+            pinned = None
+            self._on_integrity("write_through", key, None, "")
+            return
         except CircuitOpenError as exc:  # tiers l1,s3: see _write_l3
             self._counters.add("write_failures")
             self._admission.forget(key)
@@ -302,7 +318,8 @@ class WriteBehind:
             log.warning("write of %s to %s failed: %s", key, l2.name, exc)
             return
         finally:
-            self._l1.release(pinned)
+            if pinned is not None:
+                self._l1.release(pinned)
             self._l1.settle(key)
         if (
             self._l3 is not None
@@ -333,7 +350,8 @@ class WriteBehind:
         written = False
         try:
             t0 = perf_counter()
-            l3.put(key, payload)
+            # A disk frame's digest, where known: S3 checks its own copy against it for free.
+            l3.put(key, payload, digest=None if pinned is None else pinned.digest)
             l3.stats.latency.observe("write", perf_counter() - t0)
             self._counters.add("l3_writes")
             written = True

@@ -16,6 +16,19 @@ Lifetimes, all measured with the injected ``clock`` and swept lazily at the star
 Versions: a key's committed bytes live in one slot. Overwriting (reserve + commit under the same key)
 or deleting a pinned object hides it from new readers at once, but its slot is freed only when the last
 pin on it ends, so a reader never sees its bytes change under it.
+
+Integrity: every committed object carries its payload digest (:mod:`tiercache.keys.digest`), the
+writer's, and every lease hands it out with the slot. The arena is shared memory that every client
+maps writable, so L1 cannot keep a late, stalled or buggy writer from scribbling on it; what it does:
+
+* **quarantine**: the slot of a reservation that ended without its writer's word (expired, or
+  :meth:`L1Tier.abandon_many` when the server drops the writer's session) is not reused for
+  ``quarantine_s`` unless that writer commits or aborts it meanwhile (then it has stopped writing),
+  so a writer that resumes late writes into dead space, not into another object. At most a quarter
+  of the arena is held so (the oldest go first beyond it);
+* **detection**: readers check what they copied against the digest; a mismatch is a miss, reported
+  back (:meth:`L1Tier.recheck` re-checks the slot and drops the object), and the recent
+  abandoned reservations overlapping the slot are the suspects (:meth:`L1Tier.abandoned_over`).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -39,6 +53,7 @@ from tiercache.errors import (
     TierError,
     TierFullError,
 )
+from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT, tenant_label
 from tiercache.l1.allocator import SlotAllocator
@@ -46,7 +61,7 @@ from tiercache.l1.arena import ArenaSlot, SharedArena, reclaim_stale_arenas
 from tiercache.l1.policy import EvictionPolicy, make_policy
 from tiercache.l1.tenants import TenantLedger
 from tiercache.tier.contract import FrontTier, ReadHandle, TierUsage, WriteHandle
-from tiercache.tier.stats import EvictionReason
+from tiercache.tier.stats import EvictionReason, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +83,7 @@ class _Slot:
     pins: int = 0
     owed: bool = False
     visible: bool = False  # committed and currently the object readers get for ``key``
+    digest: int = 0  # the payload's digest, set at commit (its writer's)
     #: The read-only view of the committed bytes every lease of this slot hands out, made at its
     #: first pin (views are never released by their holders; a slot's bytes never change while
     #: it is visible or pinned): a hit costs no new view.
@@ -80,6 +96,38 @@ class _Ticket:
 
     slot: _Slot
     expires_at: float
+
+
+@dataclass(slots=True)
+class L1Stats(TierStats):
+    """:class:`TierStats` plus the quarantine (module docstring): slots quarantined, released by
+    their writer's late commit or abort, freed when ``quarantine_s`` ran out, freed early because a
+    quarter of the arena was quarantined; and the bytes quarantined now (a gauge)."""
+
+    quarantined: int = 0
+    quarantine_writer_done: int = 0
+    quarantine_timed_out: int = 0
+    quarantine_overflow: int = 0
+    quarantine_bytes: int = 0
+
+
+#: Share of the arena that quarantined slots may hold; beyond it the oldest are freed early.
+QUARANTINE_SHARE = 0.25
+#: Abandoned reservations remembered for naming suspects of a corrupt slot.
+_ABANDONED_KEPT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """A reservation that ended without its writer's word: whose writer may still write at
+    ``[offset, offset + nbytes)`` (its slot was quarantined, or freed)."""
+
+    token: int
+    key: ObjectKey
+    offset: int
+    nbytes: int
+    at: float  # when it was abandoned (the L1 clock)
+    reason: str  # "expired" (its TTL passed) or "dropped" (its client's session was dropped)
 
 
 class L1Tier(FrontTier):
@@ -99,6 +147,7 @@ class L1Tier(FrontTier):
         arena: SharedArena | None = None,
     ) -> None:
         super().__init__()
+        self.stats: L1Stats = L1Stats()
         self._config = config
         self._clock = clock
         self._allocator = SlotAllocator(config.size_bytes, config.alignment)
@@ -148,6 +197,11 @@ class L1Tier(FrontTier):
         self._policy: EvictionPolicy[ObjectKey] = make_policy(config.eviction_policy)
         self._tenants = TenantLedger(config)  # bytes per tenant; quotas choose victims
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
+        # Slots of abandoned reservations kept out of use: token -> (slot, until); oldest first.
+        self._quarantine: OrderedDict[int, tuple[_Slot, float]] = OrderedDict()
+        self._quarantined_bytes = 0
+        self._quarantine_limit = int(self._allocator.capacity * QUARANTINE_SHARE)
+        self._abandoned: deque[Abandoned] = deque(maxlen=_ABANDONED_KEPT)
         self._tokens = itertools.count(1)
         self._closed = False
 
@@ -200,12 +254,12 @@ class L1Tier(FrontTier):
             return ArenaSlot(slot.offset, slot.nbytes)
 
     def lease_slots(
-        self, handles: Sequence[ReadHandle], build: Callable[[bytes, int, int, int], T]
+        self, handles: Sequence[ReadHandle], build: Callable[[bytes, int, int, int, int], T]
     ) -> list[T]:
-        """``build(key bytes, offset, nbytes, token)`` of each lease, where :meth:`slot_of` says it
-        lies, under one lock acquisition (a lookup's reply names one slot per pinned object: 512 for
-        a 128k-token prompt; ``build`` is the reply's slot type). Raises :class:`LeaseError` if any
-        lease is no longer open."""
+        """``build(key bytes, offset, nbytes, token, digest)`` of each lease, where :meth:`slot_of`
+        says it lies, under one lock acquisition (a lookup's reply names one slot per pinned object:
+        512 for a 128k-token prompt; ``build`` is the reply's slot type). Raises :class:`LeaseError`
+        if any lease is no longer open."""
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
@@ -218,7 +272,7 @@ class L1Tier(FrontTier):
                         f"read lease {handle.token} for {handle.key} is not open (released or expired "
                         f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
                     )
-                out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token))
+                out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token, slot.digest))
             return out
 
     def free_bytes(self) -> int:
@@ -303,28 +357,46 @@ class L1Tier(FrontTier):
         buffer = self._arena.view(slot.offset, nbytes)
         return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
 
-    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
-        """Make a filled reservation the visible object for its key. Request loop; O(1).
+    def commit(self, handle: WriteHandle, *, owed: bool = False, digest: int | None = None) -> None:
+        """Make a filled reservation the visible object for its key. Request loop; O(1) (O(size)
+        with ``digest=None``, which hashes the slot).
 
         A previous version is hidden at once and freed when its last pin ends. ``owed=True`` keeps the
-        object from eviction until :meth:`settle`. Raises :class:`ReservationError` if the reservation
-        is unknown, already finished or expired.
+        object from eviction until :meth:`settle`. ``digest`` is the payload's, as its writer
+        computed it over its own bytes; ``None`` only for a writer in this process that filled the
+        slot from bytes of its own. Raises :class:`ReservationError` if the reservation is unknown,
+        already finished or expired.
         """
-        self.commit_many([handle], owed=owed)
+        self.commit_many([handle], owed=owed, digests=[digest])
 
-    def commit_many(self, handles: Sequence[WriteHandle], *, owed: bool = False) -> None:
-        """Commit several reservations under one lock acquisition.
+    def commit_many(
+        self,
+        handles: Sequence[WriteHandle],
+        *,
+        owed: bool = False,
+        digests: Sequence[int | None] | None = None,
+    ) -> None:
+        """Commit several reservations under one lock acquisition, each with its digest
+        (``digests`` in order; ``None`` as in :meth:`commit`).
 
         Raises :class:`ReservationError` at the first one that is not open; those before it are
-        committed.
+        committed. A reservation that ended without its writer's word and is quarantined is
+        released by this (its writer is done writing), then refused like any other.
         """
+        if digests is None:
+            digests = [None] * len(handles)
+        if len(digests) != len(handles):
+            raise ValueError(f"{len(handles)} reservations but {len(digests)} digests")
+        known = [digest_of(h.buffer) if d is None else d for h, d in zip(handles, digests)]
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
+            for handle in handles:
+                self._writer_done(handle.token)
             done = nbytes = 0
             try:
-                for handle in handles:
-                    nbytes += self._commit_locked(handle, owed)
+                for handle, digest in zip(handles, known):
+                    nbytes += self._commit_locked(handle, owed, digest)
                     done += 1
             finally:
                 if done:  # one stats update per batch, also when a later handle was refused
@@ -332,7 +404,7 @@ class L1Tier(FrontTier):
                         nbytes, done, [h.key for h in handles[:done]] if self.stats.arrival else ()
                     )
 
-    def _commit_locked(self, handle: WriteHandle, owed: bool) -> int:
+    def _commit_locked(self, handle: WriteHandle, owed: bool, digest: int) -> int:
         ticket = self._reservations.get(handle.token)
         if ticket is None or ticket.slot.key != handle.key:
             raise ReservationError(self._reservation_gone(handle))
@@ -340,6 +412,7 @@ class L1Tier(FrontTier):
         slot = ticket.slot
         slot.owed = owed
         slot.visible = True
+        slot.digest = digest
         old = self._objects.get(slot.key.raw)
         if old is not None:
             self._policy.on_remove(slot.key)
@@ -351,15 +424,81 @@ class L1Tier(FrontTier):
         return slot.nbytes
 
     def abort(self, handle: WriteHandle) -> None:
-        """Free a reservation; a no-op if it already expired or finished. Request loop; O(log n)."""
+        """Free a reservation (its writer has stopped writing: a quarantined one is freed too); a
+        no-op if it already finished. Request loop; O(log n)."""
         with self._lock:
             if self._closed:
                 return
             self._sweep(self._clock())
+            if self._writer_done(handle.token):
+                return
             ticket = self._reservations.get(handle.token)
             if ticket is not None and ticket.slot.key == handle.key:
                 self._end_reservation(handle.token)
                 self._free(ticket.slot)
+
+    def abandon_many(self, handles: Sequence[WriteHandle]) -> None:
+        """End open reservations whose writer may still be writing (the server dropped its
+        session): their slots are quarantined (see the module docstring), not freed. O(k log n)."""
+        with self._lock:
+            if self._closed:
+                return
+            now = self._clock()
+            self._sweep(now)
+            for handle in handles:
+                ticket = self._reservations.get(handle.token)
+                if ticket is not None and ticket.slot.key == handle.key:
+                    self._end_reservation(handle.token)
+                    self._quarantine_slot(ticket.slot, handle.token, now, "dropped")
+
+    def release_quarantined(self, tokens: Sequence[int]) -> int:
+        """The writer of these reservations, abandoned when its session was dropped, says it is
+        done with them (its late commit or abort came): free their quarantined slots. How many."""
+        with self._lock:
+            if self._closed:
+                return 0
+            return sum(1 for token in tokens if self._writer_done(token))
+
+    def abandoned_over(self, offset: int, nbytes: int) -> list[Abandoned]:
+        """The recent abandoned reservations whose slot overlapped ``[offset, offset + nbytes)``:
+        the writers that may have written there late. Newest first."""
+        with self._lock:
+            return [
+                a
+                for a in reversed(self._abandoned)
+                if a.offset < offset + nbytes and offset < a.offset + a.nbytes
+            ]
+
+    def recheck(self, key: ObjectKey, offset: int | None = None) -> bool | None:
+        """A reader found the bytes it copied from ``key``'s slot at ``offset`` (``None``: its slot
+        now) differ from the object's digest. Re-check the slot: if it still differs, the object is
+        dropped (counted as an eviction for ``corrupt``) and ``True``; ``False`` if its bytes match
+        now (the reader's copy was torn by a write that has since ended); ``None`` if that object
+        is no longer there (replaced, evicted). Hashes the slot outside the lock."""
+        with self._lock:
+            self._check_open()
+            slot = self._objects.get(key.raw)
+            if slot is None or (offset is not None and slot.offset != offset):
+                return None
+            slot.pins += 1  # held while we hash it: never freed and reused meanwhile
+            view = self._arena.view(slot.offset, slot.nbytes)
+        try:
+            intact = digest_of(view) == slot.digest
+        finally:
+            with self._lock:
+                self._unpin(slot)
+        if intact:
+            return False
+        with self._lock:
+            if self._objects.get(key.raw) is not slot:
+                return None
+            del self._objects[key.raw]
+            self._policy.on_remove(key)
+            self._tenants.on_remove(key, slot.tenant)
+            self._hide(slot)
+            self.stats.add("verify_failures")
+        self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
+        return True
 
     # -- reads ---------------------------------------------------------------------------------
     def contains(self, key: ObjectKey) -> bool:
@@ -479,7 +618,7 @@ class L1Tier(FrontTier):
                 if whole is None:  # one bounds check and one read-only view: slots lie in the arena
                     whole = self._arena.view(0, self._arena.size).toreadonly()
                 view = slot.view = whole[slot.offset : slot.offset + slot.nbytes]
-            out.append(_new_tuple(ReadHandle, (slot.key, view, token, expires_at)))
+            out.append(_new_tuple(ReadHandle, (slot.key, view, token, expires_at, slot.digest)))
         if first:  # the tokens first..token were drawn in a row, under the lock: one heap entry
             heapq.heappush(deadlines, (expires_at, first, token))
         return out
@@ -587,6 +726,8 @@ class L1Tier(FrontTier):
             self._leases.clear()
             self._reservation_deadlines.clear()
             self._lease_deadlines.clear()
+            self._quarantine.clear()
+            self._quarantined_bytes = 0
             self._bytes_held = 0
             self._tenants.clear()
         self._arena.close()
@@ -608,8 +749,16 @@ class L1Tier(FrontTier):
             _, token = heapq.heappop(heap)
             ticket = self._end_reservation(token)
             if ticket is not None:
-                self._free(ticket.slot)
+                # Its writer never said it is done: it may be stalled mid-copy.
+                self._quarantine_slot(ticket.slot, token, now, "expired")
                 self.stats.add("expired_reservations")
+        quarantine = self._quarantine
+        while quarantine:
+            token, (_, until) = next(iter(quarantine.items()))
+            if until > now:
+                break
+            self._end_quarantine(token)
+            self.stats.add("quarantine_timed_out")
         leases = self._lease_deadlines
         while leases and leases[0][0] <= now:
             _, first, last = heapq.heappop(leases)
@@ -618,6 +767,39 @@ class L1Tier(FrontTier):
                 if slot is not None:
                     self.stats.add("expired_leases")
                     self._unpin(slot)
+
+    def _quarantine_slot(self, slot: _Slot, token: int, now: float, reason: str) -> None:
+        """Keep the slot of reservation ``token``, abandoned for ``reason``, out of use (module
+        docstring), or free it where there is no quarantine."""
+        self._abandoned.append(Abandoned(token, slot.key, slot.offset, slot.nbytes, now, reason))
+        if self._config.quarantine_s <= 0:
+            self._free(slot)
+            return
+        self._quarantine[token] = (slot, now + self._config.quarantine_s)
+        self._quarantined_bytes += slot.nbytes
+        self.stats.add("quarantined")
+        while self._quarantined_bytes > self._quarantine_limit and self._quarantine:
+            self._end_quarantine(next(iter(self._quarantine)))
+            self.stats.add("quarantine_overflow")
+        self.stats.quarantine_bytes = self._quarantined_bytes
+
+    def _end_quarantine(self, token: int) -> bool:
+        """Free quarantined slot ``token``; whether there was one."""
+        found = self._quarantine.pop(token) if token in self._quarantine else None
+        if found is None:
+            return False
+        self._quarantined_bytes -= found[0].nbytes
+        self.stats.quarantine_bytes = self._quarantined_bytes
+        self._free(found[0])
+        return True
+
+    def _writer_done(self, token: int) -> bool:
+        """The writer of reservation ``token`` committed or aborted it: if it was quarantined, it
+        is freed now (nothing will write there any more). Whether it was."""
+        if self._end_quarantine(token):
+            self.stats.add("quarantine_writer_done")
+            return True
+        return False
 
     def _end_reservation(self, token: int) -> _Ticket | None:
         """Close reservation ``token`` (the caller frees or publishes its slot) and wake the waiters
@@ -688,5 +870,6 @@ class L1Tier(FrontTier):
             f"L1 arena full: cannot fit {key} ({nbytes} bytes). Free {self._allocator.free_bytes()} "
             f"bytes, largest free extent {self._allocator.largest_free()}; nothing left to evict: "
             f"{pinned} objects pinned, {owed} owed to a lower tier, {len(self._reservations)} open "
-            "reservations. Release pins, let writes to lower tiers settle, or raise --l1-size-gb."
+            f"reservations, {self._quarantined_bytes} bytes quarantined (slots of abandoned "
+            "reservations). Release pins, let writes to lower tiers settle, or raise --l1-size-gb."
         )

@@ -295,16 +295,23 @@ class S3Tier(Tier):
         self._staged.drop(handle)
 
     def put(
-        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, tenant: bytes = DEFAULT_TENANT
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        tenant: bytes = DEFAULT_TENANT,
+        digest: int | None = None,
     ) -> None:
         """Frame ``data`` and upload it with one PUT, without the reservation's extra copy. The
         bucket keeps no tenant quotas (its capacity bound is shared): ``tenant`` is ignored.
+        ``digest``: the frame is built from a private copy checked against it
+        (:meth:`Tier.put <tiercache.tier.Tier.put>`), so nothing another process wrote is uploaded.
 
         Blocks until uploaded; same errors and costs as :meth:`commit`.
         """
         view = memoryview(data).cast("B")
         self._check_fits(view.nbytes)
-        self._upload(key, view)
+        self._upload(key, view, digest)
 
     def _check_fits(self, nbytes: int) -> None:
         if nbytes + HEADER_BYTES > self.config.capacity_bytes:
@@ -313,8 +320,8 @@ class S3Tier(Tier):
                 f"{self.config.capacity_bytes} bytes; raise --s3-capacity-gb"
             )
 
-    def _upload(self, key: ObjectKey, payload: memoryview) -> None:
-        body = encode_frame(key, payload, compress=self.config.compress)
+    def _upload(self, key: ObjectKey, payload: memoryview, digest: int | None = None) -> None:
+        body = encode_frame(key, payload, compress=self.config.compress, digest=digest)
         name = self.object_name(key)
         self._call(
             "PUT",

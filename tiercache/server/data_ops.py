@@ -10,6 +10,7 @@ lengthen the hit), answered on the loop too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,7 +24,8 @@ from tiercache.engine import (
     TicketState,
     TieredEngine,
 )
-from tiercache.errors import TierFullError
+from tiercache.engine.counters import Throttle
+from tiercache.errors import ReservationError, TierFullError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
 from tiercache.l1.tier import L1Tier
 from tiercache.server.layouts import Layouts, check_hashes
@@ -41,6 +43,8 @@ from tiercache.server.tenants import TenantLookups
 from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.tier.latency import LatencySet
 from tiercache.wire import protocol as p
+
+log = logging.getLogger(__name__)
 
 #: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
@@ -70,6 +74,7 @@ class DataOps:
         self._arrival = arrival  # perf_counter() when the request being handled arrived
         self._tenants = tenants
         self._complete = complete  # answers computed on the loop go out as the executor's do
+        self._late_commits = Throttle()
         #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
         self.lookup_latency = LatencySet(LOOKUP_OUTCOMES)
 
@@ -84,6 +89,7 @@ class DataOps:
             p.Abort: self.abort,
             p.Pin: self.pin,
             p.Release: self.release,
+            p.Corrupt: self.corrupt,
             p.Put: self.put,
             p.Get: self.get,
             p.Delete: self.delete,
@@ -243,11 +249,34 @@ class DataOps:
         return p.SlotsReply(slots=slots)
 
     def commit(self, session: Session, msg: p.Commit) -> p._Msg | None:
+        if len(msg.digests) != len(msg.tokens):
+            raise Refused(
+                p.ErrorCode.INVALID,
+                f"a commit names {len(msg.tokens)} reservations but {len(msg.digests)} digests: give each "
+                "object's payload digest (xxh3-64 of the bytes written, computed over the writer's own "
+                "memory); install the same tiercache version on the client",
+            )
         covered = [parse_key(raw) for raw in msg.supersedes]
         handles = self._sessions.claim_reservations(session, msg.tokens)
-        for handle in handles:
+        for handle, digest in zip(handles, msg.digests):
             self._sessions.forget_reservation(session, handle)
-            self._engine.commit(handle)
+            try:
+                self._engine.commit(handle, digest)
+            except ReservationError:
+                # Expired before its commit: whatever the client wrote landed in a quarantined slot.
+                held = self._late_commits.allow()
+                if held is not None:
+                    log.warning(
+                        "client %r committed reservation %d of %s after it expired (--l1-reservation-ttl-s "
+                        "%.0f s): refused, and its slot had been kept out of use, so its late bytes "
+                        "touched no other object%s",
+                        session.name,
+                        handle.token,
+                        handle.key,
+                        self._l1.config.reservation_ttl_s,
+                        f" ({held} more since the last such warning)" if held else "",
+                    )
+                raise
         done = p.Done(count=len(handles))
         if not covered:
             return done
@@ -292,6 +321,23 @@ class DataOps:
         lost = [h.token for h, ok in zip(handles, held) if not ok]
         self._sessions.lost_leases += len(lost)
         return p.Released(count=len(handles), lost=lost)
+
+    def corrupt(self, session: Session, msg: p.Corrupt) -> None:
+        """A client's copies out of these slots did not match their digests: re-check each (off
+        the loop: it hashes the slot), drop the corrupt, count and log with the suspects."""
+        objects = [(parse_key(raw), offset, nbytes) for raw, offset, nbytes in msg.objects]
+        suspects = [
+            self._sessions.suspects(self._l1.abandoned_over(offset, nbytes)) for _, offset, nbytes in objects
+        ]
+
+        def job() -> int:
+            found = [
+                self._engine.integrity_failure("l1_read", key, offset, who)
+                for (key, offset, _), who in zip(objects, suspects)
+            ]
+            return sum(1 for f in found if f)
+
+        self._offload(session, msg.req_id, job, lambda n: p.Done(count=n))
 
     # -- bytes over the socket (tools, remote clients) ------------------------------------------
     def put(self, session: Session, msg: p.Put) -> p._Msg:

@@ -18,6 +18,13 @@ with the tier as a label)::
                                                          reached S3 (write-back), so in no tier;
                                                          reason queue_full/write_failed/shutdown
                                                          (counter)
+    tiercache_engine_integrity_failures_total{path="l1_read"}
+                                                         copies out of L1 that did not match their
+                                                         object's digest, by where caught (counter)
+    tiercache_tier_quarantine_bytes{tier="l1"}           slots kept out of use after their writer
+                                                         went silent (gauge); quarantined_total and
+                                                         quarantine_{writer_done,timed_out,overflow}_total
+                                                         count them (counters)
     tiercache_engine_l3_admitted_total                   chunks the L3 admission rule handed to S3
                                                          (counter)
     tiercache_engine_l3_refused_total{reason="unread"}   chunks it kept from S3, by reason
@@ -75,6 +82,8 @@ _go_float = cast("Callable[[float], str]", floatToGoString)
 
 # Engine counters ``writeback_lost_<reason>``: one family with the reason as a label.
 _WRITEBACK_LOST = "writeback_lost_"
+# Engine counters ``integrity_failures_<path>``: one family with the path as a label.
+_INTEGRITY = "integrity_failures_"
 # Engine counters ``l3_refused_<reason>`` (S3 admission): one family with the reason as a label.
 _L3_REFUSED = "l3_refused_"
 _L3_REFUSAL_REASONS = ("unread", "untracked")  # exported from zero, so alerts can be written first
@@ -86,6 +95,10 @@ _TIER_GAUGES = {
     "bytes_used": ("tier_bytes", "Payload bytes held by the tier now."),
     "bytes_budget": ("tier_budget_bytes", "Byte budget of the tier."),
     "objects": ("tier_objects", "Objects held by the tier now."),
+    "quarantine_bytes": (
+        "tier_quarantine_bytes",
+        "Bytes of L1 slots kept out of use after their reservation ended without its writer's word.",
+    ),
 }
 
 
@@ -198,12 +211,23 @@ class EngineCollector(Collector):
             "past --l3-admission-window).",
             labels=["reason"],
         )
+        integrity = CounterMetricFamily(
+            "tiercache_engine_integrity_failures",
+            "Copies out of the shared L1 arena that did not match the digest their object's writer "
+            "committed (another process wrote into the slot: late, outside its own slots, or torn), by "
+            "where they were caught: a client's load (l1_read), the server's get (server_read), a "
+            "promotion's copy (promotion), the copy to the first lower tier (write_through). Each was a "
+            "miss, never served.",
+            labels=["path"],
+        )
         refusals = {reason: 0 for reason in _L3_REFUSAL_REASONS}
         for name, value in sorted(engine.items()):
             if name.endswith("_queue_depth"):
                 depth.add_metric([name.removesuffix("_queue_depth")], value)
             elif name.startswith(_WRITEBACK_LOST):
                 lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
+            elif name.startswith(_INTEGRITY):
+                integrity.add_metric([name.removeprefix(_INTEGRITY)], value)
             elif name.startswith(_L3_REFUSED):
                 refusals[name.removeprefix(_L3_REFUSED)] = value
             elif name == "tail_index_blocks":
@@ -227,6 +251,7 @@ class EngineCollector(Collector):
         yield depth
         yield lost
         yield refused
+        yield integrity
 
         tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
         gauges = {

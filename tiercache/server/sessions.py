@@ -22,7 +22,7 @@ from typing import Any
 from tiercache import __version__ as SERVER_VERSION
 from tiercache.config.parts import ServerOptions
 from tiercache.engine import PrefetchTicket, TieredEngine
-from tiercache.l1.tier import L1Tier
+from tiercache.l1.tier import Abandoned, L1Tier
 from tiercache.server.replies import Refused
 from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.wire import protocol as p
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Challenges handed out but not yet used (a stranger cannot grow this without bound).
 _MAX_PENDING_NONCES = 4096
+#: Reservations of dropped sessions remembered for their writer's late commit (see _abandoned).
+_MAX_ABANDONED = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +64,9 @@ class Sessions:
         self._owner: dict[int, bytes] = {}  # reservation/lease token -> client identity
         self._ticket_owner: dict[int, bytes] = {}
         self._nonces: OrderedDict[bytes, bytes] = OrderedDict()
+        #: Reservations abandoned when their session was dropped: token -> (client identity, name).
+        #: Their writer may still write; its late commit or abort frees the quarantined slot.
+        self._abandoned: OrderedDict[int, tuple[bytes, str]] = OrderedDict()
         self.expired = 0  # sessions dropped for missed heartbeats
         self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
         self.lost_leases = 0  # leases released after they had expired (a release's or a ticket's)
@@ -122,6 +127,7 @@ class Sessions:
             heartbeat_timeout_s=opts.heartbeat_timeout_s,
             max_message_bytes=opts.max_message_bytes,
             lease_ttl_s=self._l1.config.lease_ttl_s,
+            reservation_ttl_s=self._l1.config.reservation_ttl_s,
         )
 
     def verify(self, session: Session, frame: bytes, tag: bytes | None) -> bool:
@@ -150,9 +156,42 @@ class Sessions:
         self._ticket_owner[ticket.ticket_id] = session.identity
 
     def claim_reservations(self, session: Session, tokens: list[int]) -> list[WriteHandle]:
-        """The reservations behind ``tokens``, if all are this client's (checked before any is used)."""
-        handles: list[WriteHandle] = self._claim(session.reservations, tokens, "reservation")
+        """The reservations behind ``tokens``, if all are this client's (checked before any is used).
+        Tokens of reservations abandoned when this client's earlier session was dropped free their
+        quarantined slots (it is done writing them) and are refused."""
+        handles: list[WriteHandle] = self._claim(
+            session.reservations, tokens, "reservation", session.identity
+        )
         return handles
+
+    def _late_writer(self, identity: bytes, tokens: list[int]) -> int:
+        """Free the quarantined slots of those of ``tokens`` that ``identity`` held when its session
+        was dropped; how many."""
+        mine = [t for t in tokens if self._abandoned.get(t, (b"", ""))[0] == identity]
+        for token in mine:
+            del self._abandoned[token]
+        if mine:
+            self._l1.release_quarantined(mine)
+            log.warning(
+                "client %r wrote %d reservation(s) after its session was dropped for missed heartbeats; "
+                "the slots were quarantined, so no other object was touched",
+                self.by_identity[identity].name if identity in self.by_identity else "?",
+                len(mine),
+            )
+        return len(mine)
+
+    def suspects(self, abandoned: list[Abandoned]) -> str:
+        """Who may have written late into a slot, from the abandoned reservations over it: the
+        client names and how long ago, for a log line ("" when none is known)."""
+        names = []
+        for a in abandoned[:3]:
+            owner = self._owner.get(a.token)
+            if owner is not None and owner in self.by_identity:
+                who = self.by_identity[owner].name or owner.hex()
+            else:
+                who = self._abandoned.get(a.token, (b"", ""))[1] or "a client gone since"
+            names.append(f"client {who!r} (reservation {a.token} {a.reason})")
+        return ", ".join(names)
 
     def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle]:
         """The leases behind ``tokens``, if all are this client's (checked before any is used)."""
@@ -186,7 +225,7 @@ class Sessions:
         self._ticket_owner.pop(ticket_id, None)
         return ticket
 
-    def _claim(self, own: dict[int, Any], tokens: list[int], kind: str) -> list[Any]:
+    def _claim(self, own: dict[int, Any], tokens: list[int], kind: str, identity: bytes = b"") -> list[Any]:
         """The handles behind ``tokens`` if all are this client's (checked before acting on any)."""
         handles = []
         for token in tokens:
@@ -194,6 +233,14 @@ class Sessions:
             if handle is None:
                 if token in self._owner:
                     raise Refused(p.ErrorCode.NOT_OWNER, f"{kind} {token} belongs to another client")
+                late = self._late_writer(identity, tokens) if kind == "reservation" else 0
+                if late:
+                    raise Refused(
+                        p.ErrorCode.UNKNOWN_TOKEN,
+                        f"{late} reservation(s) of this client were released when it missed its "
+                        "heartbeats: what it wrote since was discarded (its slots were kept out of use). "
+                        "Keep the client's process from stalling longer than --heartbeat-timeout-s",
+                    )
                 raise Refused(
                     p.ErrorCode.UNKNOWN_TOKEN,
                     f"no open {kind} {token}: never issued, already finished, or released when this "
@@ -223,9 +270,14 @@ class Sessions:
         self.by_identity.clear()
 
     def _release(self, session: Session) -> None:
-        for token, handle in session.reservations.items():
+        for token in session.reservations:
             self._owner.pop(token, None)
-            self._engine.abort(handle)
+            self._abandoned[token] = (session.identity, session.name)
+        while len(self._abandoned) > _MAX_ABANDONED:
+            self._abandoned.popitem(last=False)
+        if session.reservations:
+            # Its writer may still be writing (stalled, not dead): quarantine, never reuse at once.
+            self._l1.abandon_many(list(session.reservations.values()))
         if session.leases:
             for token in session.leases:
                 self._owner.pop(token, None)

@@ -8,11 +8,11 @@ promoting disk and S3 hits into L1) in the same round trip as a bare existence c
 get, it spares the get a pin round trip of its own.
 
 A held ticket is used only by a get of a leading part of its pages, over the same connection, and
-only while time alone says its leases hold (:attr:`~tiercache.wire.client.Client.lease_window_s`
-counted from the lookup's send): a quarter of that window before the copy, half of it once the copy
-is done; otherwise the get pins by key, or reports misses. A ticket no get takes (SGLang revoked the
-prefetch, or another lookup of the same first key replaced it) is released by the first call that
-finds it older than a quarter of the window. At most :data:`MAX_HELD` are kept, pinning at most
+only while the leases' window counted from the lookup's send allows
+(:class:`~tiercache.client.transfer.Window`: a copy starts within its first quarter and counts if it
+ended within half); otherwise the get pins by key, or reports misses. A ticket no get takes (SGLang
+revoked the prefetch, or another lookup of the same first key replaced it) is released by the first
+call that finds it too old for a copy to start. At most :data:`MAX_HELD` are kept, pinning at most
 an eighth of the arena (:data:`ARENA_SHARE`), so that held tickets never crowd out the stores.
 """
 
@@ -23,14 +23,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiercache.client.client import Client
+from tiercache.client.transfer import lease_window
 from tiercache.errors import TierCacheError
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client
 
-#: Share of the lease window (from the lookup's send) within which a get may start copying from a
-#: held ticket's slots, and within which its copy must have ended to count.
-BEFORE_COPY = 0.25
-AFTER_COPY = 0.5
 #: Held tickets at most (each pins up to one SGLang batch, 128 pages); the oldest goes first.
 MAX_HELD = 16
 #: The held tickets' pages stay under this share of the arena; the oldest go first.
@@ -46,7 +43,6 @@ class HeldLookup:
     nbytes: int  # what it pins: its pages' bytes
     reply: p.LookupReply
     sent_at: float  # time.monotonic() just before the lookup was sent
-    usable_until: float  # sent_at + BEFORE_COPY of the lease window
 
     @classmethod
     def of(
@@ -54,16 +50,11 @@ class HeldLookup:
     ) -> HeldLookup:
         """The ticket of ``reply``, a lookup of ``hashes`` (pages of ``page_bytes``) sent at
         ``sent_at``."""
-        until = sent_at + BEFORE_COPY * client.lease_window_s
-        return cls(client, tuple(hashes[: reply.chunks]), reply.chunks * page_bytes, reply, sent_at, until)
+        return cls(client, tuple(hashes[: reply.chunks]), reply.chunks * page_bytes, reply, sent_at)
 
     def usable(self, now: float | None = None) -> bool:
         """Whether a copy may still start from this ticket's slots."""
-        return (time.monotonic() if now is None else now) < self.usable_until
-
-    def copy_held(self) -> bool:
-        """Called once the copy is done: whether every lease held for all of it."""
-        return self.client.leases_held_since(self.sent_at, AFTER_COPY)
+        return lease_window(self.client, self.sent_at).may_start(now)
 
     def release(self, *, read: bool = False) -> None:
         """Release the ticket without waiting for the reply (``read``: its slots were copied)."""

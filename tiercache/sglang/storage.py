@@ -25,14 +25,13 @@ backend cannot store are refused when SGLang registers them (:class:`Unsupported
 Every object the server hands back was verified by it (checksums on L2/L3), and its key carries this
 engine's fingerprint, so a foreign or damaged object is a miss, never a page. While the server is
 away the backend answers misses and failed stores at once and reconnects in the background (the
-connector's :class:`~tiercache.connector.link.ServerLink`): SGLang keeps serving and recomputes.
+connector's :class:`~tiercache.client.link.ServerLink`): SGLang keeps serving and recomputes.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -47,12 +46,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tiercache.connector.copy import CpuPageCopy
-from tiercache.connector.identity import weights_identity
-from tiercache.connector.link import ServerLink
+from tiercache.client.client import Client
+from tiercache.client.link import ServerLink
+from tiercache.client.tensors import arena_bytes, feed
+from tiercache.client.transfer import Load, Store
 from tiercache.errors import ConfigError, ServerError, TierCacheError
+from tiercache.keys.digest import Digest
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.weights import weights_identity
 from tiercache.l1.arena import SharedArena
 from tiercache.sglang.held import HeldLookup, HeldLookups
 from tiercache.sglang.keys import (
@@ -66,7 +68,6 @@ from tiercache.sglang.keys import (
 )
 from tiercache.sglang.settings import SGLangSettings
 from tiercache.wire import protocol as p
-from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +84,8 @@ class StorageCounts:
     exists_calls: int = 0
     #: Calls answered without the server (it was away, or the call failed): misses and failed stores.
     unavailable: int = 0
+    #: Pages whose copy out of the arena did not match their digest (a miss from there on).
+    corrupt: int = 0
 
 
 def _shard(config: HiCacheStorageConfig, settings: SGLangSettings) -> ShardIdentity:
@@ -270,7 +273,6 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         self._pools: dict[str, _Pool] = {}
         self._refs: dict[str, p.GroupRef] = {}
         self._link: ServerLink | None = None
-        self._copy = CpuPageCopy()
         # The whole arena as one uint8 tensor, made once per mapping: slicing it per slot costs far
         # less than a frombuffer per slot.
         self._arena: SharedArena | None = None
@@ -418,7 +420,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         """``arena`` (a client's mapping of the server's arena) as one uint8 tensor (made again
         only when the mapping changes)."""
         if arena is not self._arena or self._arena_bytes is None:
-            self._arena_bytes = self._copy.host(arena, 0, arena.size)
+            self._arena_bytes = arena_bytes(arena)
             self._arena = arena
         return self._arena_bytes
 
@@ -433,20 +435,18 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         all were stored, or ``None`` when the server was away."""
 
         def store(client: Client) -> int:
-            slots, mapped = client.in_session(
-                lambda: client.reserve([(o, t.numel() * t.element_size()) for o, t in items])
-            )
-            arena = self._arena_view(mapped)
-            tokens = [s.token for s in slots if s is not None]
-            try:
-                for slot, (_, page) in zip(slots, items):
-                    assert slot is not None
-                    dst = arena[slot.offset : slot.offset + slot.nbytes]
-                    dst.view(page.dtype).view(page.shape).copy_(page)
-            except BaseException:
-                client.abort(tokens)
-                raise
-            return client.commit(tokens)
+            store = Store.reserve(client, [(o, t.numel() * t.element_size()) for o, t in items])
+            arena = self._arena_view(store.arena)
+
+            def write(i: int, target: memoryview) -> int:
+                slot, page = store.slot(i), items[i][1]
+                arena[slot.offset : slot.offset + slot.nbytes].view(page.dtype).view(page.shape).copy_(page)
+                digest = Digest()
+                feed(digest, page)  # the host pool's page, never the slot
+                return digest.value
+
+            digests = store.fill(write)
+            return 0 if digests is None else store.commit(digests)
 
         done = self._call("storing SGLang pages", store) if items else 0
         if done is None:
@@ -476,36 +476,27 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
 
         def load(client: Client) -> list[int]:
             everything = [o for _, objects, _ in parts for o in objects]
-            pinned_at = time.monotonic()
-            slots, mapped = client.in_session(lambda: client.pin(everything))
+            transfer = Load.pin(client, everything)
             loaded = [0] * len(parts)
             whole: list[int] = []  # the parts wholly in L1, copied under the pin
-            held: list[int] = []
             at = 0
-            cuts: list[tuple[int, int]] = []  # each part's range of ``slots``
+            cuts: list[int] = []  # where each part's slots start
             for n, (_, objects, _) in enumerate(parts):
-                mine = slots[at : at + len(objects)]
-                cuts.append((at, at + len(objects)))
-                held += [s.token for s in mine if s is not None]
-                if all(s is not None for s in mine):
+                cuts.append(at)
+                if all(s is not None for s in transfer.slots[at : at + len(objects)]):
                     whole.append(n)
                 at += len(objects)
+            corrupt: list[int] = []
             try:
                 for n in whole:
-                    a, b = cuts[n]
-                    loaded[n] = self._copy_in(mapped, slots[a:b], parts[n][2])
-            except BaseException:
-                client.release(held)
-                raise
-            # A copy done well inside its leases needs no reply (Client.release_leases_pinned_at).
-            lost = client.release_leases_pinned_at(held, pinned_at) if held else set()
+                    loaded[n], bad = self._copy_in(transfer, cuts[n], parts[n][2])
+                    corrupt += bad
+            finally:
+                # Reports the corrupt copies; a copy done well inside its leases needs no reply.
+                lost = transfer.finish(corrupt)
             for n in whole:
-                a, _ = cuts[n]
                 # A slot whose lease expired may have been reused: a miss from there on.
-                loaded[n] = next(
-                    (i for i, s in enumerate(slots[a : a + loaded[n]]) if s is not None and s.token in lost),
-                    loaded[n],
-                )
+                loaded[n] = next((i for i in range(loaded[n]) if cuts[n] + i in lost), loaded[n])
             for n, (name, objects, sinks) in enumerate(parts):
                 if n not in whole:
                     loaded[n] = self._load_looked_up(client, self._refs[name], objects, sinks)
@@ -518,29 +509,40 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
     ) -> int:
         """A lookup pins the leading run of hits of one pool (promoting them from disk/S3), the
         copies, the ticket's release; how many were copied."""
+        sent_at = client.clock()
         found = client.lookup([o.prefix_hash for o in objects], [ref], max_chunks=len(objects))
         if not found.chunks or not found.ticket:
             return 0
         try:
             if found.pending:
                 found = client.wait_ticket(found.ticket, timeout=self.settings.link.timeout_s)
-            return self._copy_ticket(client, found, objects, sinks) or 0
+            return self._copy_ticket(client, found, objects, sinks, sent_at) or 0
         finally:
             client.release_ticket(found.ticket)
 
     def _copy_ticket(
-        self, client: Client, reply: p.LookupReply, objects: Sequence[ObjectKey], sinks: Sequence[Sink]
+        self,
+        client: Client,
+        reply: p.LookupReply,
+        objects: Sequence[ObjectKey],
+        sinks: Sequence[Sink],
+        sent_at: float,
     ) -> int | None:
-        """Copy the leading ``objects`` from the slots a lookup's ticket pinned; how many were
-        copied, or ``None`` when the ticket is not READY or its slots are in another arena than
-        the one mapped (a restarted server's). The mapping is taken once and copied from: a
-        re-hello on another thread may map a new arena meanwhile, where the offsets mean nothing."""
-        mapped = client.arena()
-        if reply.state is not p.TicketStateName.READY or reply.arena != mapped.name:
+        """Copy the leading ``objects`` from the slots a lookup (sent at ``sent_at``) had its ticket
+        pin, each copy checked; how many leading pages were copied and checked (0 when the copy may
+        have outlived the ticket's leases), or ``None`` when the ticket is not READY, its slots are
+        in another arena than the one mapped (a restarted server's: the offsets mean nothing there),
+        or a copy could no longer start in the leases' window."""
+        if reply.state is not p.TicketStateName.READY:
             return None
         by_key = {s.key: s for s in reply.slots}
-        ready = objects[: reply.ready_chunks]
-        return self._copy_in(mapped, [by_key.get(o.to_bytes()) for o in ready], sinks)
+        ready = [by_key.get(o.to_bytes()) for o in objects[: reply.ready_chunks]]
+        transfer = Load.adopt(client, client.arena(), reply.arena, ready, sent_at)
+        if transfer is None:
+            return None
+        copied, corrupt = self._copy_in(transfer, 0, sinks)
+        lost = transfer.finish(corrupt)
+        return 0 if lost else copied  # a lease may have ended during the copy: another object by now
 
     def _load_held(
         self, client: Client, held: HeldLookup, objects: Sequence[ObjectKey], sinks: Sequence[Sink]
@@ -555,14 +557,8 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         reply = held.reply
         if reply.pending:
             reply = client.wait_ticket(reply.ticket, timeout=self.settings.link.timeout_s)
-        copied = self._copy_ticket(client, reply, objects, sinks) if held.usable() else None
-        if copied is None:
-            held.release()
-            return None
-        if not held.copy_held():
-            held.release()
-            return 0  # a lease may have ended during the copy: the slot may hold another object by now
-        held.release(read=copied > 0)
+        copied = self._copy_ticket(client, reply, objects, sinks, held.sent_at)
+        held.release(read=bool(copied))
         return copied
 
     def _load_pages(self, keys: Sequence[str], pages: Sequence[Sink]) -> list[bool]:
@@ -585,23 +581,31 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         self._count(loaded=loaded, load_missed=len(keys) - loaded)
         return [i < loaded for i in range(len(keys))]
 
-    def _copy_in(self, mapped: SharedArena, slots: Sequence[p.Slot | None], pages: Sequence[Sink]) -> int:
-        """Copy each slot of arena ``mapped`` into its page, in order, up to the first that is
-        missing or of another size; how many were copied."""
-        arena = self._arena_view(mapped)
+    def _copy_in(self, transfer: Load, first: int, pages: Sequence[Sink]) -> tuple[int, list[int]]:
+        """Copy the slots of ``transfer`` from ``first`` on into ``pages``, in order, each copy
+        checked against its digest, up to the first that is missing, of another size or fails its
+        check. How many were copied, and the slots whose check failed (to report)."""
+        arena = self._arena_view(transfer.arena)
+        slots = transfer.slots[first : first + len(pages)]
         for i, (slot, page) in enumerate(zip(slots, pages)):
             if slot is None:
-                return i
+                return i, []
             src = arena[slot.offset : slot.offset + slot.nbytes]
             if isinstance(page, _FlatPage):
                 if slot.nbytes != page.nbytes:
-                    return i
+                    return i, []
+                check = transfer.check(first + i)
                 page.write(src)
-                continue
-            if slot.nbytes != page.numel() * page.element_size():
-                return i
-            page.copy_(src.view(page.dtype).view(page.shape))
-        return min(len(slots), len(pages))
+            else:
+                if slot.nbytes != page.numel() * page.element_size():
+                    return i, []
+                check = transfer.check(first + i)
+                page.copy_(src.view(page.dtype).view(page.shape))
+            check.copied(0, slot.nbytes)  # the slot was just read: still in cache
+            if not check.ok():
+                self._count(corrupt=1)
+                return i, [first + i]
+        return min(len(slots), len(pages)), []
 
     # -- SGLang's zero-copy interface ------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -614,7 +618,7 @@ class TierCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyp
         def exists(client: Client) -> int:
             hashes = [page_hash(k) for k in keys]
             hold = client.lease_window_s > 0  # a server that says no lease TTL: nothing to time a copy by
-            sent_at = time.monotonic()
+            sent_at = client.clock()
             found = client.lookup(hashes, [self._refs[KV_POOL]], prefetch=hold)
             if found.ticket and found.chunks:
                 page_bytes = self._pools[KV_POOL].geometry.page_bytes

@@ -112,9 +112,10 @@ class FaultInjectingTier(WrapperTier):
         *,
         owed: bool = False,
         tenant: bytes = DEFAULT_TENANT,
+        digest: int | None = None,
     ) -> None:
         self._write_fault()
-        super().put(key, data, owed=owed, tenant=tenant)
+        super().put(key, data, owed=owed, tenant=tenant, digest=digest)
 
     def pin(self, key: ObjectKey, *, count: bool = True) -> ReadHandle | None:
         if self._read_fault():
@@ -129,9 +130,9 @@ class FaultInjectingTier(WrapperTier):
             return None
         return super().get(key)
 
-    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> int | None:
         if self._read_fault():
-            return False
+            return None
         return super().read_into(key, alloc)
 
     def contains(self, key: ObjectKey) -> bool:

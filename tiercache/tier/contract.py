@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tiercache.errors import TierError
+from tiercache.errors import IntegrityError, TierError
+from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
@@ -58,12 +59,34 @@ class WriteHandle(NamedTuple):
 
 
 class ReadHandle(NamedTuple):
-    """A pinned, verified object: ``buffer`` is valid until the handle is released."""
+    """A pinned, verified object: ``buffer`` is valid until the handle is released.
+
+    ``digest`` is the payload's digest (:mod:`tiercache.keys.digest`) where the tier knows it
+    without hashing (L1: the writer's; an uncompressed frame: its checksum), else ``None``. L1's
+    ``buffer`` is shared memory other processes map: a copy from it counts only if it matches
+    ``digest`` once done."""
 
     key: ObjectKey
     buffer: memoryview
     token: int
     expires_at: float
+    digest: int | None = None
+
+
+def payload_digest(known: int | None, data: bytes | bytearray | memoryview) -> int:
+    """``known``, or the digest of ``data`` where the tier did not know it."""
+    return digest_of(data) if known is None else known
+
+
+def check_copy(copy: bytes | bytearray | memoryview, digest: int | None, key: ObjectKey, path: str) -> None:
+    """Raise :class:`IntegrityError` (caught at ``path``) if ``copy``, a copy a tier made of bytes
+    others could write, does not hash to ``digest`` (``None``: nothing to check)."""
+    if digest is not None and digest_of(copy) != digest:
+        raise IntegrityError(
+            f"the bytes of {key} changed while they were copied (they differ from the digest its "
+            "writer committed): another process wrote into its L1 slot; nothing was stored",
+            path,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,22 +179,39 @@ class Tier(ABC):
         return self.iter_keys()
 
     def put(
-        self, key: ObjectKey, data: bytes | bytearray | memoryview, *, tenant: bytes = DEFAULT_TENANT
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        tenant: bytes = DEFAULT_TENANT,
+        digest: int | None = None,
     ) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit), as an object of
         ``tenant`` (a :mod:`tiercache.keys.tenant` id) where the tier keeps tenant quotas; a tier
-        that does not ignores it."""
-        self.commit(self._filled(key, data))
+        that does not ignores it.
+
+        ``digest``: what ``data`` must hash to (its writer's digest), for ``data`` that others may
+        write meanwhile (an L1 slot). The tier checks the copy it keeps, once made, and raises
+        :class:`~tiercache.errors.IntegrityError` (storing nothing) if it differs: what a tier
+        stores is then exactly what the writer committed. ``None``: ``data`` is the caller's own.
+        """
+        self.commit(self._filled(key, data, digest=digest))
 
     def _filled(
-        self, key: ObjectKey, data: bytes | bytearray | memoryview, handle: WriteHandle | None = None
+        self,
+        key: ObjectKey,
+        data: bytes | bytearray | memoryview,
+        handle: WriteHandle | None = None,
+        *,
+        digest: int | None = None,
     ) -> WriteHandle:
         """A reservation for ``key`` (``handle``, or a new one) holding a copy of ``data``, ready to
-        commit (aborted if the copy fails)."""
+        commit (aborted if the copy fails, or if the copy does not match ``digest``)."""
         view = memoryview(data).cast("B")
         handle = handle or self.reserve(key, view.nbytes)
         try:
             handle.buffer[:] = view
+            check_copy(handle.buffer, digest, key, "write")
         except BaseException:
             self.abort(handle)
             raise
@@ -187,22 +227,23 @@ class Tier(ABC):
         finally:
             self.release(handle)
 
-    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
-        """Copy the verified payload of ``key`` into ``alloc(payload length)``; ``False`` on a miss.
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> int | None:
+        """Copy the verified payload of ``key`` into ``alloc(payload length)`` and return its
+        digest (:mod:`tiercache.keys.digest`); ``None`` on a miss.
 
         For moving an object into a buffer the caller owns (promotion into an L1 reservation). A
-        tier may copy first and verify the destination; so after a ``False`` for which ``alloc``
+        tier may copy first and verify the destination; so after a ``None`` for which ``alloc``
         was called the destination holds unverified bytes and must be discarded. Default: pin,
         copy, release.
         """
         handle = self.pin(key)
         if handle is None:
-            return False
+            return None
         try:
             alloc(handle.buffer.nbytes)[:] = handle.buffer
+            return payload_digest(handle.digest, handle.buffer)
         finally:
             self.release(handle)
-        return True
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """:meth:`contains` for each key; tiers override it to answer in one lock or transaction."""
@@ -278,9 +319,12 @@ class FrontTier(Tier):
     still owed it, and must not evict such an object until the engine settles the debt."""
 
     @abstractmethod
-    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+    def commit(self, handle: WriteHandle, *, owed: bool = False, digest: int | None = None) -> None:
         """Make the reserved object visible; ``owed=True``: keep it from eviction until
-        :meth:`settle`. Raises :class:`~tiercache.errors.ReservationError` as :meth:`Tier.commit`."""
+        :meth:`settle`. ``digest``: the payload's digest as its writer computed it over its own
+        bytes (what every reader checks its copy against); ``None``: the writer is this process
+        and nobody else can have written the buffer, so the tier hashes it. Raises
+        :class:`~tiercache.errors.ReservationError` as :meth:`Tier.commit`."""
 
     @abstractmethod
     def settle(self, key: ObjectKey) -> None:
@@ -298,16 +342,28 @@ class FrontTier(Tier):
         *,
         owed: bool = False,
         tenant: bytes = DEFAULT_TENANT,
+        digest: int | None = None,
     ) -> None:
         """Store ``data`` under ``key`` in one call (reserve, copy, commit), owed if asked, as an
-        object of ``tenant``."""
+        object of ``tenant``. ``digest`` as in :meth:`Tier.put`; ``None``: ``data`` is the caller's
+        own and its digest is taken from it."""
         handle = self.reserve(key, memoryview(data).nbytes, tenant=tenant)
-        self.commit(self._filled(key, data, handle), owed=owed)
+        filled = self._filled(key, data, handle, digest=digest)
+        self.commit(filled, owed=owed, digest=payload_digest(digest, data))
 
     def tenant_of(self, key: ObjectKey) -> bytes:
         """The tenant whose object ``key`` is (what the engine passes on to the lower tiers it writes
         ``key`` to); the default tenant when unknown. Default: always the default tenant."""
         return DEFAULT_TENANT
+
+    def recheck(self, key: ObjectKey, offset: int | None = None) -> bool | None:
+        """A copy of ``key``'s bytes out of this tier (at ``offset``, where the tier places objects;
+        ``None``: wherever it is now) did not match the object's digest. Check the object itself:
+        ``True`` if it is corrupt (it is dropped, counted as an eviction for ``corrupt``),
+        ``False`` if it is intact now (the copy was torn by a write that has since ended), ``None``
+        if it is no longer there. Default: ``None``, for a tier whose buffers no other process
+        writes (nothing else can change them). Blocking: hashes the object."""
+        return None
 
     def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
         """The key of each committed object among the binary keys ``raws`` (:attr:`ObjectKey.raw

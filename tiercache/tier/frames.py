@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiercache.errors import FrameError, FrameVersionError
+from tiercache.errors import FrameError, FrameVersionError, IntegrityError
+from tiercache.keys.digest import digest
 from tiercache.keys.object_key import KEY_BYTES, ObjectKey
 
 MAGIC = b"TCKV"
@@ -124,9 +125,9 @@ def plain_header_fields(raw: bytes | memoryview, expected_key_raw: bytes) -> tup
     return payload_len, payload_checksum
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """xxh3-64 of ``data``: the payload checksum frames carry."""
-    return xxhash.xxh3_64_intdigest(data)
+#: xxh3-64 of ``data``: the payload checksum frames carry, which for an uncompressed frame is the
+#: object's payload digest (:mod:`tiercache.keys.digest`).
+checksum = digest
 
 
 def build_header(
@@ -149,10 +150,38 @@ def pack_payload(
     return build_header(key, payload, len(payload), FrameFlags.NONE), payload
 
 
-def encode_frame(key: ObjectKey, payload: bytes | bytearray | memoryview, *, compress: bool = False) -> bytes:
-    """``header + stored payload`` as one bytes object (the L3 object body)."""
-    header, stored = pack_payload(key, payload, compress=compress)
-    return b"".join((header.encode(), stored))  # one copy of the payload, not two
+def encode_frame(
+    key: ObjectKey,
+    payload: bytes | bytearray | memoryview,
+    *,
+    compress: bool = False,
+    digest: int | None = None,
+) -> bytes:
+    """``header + stored payload`` as one bytes object (the L3 object body).
+
+    ``digest``: what ``payload`` must hash to (its writer's digest, for a payload in memory others
+    may write): the frame carries it, and the body, once built, is checked against it
+    (:class:`~tiercache.errors.IntegrityError` if the payload changed under the copy)."""
+    if digest is not None and compress:
+        payload = bytes(payload)  # compress a private copy known to be the writer's
+        _check(payload, digest, key)
+        digest = None
+    if digest is None:
+        header, stored = pack_payload(key, payload, compress=compress)
+        return b"".join((header.encode(), stored))  # one copy of the payload, not two
+    size = memoryview(payload).nbytes
+    body = b"".join((encode_header(key.to_bytes(), 0, size, size, digest), payload))
+    _check(memoryview(body)[HEADER_BYTES:], digest, key)
+    return body
+
+
+def _check(copy: bytes | memoryview, digest: int, key: ObjectKey) -> None:
+    if checksum(copy) != digest:
+        raise IntegrityError(
+            f"the bytes of {key} changed while they were copied for upload (they differ from the digest "
+            "their writer committed): another process wrote into its L1 slot; nothing was uploaded",
+            "write_through",
+        )
 
 
 def verify_payload(header: FrameHeader, stored: bytes | bytearray | memoryview) -> bytes | memoryview:

@@ -50,9 +50,9 @@ class WrapperTier(FrontTier):
             return self.inner.reserve(key, nbytes, tenant=tenant)
         return self.inner.reserve(key, nbytes)  # only a front tier keeps tenant quotas
 
-    def commit(self, handle: WriteHandle, *, owed: bool = False) -> None:
+    def commit(self, handle: WriteHandle, *, owed: bool = False, digest: int | None = None) -> None:
         if isinstance(self.inner, FrontTier):
-            self.inner.commit(handle, owed=owed)
+            self.inner.commit(handle, owed=owed, digest=digest)
         elif owed:
             raise TypeError(f"the {self.name} tier is not a front tier: it cannot hold owed objects")
         else:
@@ -96,13 +96,14 @@ class WrapperTier(FrontTier):
         *,
         owed: bool = False,
         tenant: bytes = DEFAULT_TENANT,
+        digest: int | None = None,
     ) -> None:
         if isinstance(self.inner, FrontTier):
-            self.inner.put(key, data, owed=owed, tenant=tenant)
+            self.inner.put(key, data, owed=owed, tenant=tenant, digest=digest)
         elif owed:
             raise TypeError(f"the {self.name} tier is not a front tier: it cannot hold owed objects")
         else:
-            self.inner.put(key, data, tenant=tenant)
+            self.inner.put(key, data, tenant=tenant, digest=digest)
 
     def tenant_of(self, key: ObjectKey) -> bytes:
         if isinstance(self.inner, FrontTier):
@@ -112,8 +113,11 @@ class WrapperTier(FrontTier):
     def get(self, key: ObjectKey) -> bytes | None:
         return self.inner.get(key)
 
-    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> bool:
+    def read_into(self, key: ObjectKey, alloc: Callable[[int], memoryview]) -> int | None:
         return self.inner.read_into(key, alloc)
+
+    def recheck(self, key: ObjectKey, offset: int | None = None) -> bool | None:
+        return self.inner.recheck(key, offset) if isinstance(self.inner, FrontTier) else None
 
     def writing_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return (

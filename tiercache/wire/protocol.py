@@ -35,10 +35,12 @@ import msgspec
 #: ``Reserve.holds`` names the blocks each stored object holds, and a ``Lookup`` with
 #: ``every_object`` (a tail lookup) answers with the one object holding the longest prefix of the
 #: blocks asked for (``LookupReply.chunks``: how many of them).
-#: (Added within 4, with defaults: ``LookupReply.arena`` and ``ReleaseTicket.read``. A server
-#: that sends no arena gets loads that pin by key; one that ignores ``read`` counts no L1 hits
-#: for loads from a ticket's slots.)
-PROTOCOL_VERSION = 4
+#: 5: every object in L1 carries its payload digest (:mod:`tiercache.keys.digest`): a
+#: :class:`Commit` names one per reservation (``digests``, the writer's, over its own bytes), every
+#: :class:`Slot` of a lease says it (``[key, offset, nbytes, token, digest]``), and a reader whose
+#: copy did not match tells the server (:class:`Corrupt`). :class:`HelloReply` says the
+#: reservation TTL, which a writer times its copies by.
+PROTOCOL_VERSION = 5
 
 
 class ErrorCode(enum.StrEnum):
@@ -95,14 +97,19 @@ class GroupRef(msgspec.Struct, frozen=True, omit_defaults=True):
 class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """``nbytes`` at ``offset`` in the L1 arena, held under ``token`` (a reservation or a lease).
 
+    ``digest`` (a lease's; 0 in a reservation's) is the object's payload digest, as its writer
+    committed it: a copy out of the slot counts only if it hashes to that once done (the arena is
+    shared memory another process may have written into).
+
     A lookup's reply holds one per object, 512 for a 128k-token prompt: on the wire an array
-    ``[key, offset, nbytes, token]`` (no field names), and not tracked by the garbage collector
-    (``gc=False``: bytes and ints cannot form a cycle)."""
+    ``[key, offset, nbytes, token, digest]`` (no field names), and not tracked by the garbage
+    collector (``gc=False``: bytes and ints cannot form a cycle)."""
 
     key: bytes  # ObjectKey.to_bytes()
     offset: int
     nbytes: int
     token: int
+    digest: int = 0
 
 
 class RegisterGroup(msgspec.Struct, frozen=True):
@@ -233,11 +240,13 @@ class Reserve(_Msg, tag="reserve"):
 
 
 class Commit(_Msg, tag="commit"):
-    """Make reservations visible. ``supersedes`` (object keys) are dropped from the local tiers
-    once the commit is done: the shorter tails of the same chunk that a committed chunk or tail
-    covers."""
+    """Make reservations visible, each with its payload's ``digests`` (in ``tokens`` order: the
+    writer's xxh3-64 of the bytes it meant to store, computed over its own memory, never over the
+    slot). ``supersedes`` (object keys) are dropped from the local tiers once the commit is done:
+    the shorter tails of the same chunk that a committed chunk or tail covers."""
 
     tokens: list[int]
+    digests: list[int] = []
     supersedes: list[bytes] = []
 
 
@@ -255,6 +264,15 @@ class Release(_Msg, tag="release"):
     """End read leases; the reply (:class:`Released`) names those that had already expired."""
 
     tokens: list[int]
+
+
+class Corrupt(_Msg, tag="corrupt"):
+    """The client's copies of these ``objects`` (``(key bytes, offset, nbytes)``: the slot it
+    copied from) did not match the digest their slot named: it took them as misses. The server
+    re-checks each slot, drops an object that is corrupt, counts and logs it
+    (``integrity_failures``). The reply (:class:`Done`) counts the objects found corrupt."""
+
+    objects: list[tuple[bytes, int, int]]
 
 
 class Put(_Msg, tag="put"):
@@ -359,6 +377,7 @@ Request = (
     | Abort
     | Pin
     | Release
+    | Corrupt
     | Put
     | Get
     | Delete
@@ -393,6 +412,9 @@ class HelloReply(_Msg, tag="hello_ok"):
     #: lease cannot end before the shorter of this and ``heartbeat_timeout_s`` has passed since its
     #: pin was sent, so a copy that ended well inside that needs no reply to its release.
     lease_ttl_s: float = 0.0
+    #: How long its L1 reservations last (0: not said). A writer times its copies by it: a copy
+    #: that starts late could write into a slot that is no longer its own.
+    reservation_ttl_s: float = 0.0
 
 
 class ChallengeReply(_Msg, tag="challenge_ok"):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.server.serverproc import ServerProcess, ServerSpec
-from tiercache.connector.affinity import background_cpus, describe_binding, spread_current_thread
-from tiercache.wire.client import Client
+from tiercache.client.affinity import background_cpus, describe_binding, spread_current_thread
+from tiercache.client.client import Client
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(os.getppid())) < 2,

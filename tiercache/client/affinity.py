@@ -12,7 +12,7 @@ So each connector thread first moves off the engine thread's cores, onto the res
 the worker's parent process (vLLM's engine core: the CPUs the user gave vLLM as a whole, ``taskset``
 or a cpuset; vLLM reserves some of them for its other processes). Where the parent's set is no
 wider (GPU hosts, unbound workers) this changes nothing. The same goes for the client's libzmq
-I/O thread, which carries every request and reply: :class:`~tiercache.connector.link.ServerLink`
+I/O thread, which carries every request and reply: :class:`~tiercache.client.link.ServerLink`
 starts it on these CPUs (``io_cpus``), or a commit could wait there for seconds (measured: 5 s).
 """
 

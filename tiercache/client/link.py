@@ -1,6 +1,6 @@
 """The connector's connection to the tiercache server: best effort, never a stall.
 
-:class:`ServerLink` owns one :class:`~tiercache.wire.client.Client`. While the server answers, callers get
+:class:`ServerLink` owns one :class:`~tiercache.client.client.Client`. While the server answers, callers get
 the client from :meth:`ServerLink.client`. When a call fails (server down, slow, restarted), the caller
 reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
 thread (``tiercache-connector-reconnect``) reconnects. It keeps a ping outstanding, one
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from tiercache.client.affinity import background_cpus, spread_current_thread
+from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector.affinity import background_cpus, spread_current_thread
 from tiercache.errors import ConfigError, TierCacheError
-from tiercache.wire.client import Client
 
 log = logging.getLogger(__name__)
 

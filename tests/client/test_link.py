@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.server.serverproc import ServerProcess, ServerSpec
+from tiercache.client import link as link_module
+from tiercache.client.client import Client
+from tiercache.client.link import FIRST_RETRY_S, ServerLink, retry_delays
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector import link as link_module
-from tiercache.connector.link import FIRST_RETRY_S, ServerLink, retry_delays
 from tiercache.errors import ServerUnavailableError
 from tiercache.testing.poll import wait_until
-from tiercache.wire.client import Client
 
 
 def server_spec(tmp_path: Path) -> ServerSpec:

@@ -36,6 +36,7 @@ import msgspec
 import zmq
 import zmq.auth
 
+from tiercache.client.transfer import Load, Store
 from tiercache.config.parts import default_endpoint
 from tiercache.errors import (
     AuthenticationError,
@@ -43,6 +44,7 @@ from tiercache.errors import (
     ServerError,
     ServerUnavailableError,
 )
+from tiercache.keys.digest import digest
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import SharedArena
@@ -663,11 +665,19 @@ class Client:
         return self._call(msg, lambda r: r.slots, timeout)
 
     def commit(
-        self, tokens: Sequence[int], timeout: float | None = None, supersedes: Sequence[ObjectKey] = ()
+        self,
+        tokens: Sequence[int],
+        digests: Sequence[int],
+        timeout: float | None = None,
+        supersedes: Sequence[ObjectKey] = (),
     ) -> int:
-        """Make reservations visible; ``supersedes``: tails the committed chunks cover, dropped
-        from the server's local tiers (:class:`~tiercache.wire.protocol.Commit`)."""
-        msg = p.Commit(tokens=list(tokens), supersedes=[k.to_bytes() for k in supersedes])
+        """Make reservations visible, each with its payload's digest (the writer's, over its own
+        bytes: :mod:`tiercache.keys.digest`); ``supersedes``: tails the committed chunks cover,
+        dropped from the server's local tiers (:class:`~tiercache.wire.protocol.Commit`). Prefer
+        :class:`~tiercache.client.transfer.Store`, which keeps the data path's rules."""
+        msg = p.Commit(
+            tokens=list(tokens), digests=list(digests), supersedes=[k.to_bytes() for k in supersedes]
+        )
         return self._call(msg, _count, timeout)
 
     def abort(self, tokens: Sequence[int], timeout: float | None = None) -> int:
@@ -687,37 +697,25 @@ class Client:
         made under one must be thrown away. Raises like every call; then no lease is confirmed."""
         return self._call(p.Release(tokens=list(tokens)), lambda r: set(r.lost), timeout)
 
-    def release_leases_pinned_at(self, tokens: Sequence[int], pinned_at: float) -> set[int]:
-        """:meth:`release_leases` for leases whose pin was sent at ``pinned_at`` (``time.monotonic()``
-        just before the pin call), called once their copy is done.
-
-        The server starts a lease's TTL, and counts its session's silence, only once the pin has
-        arrived, so neither can have ended a lease before ``min(lease_ttl_s, heartbeat_timeout_s)``
-        has passed since ``pinned_at``. Inside half of that every lease held for the whole copy: the
-        release is sent without waiting for its reply (a round trip less per load) and nothing is
-        reported lost. Later, or from a server that does not say its lease TTL, the release waits
-        for the server to name the leases that expired, as :meth:`release_leases` does.
-        """
-        if not tokens:
-            return set()
-        with self._lock:
-            if self._state.sock is not None and self._leases_held_since(pinned_at):
-                # Unsent, the leases end by themselves; they held for the whole copy.
+    def release_unanswered(self, tokens: Sequence[int]) -> None:
+        """End read leases without waiting for the reply (a round trip less per load): for a reader
+        whose copy time alone vouches for (:class:`~tiercache.client.transfer.Window`). Unsent,
+        the leases end with their TTL or the session."""
+        if tokens:
+            with self._lock:
                 self._send_unanswered(p.Release(tokens=list(tokens)))
-                return set()
-        return self.release_leases(tokens)
 
-    def leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
-        """Whether every lease whose pin was sent at ``pinned_at`` (``time.monotonic()``, any
-        process on this machine) is still held now, as far as time alone can tell: within
-        ``share`` (half by default) of ``min(lease_ttl_s, heartbeat_timeout_s)`` (see
-        :meth:`release_leases_pinned_at`). ``False`` from a server that does not say its lease
-        TTL, or before a hello."""
+    def report_corrupt(self, slots: Sequence[p.Slot]) -> None:
+        """Tell the server these slots' copies did not match their digests (it re-checks them,
+        drops corrupt objects and counts them); not waited for."""
+        msg = p.Corrupt(objects=[(s.key, s.offset, s.nbytes) for s in slots])
         with self._lock:
-            return self._leases_held_since(pinned_at, share)
+            self._send_unanswered(msg)
 
-    def _leases_held_since(self, pinned_at: float, share: float = 0.5) -> bool:
-        return time.monotonic() - pinned_at < share * self.lease_window_s
+    def clock(self) -> float:
+        """What holds are timed by (:class:`~tiercache.client.transfer.Window`): ``time.monotonic()``,
+        one clock for every process of this host."""
+        return time.monotonic()
 
     @property
     def lease_window_s(self) -> float:
@@ -728,6 +726,16 @@ class Client:
         if info is None or info.lease_ttl_s <= 0:
             return 0.0
         return min(info.lease_ttl_s, info.heartbeat_timeout_s)
+
+    @property
+    def reservation_window_s(self) -> float:
+        """How long a reservation surely holds after its reserve was sent: ``min(reservation_ttl_s,
+        heartbeat_timeout_s)`` of the last hello; 0 before a hello or from a server that does not
+        say it. Reads no socket and takes no lock."""
+        info = self._state.hello
+        if info is None or info.reservation_ttl_s <= 0:
+            return 0.0
+        return min(info.reservation_ttl_s, info.heartbeat_timeout_s)
 
     # -- the arena data path ---------------------------------------------------------------------
     def arena(self) -> SharedArena:
@@ -762,52 +770,48 @@ class Client:
         tenant: bytes = b"",
     ) -> int:
         """Store each buffer under its key (as objects of ``tenant``): reserve → copy into the arena
-        → commit. Two round trips plus the copies; aborts the reservations if a copy fails."""
+        → commit with each buffer's digest (:class:`~tiercache.client.transfer.Store`). Two round
+        trips plus the copies; aborts the reservations if a copy fails, and stores nothing (0) if
+        the copies could not start within the reservations' window."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [memoryview(b).cast("B") for b in buffers]
         items = [(k, v.nbytes) for k, v in zip(keys, views)]
-        slots, arena = self.in_session(
-            lambda: self.reserve(items, timeout, tenants=[tenant] * len(items) if tenant else ())
-        )
-        try:
-            for slot, view in zip(slots, views):
-                assert slot is not None
-                arena.view(slot.offset, slot.nbytes)[:] = view
-        except BaseException:
-            self.abort([s.token for s in slots if s is not None], timeout)
-            raise
-        return self.commit([s.token for s in slots if s is not None], timeout)
+        store = Store.reserve(self, items, tenants=[tenant] * len(items) if tenant else (), timeout=timeout)
+
+        def write(i: int, target: memoryview) -> int:
+            target[:] = views[i]
+            return digest(views[i])  # the caller's own bytes, never the slot's
+
+        digests = store.fill(write)
+        return 0 if digests is None else store.commit(digests, timeout=timeout)
 
     def load_chunks(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[bytes | None]:
-        """Copies of the L1 objects of ``keys`` (``None`` where not in L1): pin → copy → release.
-        Use :meth:`lookup` + :meth:`read_ticket` to restore from lower tiers too."""
-        slots, arena = self.in_session(lambda: self.pin(keys, timeout))
-        tokens = [s.token for s in slots if s is not None]
-        try:
-            copies = [None if s is None else bytes(arena.view(s.offset, s.nbytes)) for s in slots]
-        except BaseException:
-            if tokens:
-                self.release(tokens, timeout)
-            raise
-        lost = self.release_leases(tokens, timeout) if tokens else set()
-        # A copy made after its lease expired may hold another object's bytes: a miss, never those.
-        return [None if s is None or s.token in lost else c for s, c in zip(slots, copies)]
+        """Copies of the L1 objects of ``keys`` (``None`` where not in L1, or where the copy did not
+        match the object's digest or outlived its lease): pin → copy → check → release
+        (:class:`~tiercache.client.transfer.Load`). Use :meth:`lookup` + :meth:`read_ticket` to
+        restore from lower tiers too."""
+        load = Load.pin(self, keys, timeout)
+        return _copies(load)
 
     def read_ticket(self, result: LookupResult, *, release: bool = True) -> dict[ObjectKey, bytes]:
-        """Copy out every slot of a READY lookup (then release its ticket unless told not to);
-        nothing (all misses) when the lookup's slots are in an arena this client no longer maps."""
+        """Copy out every slot of a READY lookup, each checked against its digest (then release its
+        ticket unless told not to); nothing (all misses) when the lookup's slots are in an arena
+        this client no longer maps, and no copy that failed its check or outlived the leases."""
         if result.state is not p.TicketStateName.READY:
             raise ServerError(
                 f"ticket {result.ticket} is {result.state.value}, not ready; wait_ticket() first, or read only READY "
                 "lookups",
                 "invalid",
             )
-        arena = self.arena()
-        if result.arena and result.arena != arena.name:
+        # The lookup's time is not known here: its leases are judged from now (the ticket holding
+        # them is released only after the copies), and each copy is checked against its digest.
+        load = Load.adopt(self, self.arena(), result.arena, list(result.slots), self.clock())
+        if load is None:
             return {}  # a server restarted since the lookup (and forgot its ticket): other objects here
         try:
-            return {ObjectKey.from_bytes(s.key): bytes(arena.view(s.offset, s.nbytes)) for s in result.slots}
+            copies = _copies(load)
+            return {ObjectKey.from_bytes(s.key): c for s, c in zip(result.slots, copies) if c is not None}
         finally:
             if release:
                 self.release_ticket(result.ticket)
@@ -890,3 +894,22 @@ class Client:
         limit) are promoted. A server older than this op answers ``ProtocolError`` code ``unknown_op``."""
         msg = p.Warm(keys=[k.to_bytes() for k in keys], max_bytes=max_bytes)
         return self._call(msg, timeout=timeout)
+
+
+def _copies(load: Load) -> list[bytes | None]:
+    """A checked copy of each of ``load``'s objects (``None`` where there is none, or where the copy
+    did not match the object's digest or outlived its hold); finishes the load."""
+    copies: list[bytes | None] = []
+    corrupt: list[int] = []
+    for i, slot in enumerate(load.slots):
+        if slot is None:
+            copies.append(None)
+            continue
+        out = bytearray(slot.nbytes)
+        if load.copy_into(i, out):
+            copies.append(bytes(out))
+        else:
+            corrupt.append(i)
+            copies.append(None)
+    lost = load.finish(corrupt)
+    return [None if i in lost else c for i, c in enumerate(copies)]
