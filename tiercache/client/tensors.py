@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 from tiercache.keys.digest import Digest
@@ -31,9 +32,20 @@ def feed(digest: Digest, t: torch.Tensor) -> None:
         raise ValueError(f"a digest reads host memory; this tensor is on {t.device}")
     if t.is_contiguous():
         if t.numel():
-            digest.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    elif t.dim() > 1:
-        for sub in t:
-            feed(digest, sub)
-    else:  # one strided dimension: elements one by one would be slower than one small copy
-        digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif t.dim() > 1 and t.stride(-1) == 1:
+        feed_array(digest, t.view(torch.uint8).numpy())
+    else:  # elements strided in memory: one small copy beats hashing them one by one
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def feed_array(digest: Digest, a: np.ndarray) -> None:
+    """:func:`feed` for a numpy array (any dtype, any strides), in C order of its shape."""
+    if a.flags.c_contiguous:
+        if a.size:
+            digest.update(a)
+    elif a.ndim > 1:
+        for sub in a:
+            feed_array(digest, sub)
+    else:
+        digest.update(np.ascontiguousarray(a))

@@ -117,14 +117,18 @@ class CpuPageCopy(PageCopyEngine):
     ) -> None:
         blocks = ids.tolist()
         for pv, dst in zip(pages, dsts, strict=True):
-            pv.gather(ids, dst)
             if zeros:
                 digest.update(bytes(zeros * pv.page_bytes))
-            pv.feed(digest, blocks)  # the source pages, just read: still in cache
+            pv.feed(digest, blocks)  # the source pages: hashing brings them into cache for the copy
+            pv.gather(ids, dst)
 
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
+        """Overlapped: a thread writes layer by layer and hashes each part for its check right
+        after copying it (still in cache). Inline: the writes only; the checks hash later, off the
+        forward pass's path (:meth:`WorkerHalf.start_load_kv
+        <tiercache.connector.worker.WorkerHalf.start_load_kv>`)."""
         if overlap:
-            return ThreadedLoad(plan, _write_page)
+            return ThreadedLoad(plan, _write_checked)
         failed: set[int] = set()
         run_writes(plan, _write_page, failed)
         return FinishedLoad(failed)
@@ -132,7 +136,11 @@ class CpuPageCopy(PageCopyEngine):
 
 def _write_page(w: PageWrite) -> None:
     w.pages.scatter(w.ids, w.rows())
-    if w.check is not None:  # the slot's part is still in cache: check it now
+
+
+def _write_checked(w: PageWrite) -> None:
+    _write_page(w)
+    if w.check is not None:  # the slot's part is still in cache: hash it for the check now
         w.check.copied(*w.part)
 
 

@@ -56,6 +56,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,8 @@ class _StepLoad:
     ticket_slots: bool = False  # copied from the scheduler's ticket's slots: no pin, no release
     chunk_objects: dict[int, range] = field(default_factory=dict)  # per chunk: its slots' indexes
     checks: dict[int, SlotCheck] = field(default_factory=dict)  # per planned slot: its copy's check
+    #: The slots whose copy failed its check, worked out by the check thread during the forward pass.
+    verdict: Future[list[int]] | None = None
     planned: list[bool] = field(default_factory=list)  # per chunk: its writes are in the job
     nbytes: dict[int, int] = field(default_factory=dict)  # per planned chunk: bytes it loads
     job: LoadJob | None = None
@@ -163,6 +166,11 @@ class WorkerHalf:
         self._overlap = settings.overlap_loads
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
+        # Checks of inline loads' copies, during the forward pass; started from the model-runner
+        # thread, it moves off that thread's cores as the connector's other threads do.
+        self._checker = ThreadPoolExecutor(
+            1, thread_name_prefix="tiercache-connector-check", initializer=spread_current_thread
+        )
         self.link = link(settings, "vllm-worker", self._on_connect)
         self.stats = {
             "loaded_chunks": 0,
@@ -287,6 +295,11 @@ class WorkerHalf:
                 load.planned.append(writes is not None)
             assert self._copy is not None
             load.job = self._copy.start_load(plan, overlap=self._overlap)
+            if load.checks and load.job.done():
+                # The copies are done: their checks hash the slots on another thread while the
+                # forward pass runs. A failed one is reported at the end of the step (a load
+                # error), and vLLM drops what the step computed from it and recomputes.
+                load.verdict = self._checker.submit(_failed_checks, load.checks)
         finally:
             # Also after an unexpected error (no job): a parked request nobody reports would wait
             # forever, and its pins would outlive it.
@@ -418,7 +431,7 @@ class WorkerHalf:
         # process may have written into), and released before the report: a chunk is loaded only
         # if every lease it was copied under still held when the copy was done. An expired
         # lease's slot may have been reused meanwhile, so its bytes could be another chunk's.
-        corrupt = [j for j, check in load.checks.items() if not check.ok()]
+        corrupt = load.verdict.result() if load.verdict is not None else _failed_checks(load.checks)
         lost = self._release(load, corrupt)
         bad = set(corrupt) | lost
         wrong = {i for i, objects in load.chunk_objects.items() if bad.intersection(objects)}
@@ -740,6 +753,12 @@ class WorkerHalf:
         self.link.close()
         if self._copy is not None:
             self._copy.close()
+        self._checker.shutdown(wait=True)
+
+
+def _failed_checks(checks: dict[int, SlotCheck]) -> list[int]:
+    """The slots whose copy does not match its object's digest."""
+    return [j for j, check in checks.items() if not check.ok()]
 
 
 def _zeros_allowed(save: ChunkSave, g: GroupLayout) -> bool:

@@ -12,9 +12,12 @@ cached, costs a fraction of the copy itself (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import xxhash
 
-Buffer = bytes | bytearray | memoryview
+#: Any C-contiguous buffer (a numpy array too).
+Buffer = bytes | bytearray | memoryview | Any
 
 
 def digest(data: Buffer) -> int:
