@@ -26,7 +26,7 @@ from tiercache.errors import ConfigError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.sglang import TierCacheStorage
-from tiercache.sglang.keys import page_hash
+from tiercache.sglang.keys import KV_GROUP, page_hash
 from tiercache.testing.poll import wait_until
 
 Make = Callable[..., HiCacheStorage]
@@ -317,3 +317,31 @@ def test_engines_whose_pages_differ_never_share_them(tmp_path: Path, make: Make)
         assert {what: b.batch_exists(names) for what, b in others.items()} == dict.fromkeys(others, 0)
         twin = make(server.endpoint, MHALayoutHostPool(4, page_size=PAGE))
         assert twin.batch_exists(names) == 2
+
+
+def test_a_page_another_client_scribbled_on_is_a_miss_never_its_bytes(tmp_path: Path, make: Make) -> None:
+    """The arena is shared memory: a page whose slot another client wrote into (late, or outside
+    its own slots) fails its digest after the copy, in a get that pins and in a get from the
+    exists' ticket alike: that page and the ones after it are misses, and the server drops it."""
+    with running(server_spec(tmp_path, disk=False)) as server, Client(server.endpoint) as other:
+        pool = MHALayoutHostPool(8, page_size=PAGE)
+        b = make(server.endpoint, pool)
+        assert isinstance(b, TierCacheStorage)
+        names = keys(3)
+        stored = _store(b, pool, names, [0, 1, 2])
+        fp = b.fingerprint
+        assert fp is not None
+        slots = other.pin([ObjectKey(fp, KV_GROUP, page_hash(n)) for n in names])
+        other.release([s.token for s in slots if s is not None])
+        assert slots[1] is not None
+        other.arena().view(slots[1].offset + 16, 8)[:] = b"scribble"
+        assert b.batch_exists(names) == 3  # the server does not read the bytes to answer
+        assert b.batch_get_v1(names, pool.indices([5, 6, 7])) == [True, False, False]  # the ticket's
+        assert pool.page_bytes(5) == stored[0]
+        assert b.counters()["corrupt"] == 1
+        wait_until(
+            lambda: other.stats()["engine"]["integrity_failures_l1_read"] == 1,
+            what="the server to count the page the backend reported",
+        )
+        # Dropped by the server: the pages after the first are misses now, for a pinning get too.
+        assert b.batch_get_v1(names, pool.indices([5, 6, 7])) == [True, False, False]
