@@ -350,10 +350,12 @@ def run(
     engine_args: dict | None = None,
     log_stats: bool = False,
     connector_config: dict | None = None,
+    kv_role: str = "kv_both",
 ) -> dict[str, Any]:
     """Generate greedily for each prompt, alone in its batch; ``engine_args`` override the defaults
     (e.g. ``mamba_cache_mode`` and a bfloat16 dtype for GDN models); ``log_stats`` runs vLLM's stat
-    loggers and reports tiercache's metrics."""
+    loggers and reports tiercache's metrics; ``kv_role`` is the connector's (a prefill engine's
+    ``kv_producer`` reserves its stores before each step returns)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -379,7 +381,7 @@ def run(
         kv_transfer_config={
             "kv_connector": "TierCacheConnector",
             "kv_connector_module_path": "tiercache.connector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"server": server, "timeout_s": 5.0, **(connector_config or {})},
         },
@@ -447,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         "--log-stats", action="store_true", help="run vLLM's stat loggers; report tiercache's metrics"
     )
     ap.add_argument("--connector-config", default="{}", help="JSON object added to kv_connector_extra_config")
+    ap.add_argument("--kv-role", default="kv_both", help="the connector's kv_role")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = json.loads(Path(args.prompts).read_text())
@@ -458,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         json.loads(args.engine_args),
         log_stats=args.log_stats,
         connector_config=json.loads(args.connector_config),
+        kv_role=args.kv_role,
     )
     Path(args.out).write_text(json.dumps(result))
     # The engine is down (run() shut it down) and the result written: skip the interpreter's teardown

@@ -17,19 +17,26 @@ first copy stalls 2.5 s while another client's stores reuse the slot it copies f
 chunks failed and vLLM recomputes them: the output equals the cold run's. The negative control
 trusts every release, as tiercache did before releases named lost leases: it uses the reused bytes
 and its output moves.
+
+A prefill engine (``kv_producer``) whose save backlog outlasts its reservations: on a server whose
+reservations last 1 s, every store's copy starts 2.5 s late (``tests/e2e/slow_store_site``), after
+the time rule let it start. Its late bytes land in slots the server keeps out of use, its commits
+are refused, and an engine after it recomputes what was not stored: its output equals the cold
+run's, and no object's digest ever failed.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from tests.e2e.engine_run import write_tiny_llama
-from tests.e2e.setup import LOAD_FAILURE_RUN, MiB, Run, Setup, cold_setup
+from tests.e2e.setup import LOAD_FAILURE_RUN, MiB, Run, Setup, cold_setup, run_engine
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.keys import ObjectKey
 
@@ -184,3 +191,48 @@ def test_a_copy_that_outlives_its_lease_is_recomputed_not_used(setup: Setup, tru
         assert run.tokens == setup.cold.tokens
         assert diff <= 1e-5
         assert RECOVERED.search(run.log), "vLLM did not recompute the failed chunks"
+
+
+RESERVATION_TTL_S = 1.0
+STORE_LATE_BY_S = 2.5
+SLOW_STORE_SITE = Path(__file__).parent / "slow_store_site"
+
+
+def test_a_producers_stores_that_outlast_their_reservations_never_reach_a_reader(setup: Setup) -> None:
+    server = ServerProcess(
+        ServerSpec(
+            listen=f"ipc://{setup.tmp}/late-producer.sock",
+            l1_bytes=16 * MiB,
+            l1_options={"reservation_ttl_s": RESERVATION_TTL_S},
+            options={"chunk_size": CHUNK},
+        )
+    )
+    server.wait_ready()
+    try:
+        produced = run_engine(
+            setup.model,
+            server.endpoint,
+            setup.prompts,
+            setup.tmp / "late-producer.json",
+            launcher_args=["--kv-role", "kv_producer"],
+            engine_args=setup.engine_args,
+            extra_path=SLOW_STORE_SITE,
+            env={"TIERCACHE_TEST_STORE_DELAY_S": str(STORE_LATE_BY_S)},
+        )
+        after = setup.run("after-late-producer", server=server.endpoint)
+        with server.client() as c:
+            stats = c.stats()
+    finally:
+        server.stop()
+    l1 = stats["tiers"]["l1"]
+    integrity = {k: v for k, v in stats["engine"].items() if k.startswith("integrity_failures_")}
+    print(
+        f"\n[e2e late producer] expired reservations {l1['expired_reservations']}, quarantined "
+        f"{l1['quarantined']} (writers done {l1['quarantine_writer_done']}), stores {stats['engine']['stores']}, "
+        f"integrity {integrity}, after: cached {after.num_cached}"
+    )
+    assert produced.tokens == setup.cold.tokens
+    assert l1["expired_reservations"] >= 1 and l1["quarantined"] >= 1  # the late copies landed there
+    assert not any(integrity.values())
+    assert after.tokens == setup.cold.tokens
+    assert after.max_logprob_diff(setup.cold) <= 1e-5
