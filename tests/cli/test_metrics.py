@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import make_key
 from tiercache.config.server import ServerConfig
 from tiercache.engine import TieredEngine
+from tiercache.engine.counters import INTEGRITY_PATHS
 from tiercache.server.build import build_engine
 from tiercache.server.metrics import MetricsServer, render
 
@@ -116,3 +117,16 @@ def test_chunks_lost_on_write_back_are_one_counter_by_reason_exported_from_zero(
     assert sample(text, lost, reason="queue_full") == 7
     assert sample(text, lost, reason="write_failed") == 2
     assert "writeback_lost_queue_full_total" not in text  # not also as a counter of its own
+
+
+def test_integrity_failures_are_one_counter_by_path_exported_from_zero(engine: TieredEngine) -> None:
+    """Copies out of L1 that failed their object's digest, by where they were caught."""
+    with MetricsServer(engine.stats) as metrics:
+        text = scrape(metrics.url)
+    failed = "tiercache_engine_integrity_failures_total"
+    assert "# TYPE tiercache_engine_integrity_failures_total counter" in text
+    assert all(sample(text, failed, path=path) == 0 for path in INTEGRITY_PATHS)
+    text = render({"engine": {"integrity_failures_l1_read": 3, "integrity_failures_write_through": 1}})
+    assert sample(text, failed, path="l1_read") == 3
+    assert sample(text, failed, path="write_through") == 1
+    assert "integrity_failures_l1_read_total" not in text

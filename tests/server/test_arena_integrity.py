@@ -10,6 +10,7 @@ the copy start, until the test lets it go on.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.server.conftest import StartServer, manifest
+from tiercache.cli.app import main
 from tiercache.client.client import Client
 from tiercache.client.transfer import Store
 from tiercache.keys import Fingerprint, ObjectKey
@@ -196,7 +198,7 @@ def test_a_writer_whose_session_was_dropped_writes_into_dead_space(
 
 
 def test_a_client_writing_outside_its_slots_makes_readers_miss_never_read_its_bytes(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A client with an offset bug writes over another tenant's committed object: the vLLM-style
     load (pin), the lookup's ticket and the server's own get all refuse the copy; the object is
@@ -218,6 +220,12 @@ def test_a_client_writing_outside_its_slots_makes_readers_miss_never_read_its_by
         wait_until(lambda: l1(reader)["evictions"].get("corrupt", 0) == 1, what="the object to be dropped")
         assert reader.get(k) == mine
         assert reader.load_chunks([k]) == [mine]
+    assert main(["inspect", "summary", "--server", server.endpoint]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # One or two: the pin may come before or after the server dropped the object the ticket's read reported.
+    assert re.search(
+        r"integrity failures: ([12]) \(client loads \1, server gets 0, promotions 0, write-through 0\)", out
+    )
 
 
 def test_the_servers_own_read_of_a_scribbled_object_is_a_miss_then_the_disk_copy(

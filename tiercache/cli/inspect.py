@@ -286,6 +286,8 @@ def _summary_view(data: dict[str, Any]) -> Any:
             f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
         )
         parts.append(_trust_line(srv))
+        if "integrity_failures_l1_read" in e:  # (absent from older servers)
+            parts.append(_integrity_line(e, data["tiers"].get("l1", {})))
     else:
         parts.append("offline: stored data only; hit rates, evictions and errors live in a server's memory")
     return Group(*parts)
@@ -306,6 +308,31 @@ def _trust_line(server: dict[str, Any]) -> str:
     if lost:
         line += "; raise --l1-lease-ttl-s above the slowest copy (docs/caveats.md)"
     return line + f", requests refused unsigned: {unsigned}"
+
+
+_INTEGRITY_PATHS = {
+    "l1_read": "client loads",
+    "server_read": "server gets",
+    "promotion": "promotions",
+    "write_through": "write-through",
+}
+
+
+def _integrity_line(engine: dict[str, Any], l1: dict[str, Any]) -> str:
+    """Copies out of L1 that failed their object's digest (by where caught; each was a miss), and
+    the slots of abandoned reservations kept out of use: the first stays at zero on a healthy node."""
+    failed = {path: int(engine.get(f"integrity_failures_{path}", 0)) for path in _INTEGRITY_PATHS}
+    line = f"integrity failures: {sum(failed.values())} (" + ", ".join(
+        f"{label} {failed[path]}" for path, label in _INTEGRITY_PATHS.items()
+    )
+    line += (
+        f"); quarantined slots: {int(l1.get('quarantined', 0))} "
+        f"({_size(l1.get('quarantine_bytes', 0))} now; their writers came back late: "
+        f"{int(l1.get('quarantine_writer_done', 0))})"
+    )
+    if sum(failed.values()):
+        line += "; a client wrote into slots not its own: see the server log (docs/caveats.md)"
+    return line
 
 
 def _writeback_lost_line(engine: dict[str, Any]) -> str:
