@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.rawsock import RawSocket
@@ -80,6 +82,34 @@ def test_malformed_oversized_and_unknown_messages_get_error_replies(
     assert error_of(raw.request(p.Reserve(items=[(b"short", 10)]))) is p.ErrorCode.INVALID
     with server.client() as good:
         good.ping()
+
+
+def nested(depth: int) -> bytes:
+    """A msgpack frame of ``depth`` nested one-element arrays (~``depth`` bytes)."""
+    return b"\x91" * depth + b"\xc0"
+
+
+@pytest.mark.parametrize("where", ["bare", "unknown field", "manifest"])
+def test_a_frame_nested_past_the_decoders_depth_is_refused_and_the_loop_goes_on(
+    server: ServerProcess, raw: RawSocket, where: str
+) -> None:
+    """A ~2 KiB frame nested 2,000 deep made the decoder raise RecursionError, which stopped the
+    request loop for good (the process stayed up, answering nobody). Before the hello too: it is
+    the first thing a stranger can send."""
+    deep = nested(2000)
+    frame = {
+        "bare": deep,
+        # {"op": "ping", "req_id": 3, "x": <deep>}
+        "unknown field": b"\x83\xa2op\xa4ping\xa6req_id\x03\xa1x" + deep,
+        # {"op": "register", "req_id": 4, "groups": [[0, {"m": <deep>}]]}
+        "manifest": b"\x83\xa2op\xa8register\xa6req_id\x04\xa6groups\x91\x92\x00\x81\xa1m" + deep,
+    }[where]
+    assert error_of(raw.request(frame)) is p.ErrorCode.MALFORMED
+    raw.hello()
+    assert error_of(raw.request(frame)) is p.ErrorCode.MALFORMED
+    with server.client() as good:
+        good.ping()
+        assert good.stats()["server"]["malformed"] == 2
 
 
 def test_out_of_order_messages_are_refused_and_the_loop_goes_on(server: ServerProcess) -> None:
@@ -186,3 +216,36 @@ def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(
         assert client.get(key(3), timeout=10) is not None
     finally:
         client.close()
+
+
+def test_a_request_loop_that_fails_anyway_stops_the_server_which_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a bug end the request loop, the server stops (the arena unlinked, nothing left
+    half-alive answering nobody) and serve_forever raises, so `tiercache server` exits 1 and a
+    supervisor restarts it. The bug is planted in the loop's reading of requests."""
+    from tiercache.config import L1Config, ServerOptions
+    from tiercache.engine import TieredEngine
+    from tiercache.l1.tier import L1Tier
+    from tiercache.server import Server
+
+    l1 = L1Tier(L1Config(size_bytes=1 << 20))
+    server = Server(TieredEngine(l1), ServerOptions(listen=f"ipc://{tmp_path}/s.sock"))
+
+    def planted_bug(sock: object) -> None:
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(server, "_read_requests", planted_bug)
+    server.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    sock.send(p.Codec().encode(p.Ping()))
+    try:
+        with pytest.raises(ServerError, match="request loop failed"):
+            server.serve_forever()
+    finally:
+        sock.close()
+        ctx.term()
+    assert not l1.arena.path.exists()  # stopped and closed: the arena is gone

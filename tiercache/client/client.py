@@ -335,7 +335,7 @@ class Client:
             frame = frames[0]
             try:
                 reply = self._codec.replies.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 raise ProtocolError(
                     f"undecodable reply from the server at {self.endpoint}: {exc}; use the same tiercache version "
                     "for the server and its clients",

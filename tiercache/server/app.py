@@ -33,7 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from tiercache.config.parts import ServerOptions
@@ -95,6 +94,8 @@ class Server:
         self._sock: zmq.Socket[bytes] | None = None
         self._auth: Any = None
         self._thread: threading.Thread | None = None
+        #: Why the request loop ended other than by :meth:`stop` (``None``: it did not).
+        self.failure: BaseException | None = None
         self._executor = ThreadPoolExecutor(self.options.io_workers, thread_name_prefix="tiercache-server-io")
         self._max_inflight = self.options.io_workers * _JOBS_PER_WORKER
         self._completed: queue.SimpleQueue[_Completion] = queue.SimpleQueue()
@@ -109,7 +110,7 @@ class Server:
         self._codec = p.Codec()
         self._sessions = Sessions(engine, self._l1, self.options)
         self._inflight = 0
-        self._counters: dict[str, int] = {"requests": 0, "errors": 0}
+        self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0}
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
         #: What each tier gained and lost, for clients that follow it (KV events for routers).
@@ -174,10 +175,17 @@ class Server:
             log.info("tiercache server listening on %s (arena %s)", self.endpoint, self._l1.arena_name)
 
     def serve_forever(self) -> None:
-        """Start if needed and block until :meth:`stop` finished. Signal handlers keep running."""
+        """Start if needed and block until :meth:`stop` finished. Signal handlers keep running.
+        Raises :class:`~tiercache.errors.ServerError` if the request loop failed (it then stopped
+        the server itself): the process should exit non-zero and be restarted."""
         self.start()
         while not self._stopped.wait(0.2):  # short waits so the main thread can run signal handlers
             pass
+        if self.failure is not None:
+            raise ServerError(
+                f"the request loop failed ({type(self.failure).__name__}: {self.failure}); the server stopped. "
+                "This is a bug: please report it with the log above; restart the server"
+            ) from self.failure
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop accepting, drain in-flight work, flush and close the engine. Idempotent.
@@ -279,8 +287,17 @@ class Server:
                 if now >= next_sweep:
                     self._sessions.expire(now)
                     next_sweep = now + sweep_every
-        except Exception:  # a bug here must not leave the arena leaked: release below, then report
-            log.exception("tiercache server loop failed")
+        except BaseException as exc:  # a bug here must not leave the arena leaked: release below, then report
+            self.failure = exc
+            log.critical(
+                "the tiercache server's request loop failed (%s: %s); the server stops and exits non-zero so "
+                "that a supervisor restarts it",
+                type(exc).__name__,
+                exc,
+                exc_info=True,
+            )
+            # Nobody would be answered any more: stop (drain, flush, close) as a signal would.
+            threading.Thread(target=self.stop, name="tiercache-shutdown", daemon=True).start()
         finally:
             self._sessions.close_all()
             sock.close(0)
@@ -340,7 +357,8 @@ class Server:
             ), False
         try:
             msg = self._codec.requests.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except Exception:  # undecodable in any way (a frame nested past the decoder's depth too)
+            self._counters["malformed"] += 1
             req_id, code, message = self._codec.classify_bad_request(frame)
             return p.ErrorReply(req_id=req_id, code=code, message=message), False
         signed = False

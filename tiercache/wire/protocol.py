@@ -566,6 +566,8 @@ class Codec:
             raw = self._any.decode(frame)
         except msgspec.DecodeError as exc:
             return 0, ErrorCode.MALFORMED, f"not a msgpack message: {exc}"
+        except RecursionError:
+            return 0, ErrorCode.MALFORMED, "a msgpack message nested too deeply to decode"
         if not isinstance(raw, dict):
             return 0, ErrorCode.MALFORMED, "a request must be a msgpack map with an 'op' field"
         req_id = raw.get("req_id", 0)
@@ -587,4 +589,6 @@ class Codec:
             self.requests.decode(frame)
         except msgspec.ValidationError as exc:
             return req_id, ErrorCode.MALFORMED, f"bad {op!r} request: {exc}"
+        except (msgspec.DecodeError, RecursionError):
+            return req_id, ErrorCode.MALFORMED, f"bad {op!r} request: nested too deeply or undecodable"
         return req_id, ErrorCode.MALFORMED, f"bad {op!r} request"
