@@ -32,11 +32,11 @@ def install(drop_index: int, hide_load_errors: bool) -> None:
 
     real_ticket_slots = WorkerHalf._ticket_slots
 
-    def ticket_slots_without_one(self: WorkerHalf, *args: Any) -> list[Any] | None:
-        slots = real_ticket_slots(self, *args)
-        if slots is not None and len(slots) > drop_index:
-            slots[drop_index] = None
-        return slots
+    def ticket_slots_without_one(self: WorkerHalf, *args: Any) -> Any:
+        load = real_ticket_slots(self, *args)  # the ticket's slots (a transfer.Load), or None
+        if load is not None and len(load.slots) > drop_index:
+            load.slots[drop_index] = None
+        return load
 
     WorkerHalf._ticket_slots = ticket_slots_without_one  # type: ignore[method-assign]
 

@@ -9,10 +9,10 @@ backend) and the client's own helpers call it and know nothing of each other:
 * **The window.** A server vouches for a hold (a reservation, a lease) for
   :attr:`Window.span_s` after the request that made it was *sent* (the shorter of its TTL and the
   heartbeat timeout: a TTL starts once the request arrived, and a silent session is dropped no
-  sooner). A copy into or out of a slot may start only within the first quarter of it
-  (:attr:`Window.START`), and a read counts without the server's word only if its copy ended
-  within half (:attr:`Window.END`); a later read waits for the release's reply, which names the
-  leases that had expired.
+  sooner). A read's copy may start only within the first quarter of it (:attr:`Window.START`),
+  and counts without the server's word only if it ended within half (:attr:`Window.END`); a later
+  read waits for the release's reply, which names the leases that had expired. A write's copy may
+  start only within half of it; the commit's reply says whether the reservation still held.
 * **Digests.** A store commits with each object the digest of the bytes its writer meant to store
   (:mod:`tiercache.keys.digest`), computed over the writer's own memory, never over the slot
   (:class:`Store`). Every read checks its copy against the digest the slot names once the copy is
@@ -95,14 +95,20 @@ class Window:
     since: float  # clock() just before the request was sent (time.monotonic: any process of this host)
     clock: Callable[[], float] = time.monotonic
 
-    #: Share of the span within which a copy may start.
+    #: Share of the span within which a read's copy may start (it must end within :attr:`END`).
     START = 0.25
-    #: Share of the span within which a read's copy must have ended to count without a reply.
+    #: Share of the span within which a read's copy must have ended to count without a reply, and
+    #: within which a write's copy may start (the commit's reply then says whether the reservation
+    #: still held; what matters is that no copy starts into a slot that may no longer be its own).
     END = 0.5
 
     def may_start(self, now: float | None = None) -> bool:
-        """Whether a copy may start now."""
+        """Whether a read's copy may start now."""
         return self._within(self.START, now)
+
+    def may_start_write(self, now: float | None = None) -> bool:
+        """Whether a write's copy may start now."""
+        return self._within(self.END, now)
 
     def held(self, now: float | None = None) -> bool:
         """Whether a copy that ended now was inside the hold, by time alone."""
@@ -201,8 +207,8 @@ class Store(_Slots):
     def may_write(self, now: float | None = None) -> bool:
         """Whether a copy into the slots may start now: a copy that starts later could write into
         a slot that is no longer this reservation's (the writer's time rule; a late write lands in
-        a slot the server keeps out of use, but only for a while). Check before each object."""
-        return self.window.may_start(now)
+        a slot the server keeps out of use, but only for a while). Checked before each object."""
+        return self.window.may_start_write(now)
 
     @property
     def tokens(self) -> list[int]:
