@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import stat
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from tiercache.config import L1Config
 from tiercache.errors import ArenaError
 from tiercache.l1.arena import SHM_DIR, SharedArena, default_arena_name
 from tiercache.l1.tier import L1Tier
+from tiercache.testing.poll import wait_until
 
 
 # -- run in a spawned child process (module level so that spawn can import them) -------------------
@@ -125,8 +128,48 @@ def test_populate_stops_once_the_arena_is_closed() -> None:
 
 def test_creating_an_existing_name_is_refused() -> None:
     with SharedArena.create(default_arena_name(), 4096) as arena:
-        with pytest.raises(ArenaError, match="already exists"):
+        with pytest.raises(ArenaError, match=r"already exists .* its server is running"):
             SharedArena.create(arena.name, 4096)
+
+
+def _child_create_and_hang(name: str, ready: str) -> None:
+    SharedArena.create(name, 4096)
+    Path(ready).touch()
+    time.sleep(600)
+
+
+def test_a_fixed_name_left_by_a_killed_server_is_taken_over_by_the_next(tmp_path: Path) -> None:
+    """A server started with --l1-name and killed with SIGKILL cannot unlink its arena; the next
+    one with that name finds no process holding the arena's lock and starts anew (it could not,
+    before: "already exists", until someone removed the file by hand)."""
+    name = default_arena_name()
+    ready = tmp_path / "ready"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_child_create_and_hang, args=(name, str(ready))
+    )
+    child.start()
+    try:
+        wait_until(ready.exists, timeout=60, what="the first owner to create the arena")
+        with pytest.raises(ArenaError, match="its server is running"):
+            SharedArena.create(name, 4096)  # alive: refused
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(30)
+        assert (SHM_DIR / name).exists()  # left behind
+        with SharedArena.create(name, 8192) as arena:
+            assert arena.size == 8192
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a file of another user")
+def test_an_arena_of_another_user_is_never_attached() -> None:
+    """A client maps only its own user's arena: another local user's (a squatted endpoint's) would
+    read and take its stores."""
+    with SharedArena.create(default_arena_name(), 4096) as arena:
+        os.chown(arena.path, 12345, 12345)
+        with pytest.raises(ArenaError, match="belongs to uid 12345"):
+            SharedArena.attach(arena.name)
 
 
 def test_attaching_a_missing_arena_says_what_to_check() -> None:

@@ -627,3 +627,23 @@ def test_iter_keys_by_use_is_newest_first_and_survives_a_restart(
     reopened = open_tier(tmp_path, clock, budget=64 * CHUNK)
     assert list(reopened.iter_keys_by_use()) == expected
     reopened.close()
+
+
+def test_an_existing_directory_keeps_its_mode_and_the_files_are_owner_only(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """--disk-path on a directory shared with others (1777, like /tmp): opening the tier must not
+    lock its other users out (it made it 0700); its own files are owner-only."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    tier = DiskTier(DiskConfig(path=shared, budget_bytes=1 << 20), clock=clock)
+    try:
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+        assert stat.S_IMODE((shared / "data.mdb").stat().st_mode) == 0o600
+    finally:
+        tier.close()
+    fresh = tmp_path / "fresh" / "disk"
+    tier = DiskTier(DiskConfig(path=fresh, budget_bytes=1 << 20), clock=clock)
+    tier.close()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700  # made by the tier: owner-only

@@ -11,7 +11,8 @@ import pytest
 
 from tests.server.conftest import StartServer, curve_keys
 from tiercache.client.client import Client
-from tiercache.errors import AuthenticationError, ServerUnavailableError
+from tiercache.errors import AuthenticationError, ConfigError, ServerError, ServerUnavailableError
+from tiercache.server.security import prepare_ipc
 
 
 def free_port() -> int:
@@ -65,3 +66,34 @@ def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer,
         )
     with pytest.raises(ServerUnavailableError):
         Client(endpoint, timeout=1, heartbeat=False)  # plain TCP: the CURVE handshake never completes
+
+
+def _squatted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> Path:
+    """The default socket directory (here under a fake XDG_RUNTIME_DIR), made first by someone else:
+    a directory of another uid, or a symlink to one."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, 12345, 12345)
+    directory = tmp_path / "tiercache"
+    if how == "owned by another user":
+        directory.mkdir(mode=0o777)
+        os.chown(directory, 12345, 12345)
+    else:
+        directory.symlink_to(theirs)
+    return directory
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory of another user")
+@pytest.mark.parametrize("how", ["owned by another user", "a symlink"])
+def test_a_squatted_default_socket_directory_is_refused_by_server_and_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Without XDG_RUNTIME_DIR the default socket directory is /tmp/tiercache-<uid>, which another
+    local user can make first: the server would then bind (or fail to) in that user's directory
+    and the client connect to that user's server. Both refuse, saying why."""
+    directory = _squatted(tmp_path, monkeypatch, how)
+    with pytest.raises(ServerError, match="another local user may have made it"):
+        prepare_ipc(directory / "server.sock")
+    with pytest.raises(ConfigError, match="another local user may have made it"):
+        Client()

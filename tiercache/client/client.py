@@ -37,9 +37,10 @@ import zmq
 import zmq.auth
 
 from tiercache.client.transfer import Load, Store
-from tiercache.config.parts import default_endpoint
+from tiercache.config.parts import default_endpoint, default_runtime_dir, runtime_dir_problem
 from tiercache.errors import (
     AuthenticationError,
+    ConfigError,
     ProtocolError,
     ServerError,
     ServerUnavailableError,
@@ -159,6 +160,11 @@ class Client:
         on_thread_start: Callable[[], None] | None = None,
         io_cpus: Collection[int] | None = None,
     ) -> None:
+        if endpoint is None:
+            # The default endpoint's directory may be in /tmp: only trust one of this user's own.
+            problem = runtime_dir_problem(default_runtime_dir())
+            if problem is not None:
+                raise ConfigError(problem)
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self._secret = auth_secret

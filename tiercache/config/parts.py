@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,6 +284,31 @@ def default_runtime_dir() -> Path:
     if base:
         return Path(base) / "tiercache"
     return Path(f"/tmp/tiercache-{os.getuid()}")
+
+
+def runtime_dir_problem(directory: Path) -> str | None:
+    """Why ``directory``, the default socket directory, cannot be trusted (``None``: it can, or it
+    does not exist yet): it must be a real directory (not a symlink) owned by this user. Without
+    ``XDG_RUNTIME_DIR`` it is in ``/tmp``, where another local user could have made it first, and
+    would then own the socket a server binds and a client connects to."""
+    try:
+        st = directory.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot check the socket directory {directory}: {exc}"
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        return None
+    what = (
+        "is not a directory (a symlink or a file)"
+        if not stat.S_ISDIR(st.st_mode)
+        else f"belongs to uid {st.st_uid}"
+    )
+    return (
+        f"the socket directory {directory} {what}, not to this user (uid {os.getuid()}): another local user "
+        "may have made it to take the server's socket over; remove it, or set XDG_RUNTIME_DIR (or the "
+        "endpoint) to a directory of your own"
+    )
 
 
 def default_endpoint() -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import re
@@ -28,6 +30,8 @@ from types import TracebackType
 
 from tiercache.config.units import format_bytes
 from tiercache.errors import ArenaError
+
+log = logging.getLogger(__name__)
 
 #: Where POSIX shared memory lives on Linux; a tmpfs.
 SHM_DIR = Path("/dev/shm")
@@ -134,6 +138,7 @@ class SharedArena:
         self._size = size
         self._owner = owner
         self._unlinked = False
+        self._lock_fd: int | None = None  # the owner's locked descriptor of the file (create())
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -166,11 +171,16 @@ class SharedArena:
                 "emptyDir with medium: Memory)"
             )
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                if not _reclaim_abandoned(path):
+                    raise
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except FileExistsError as exc:
             raise ArenaError(
-                f"an L1 arena named {name!r} already exists ({path}); another tiercache server may be "
-                f"using it — pick another --l1-name, or remove {path} if no server is running"
+                f"an L1 arena named {name!r} already exists ({path}) and its server is running (it holds the "
+                f"arena's lock): pick another --l1-name, or stop that server"
             ) from exc
         except OSError as exc:
             raise ArenaError(
@@ -178,6 +188,9 @@ class SharedArena:
                 "this user"
             ) from exc
         try:
+            # The owner's mark, held for as long as the arena is open: a server killed with SIGKILL
+            # drops it with its process, so the next one may take the name over.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # The umask may have removed bits; the owner must be able to read and write.
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
@@ -204,8 +217,9 @@ class SharedArena:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        os.close(fd)  # mmap keeps its own duplicate of the descriptor
-        return cls(name, mapping, size, owner=True)
+        arena = cls(name, mapping, size, owner=True)
+        arena._lock_fd = fd  # kept open: it holds the owner's lock
+        return arena
 
     @classmethod
     def attach(cls, name: str) -> SharedArena:
@@ -230,7 +244,13 @@ class SharedArena:
                 "--l1-name matches"
             ) from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise ArenaError(
+                    f"L1 arena {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): it is not "
+                    "your server's; check the endpoint, and run the server and its clients as one user"
+                )
+            size = st.st_size
             if size <= 0:
                 raise ArenaError(
                     f"L1 arena {path} is empty; it is still being created or is not a tiercache arena"
@@ -335,6 +355,9 @@ class SharedArena:
         base, mapping = self._base, self._mmap
         self._base = None
         self._mmap = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # and with it the owner's lock
+            self._lock_fd = None
         if base is not None:
             base.release()
         if mapping is not None:
@@ -374,6 +397,27 @@ class SharedArena:
         state = "closed" if self.closed else "open"
         role = "owner" if self._owner else "attached"
         return f"SharedArena(name={self._name!r}, size={self._size}, {role}, {state})"
+
+
+def _reclaim_abandoned(path: Path) -> bool:
+    """Remove the arena file at ``path`` if it is this user's and no process holds its owner's
+    lock (its server died without unlinking it, e.g. killed with SIGKILL); whether it did."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its server is alive
+        log.warning("L1 arena %s was left by a server that is gone; removing it to start anew", path)
+        _unlink_quietly(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:

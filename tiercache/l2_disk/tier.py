@@ -185,8 +185,11 @@ class DiskTier(Tier):
     def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
         path = self.config.path
         try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(path, 0o700)
+            if not path.exists():
+                # Ours: owner-only. An existing directory keeps its mode (a shared one, 1777, made
+                # 0700 would lock its other users out); its LMDB files are created owner-only below.
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(path, 0o700)
         except OSError as exc:
             raise DiskTierError(
                 f"cannot create the disk tier directory {path}: {exc}; check the path and its permissions"

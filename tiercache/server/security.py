@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from tiercache.config.parts import ServerOptions, default_runtime_dir
+from tiercache.config.parts import ServerOptions, default_runtime_dir, runtime_dir_problem
 from tiercache.errors import ConfigError, ServerError
 
 
@@ -37,10 +37,11 @@ def prepare_ipc(path: Path) -> None:
     Raises :class:`ServerError` if another server already listens at ``path``.
     """
     parent = path.parent
-    if not parent.exists():
+    if not parent.exists() and not parent.is_symlink():
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(parent, 0o700)
     elif parent == default_runtime_dir():
+        check_own_directory(parent)
         os.chmod(parent, 0o700)  # our directory: keep it owner-only even if someone loosened it
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -62,6 +63,14 @@ def prepare_ipc(path: Path) -> None:
             )
         finally:
             probe.close()
+
+
+def check_own_directory(directory: Path) -> None:
+    """Raise :class:`ServerError` unless ``directory`` can be trusted with the socket
+    (:func:`~tiercache.config.parts.runtime_dir_problem`)."""
+    problem = runtime_dir_problem(directory)
+    if problem is not None:
+        raise ServerError(problem)
 
 
 def secure_ipc(path: Path) -> None:
