@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import queue
 import re
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,7 +66,7 @@ class ServerProcess:
 def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
+    def start(*args: str, soft_nofile: int | None = None) -> ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCACHE_")}
         env["XDG_DATA_HOME"] = str(tmp_path / "data")
         env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
@@ -86,6 +88,12 @@ def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-ty
             stdout=subprocess.DEVNULL,
             text=True,
             env=env,
+            # As systemd starts a service: a soft limit of open descriptors below the hard one.
+            preexec_fn=None
+            if soft_nofile is None
+            else lambda: resource.setrlimit(
+                resource.RLIMIT_NOFILE, (soft_nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+            ),
         )
         server = ServerProcess(proc)
 
@@ -252,3 +260,27 @@ def test_metrics_histograms_time_lookups_and_tier_transfers(start_server, tmp_pa
     assert after[(transfers, (("op", "read"), ("tier", "l1")))] >= 3  # pinned for the write-through
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.output()
+
+
+@pytest.mark.skipif(
+    resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2048,
+    reason="the hard limit of descriptors is too low here",
+)
+def test_silent_connections_past_the_soft_descriptor_limit_do_not_lock_a_client_out(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Started with a soft limit of 256 descriptors (hard: this machine's), the server raises its
+    own to the hard limit: 400 connections that never say a word do not keep a client out, and
+    libzmq closes them once the handshake time has passed."""
+    from tiercache.client.client import Client
+
+    secret = "test-secret-" + "x" * 32
+    server = start_server("--listen", "tcp://127.0.0.1:0", "--auth-secret", secret, soft_nofile=256)
+    endpoint = server.wait_for(r"tiercache server ready on (tcp://\S+)").group(1)
+    assert "open-descriptor limit raised from 256" in server.output()
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(400)]
+    try:
+        with Client(endpoint, timeout=10, auth_secret=secret, heartbeat=False) as client:
+            client.ping()
+    finally:
+        for s in silent:
+            s.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,8 @@ _JOBS_PER_WORKER = 64
 _HARD_LIMIT_FACTOR = 2
 #: ZMTP heartbeats on tcp: a peer silent for 3 of these loses its connection (and so its routing id).
 _ZMTP_HEARTBEAT_MS = 2000
+#: Milliseconds a tcp connection may take to finish its handshake before libzmq closes it.
+_HANDSHAKE_MS = 5000
 
 
 @dataclass(slots=True)
@@ -73,6 +76,21 @@ class _Completion:
     #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
     sent: Callable[[p._Msg | None], None] | None = None
     result: Any = None
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit of open descriptors to its hard limit (each client
+    connection holds one; systemd starts services with a soft limit of 1,024) and return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-descriptor limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    log.info("open-descriptor limit raised from %d to %d (one per client connection)", soft, hard)
+    return hard
 
 
 class Server:
@@ -168,6 +186,7 @@ class Server:
         with self._lifecycle:
             if self._started:
                 return
+            raise_descriptor_limit()
             self._bind()
             self._started = True
             self._thread = threading.Thread(target=self._run, name="tiercache-server-loop", daemon=True)
@@ -239,6 +258,9 @@ class Server:
         if opts.listen.startswith("tcp://"):
             sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_MS * 3)
+            # A connection that has not finished its ZMTP (and CURVE) handshake within this is
+            # closed: a silent connect holds a descriptor for seconds, not the default 30 s.
+            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         try:
             if opts.listen.startswith("tcp://"):
                 self._auth = setup_curve(ctx, sock, opts)
