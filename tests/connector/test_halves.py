@@ -71,6 +71,24 @@ def test_auth_secret_is_never_printed() -> None:
     assert s.auth_secret == "hunter2" and "hunter2" not in repr(s)
 
 
+def test_the_secret_comes_from_a_file_and_an_inline_one_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM prints kv_connector_extra_config at start-up (its "non-default args" line) and it is on
+    the engine's command line: a secret belongs in a file the config names."""
+    secret = tmp_path / "secret"
+    secret.write_text("s3cr3t-from-a-file\n")
+    s = ConnectorSettings.from_extra_config({"auth_secret_file": str(secret)})
+    assert s.auth_secret == "s3cr3t-from-a-file"
+    assert not caplog.records
+    ConnectorSettings.from_extra_config({"auth_secret": "hunter2"})
+    assert any(
+        "auth_secret_file" in r.getMessage() and "hunter2" not in r.getMessage() for r in caplog.records
+    )
+    with pytest.raises(ConfigError, match="auth_secret_file=.* cannot be read"):
+        ConnectorSettings.from_extra_config({"auth_secret_file": str(tmp_path / "missing")})
+
+
 def test_chunk_size_error_states_both_sizes_and_the_fix() -> None:
     check_block_sizes(128, 32, [32])
     with pytest.raises(ConfigError) as err:

@@ -4,7 +4,11 @@ Keys (all optional)::
 
     server        ZMQ endpoint of the tiercache server (default: the server's default ipc socket)
     timeout_s     bound on every round trip to the server, seconds (default 2.0)
-    auth_secret   shared secret of a server that requires one (default: $TIERCACHE_AUTH_SECRET)
+    auth_secret_file
+                  a file holding the shared secret of a server that requires one (read at start;
+                  default: $TIERCACHE_AUTH_SECRET)
+    auth_secret   the secret itself: avoid it, vLLM prints kv_connector_extra_config at start-up
+                  and it is on the engine's command line (a warning says so)
     retry_s       the longest pause between reconnect attempts, seconds (default 5.0); pauses start
                   at 0.5 s and double while the link keeps failing. A server that does not answer
                   at all is listened for without pauses (a ping waits for it), so it is found as
@@ -40,9 +44,11 @@ Keys may also be spelled with a ``tiercache.`` prefix (``tiercache.server``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tiercache.config.values import parse_bool
@@ -52,6 +58,7 @@ _KEYS = (
     "server",
     "timeout_s",
     "auth_secret",
+    "auth_secret_file",
     "retry_s",
     "weights_id",
     "overlap_loads",
@@ -61,6 +68,8 @@ _KEYS = (
     "kv_events_chunks",
     "tails",
 )
+log = logging.getLogger(__name__)
+
 #: The server refuses a longer wait (it pins L1 for the waiting lookup meanwhile).
 MAX_INFLIGHT_WAIT_S = 60.0
 
@@ -125,9 +134,7 @@ class ConnectorSettings:
             return cls(
                 server=str(raw["server"]) if raw.get("server") else None,
                 timeout_s=_seconds(raw, "timeout_s", 2.0),
-                auth_secret=str(raw["auth_secret"])
-                if raw.get("auth_secret")
-                else os.environ.get("TIERCACHE_AUTH_SECRET") or None,
+                auth_secret=_secret(raw),
                 retry_s=_seconds(raw, "retry_s", 5.0),
                 weights_id=str(raw["weights_id"]) if raw.get("weights_id") else None,
                 overlap_loads=_flag(raw.get("overlap_loads", False)),
@@ -139,6 +146,28 @@ class ConnectorSettings:
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for tiercache: {exc}") from exc
+
+
+def _secret(raw: Mapping[str, Any]) -> str | None:
+    """The shared secret: ``auth_secret`` (warned about: vLLM logs its extra config), else the
+    first line of ``auth_secret_file``, else ``$TIERCACHE_AUTH_SECRET``."""
+    if raw.get("auth_secret"):
+        log.warning(
+            "tiercache: auth_secret is given inline in kv_connector_extra_config, which vLLM prints at "
+            "start-up and which is on the engine's command line; put it in a file of mode 0600 and name it "
+            "with auth_secret_file, or set TIERCACHE_AUTH_SECRET"
+        )
+        return str(raw["auth_secret"])
+    if raw.get("auth_secret_file"):
+        path = Path(str(raw["auth_secret_file"])).expanduser()
+        try:
+            secret = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"auth_secret_file={str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        if not secret:
+            raise ValueError(f"auth_secret_file={str(path)!r} is empty")
+        return secret
+    return os.environ.get("TIERCACHE_AUTH_SECRET") or None
 
 
 def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:

@@ -1,7 +1,7 @@
 """The SGLang backend's settings, read from ``--hicache-storage-backend-extra-config``. No SGLang import.
 
 The keys tiercache reads are the vLLM connector's, with the same meaning, defaults and checks
-(:mod:`tiercache.config.connector`): ``server``, ``timeout_s``, ``auth_secret``, ``retry_s`` and
+(:mod:`tiercache.config.connector`): ``server``, ``timeout_s``, ``auth_secret_file`` (or ``auth_secret``), ``retry_s`` and
 ``weights_id``; each may also be spelled ``tiercache.<name>``. SGLang's own keys (``backend_name``,
 ``module_path``, ``class_name``, ``interface_v1``, ``tp_lcm_size``) pass through untouched. The
 connector's vLLM-only keys (``overlap_loads``, ``lookup_wait_s``, ``kv_events_*``,
@@ -19,7 +19,7 @@ from tiercache.config.connector import ConnectorSettings
 from tiercache.errors import ConfigError
 
 #: The connector keys this backend honours.
-SHARED_KEYS = ("server", "timeout_s", "auth_secret", "retry_s", "weights_id")
+SHARED_KEYS = ("server", "timeout_s", "auth_secret_file", "auth_secret", "retry_s", "weights_id")
 _VLLM_ONLY = (
     "overlap_loads",
     "inflight_wait_s",
