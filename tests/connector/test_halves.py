@@ -85,7 +85,7 @@ def test_the_secret_comes_from_a_file_and_an_inline_one_is_warned_about(
     assert any(
         "auth_secret_file" in r.getMessage() and "hunter2" not in r.getMessage() for r in caplog.records
     )
-    with pytest.raises(ConfigError, match="auth_secret_file=.* cannot be read"):
+    with pytest.raises(ConfigError, match=r"auth_secret_file=.* cannot be read"):
         ConnectorSettings.from_extra_config({"auth_secret_file": str(tmp_path / "missing")})
 
 

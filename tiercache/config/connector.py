@@ -163,7 +163,9 @@ def _secret(raw: Mapping[str, Any]) -> str | None:
         try:
             secret = path.read_text().strip()
         except OSError as exc:
-            raise ValueError(f"auth_secret_file={str(path)!r} cannot be read: {exc.strerror or exc}") from None
+            raise ValueError(
+                f"auth_secret_file={str(path)!r} cannot be read: {exc.strerror or exc}"
+            ) from None
         if not secret:
             raise ValueError(f"auth_secret_file={str(path)!r} is empty")
         return secret
