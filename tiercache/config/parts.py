@@ -337,6 +337,9 @@ class ServerOptions:
     heartbeat_timeout_s: float = 15.0
     io_workers: int = 4
     max_message_bytes: int = 64 * MiB
+    #: Keys (chunk hashes × groups, tokens, objects) one request may name: the loop works through
+    #: them at once, so one huge request would stall every other client for as long.
+    max_keys_per_request: int = 16384
     drain_timeout_s: float = 10.0
     metrics_port: int | None = None
     metrics_tenants: int = 10
@@ -364,6 +367,13 @@ class ServerOptions:
         _positive("heartbeat_timeout_s", "heartbeat timeout", self.heartbeat_timeout_s, " s")
         _positive("drain_timeout_s", "drain timeout", self.drain_timeout_s, " s")
         _at_least_one("io_workers", "io workers", self.io_workers)
+        if self.max_keys_per_request < 1024:
+            raise SettingError(
+                "max_keys_per_request",
+                "--max-keys-per-request",
+                f"must be >= 1024 (a 128k-token prompt's lookup names 512 chunks per group), got "
+                f"{self.max_keys_per_request}",
+            )
         if self.max_message_bytes < 1 * MiB:
             raise SettingError(
                 "max_message_bytes", "max message bytes", f"must be >= 1 MiB, got {self.max_message_bytes}"

@@ -92,6 +92,13 @@ META: dict[tuple[str, str], Meta] = {
     ("server", "max_message_bytes"): Meta(
         "Largest single message accepted, in MiB.", name="max_message_mb", unit=Unit.MIB, metavar="MIB"
     ),
+    ("server", "max_keys_per_request"): Meta(
+        "Most keys one request may name (a lookup's chunk hashes times its groups, a pin's keys, a "
+        "reserve's objects and held blocks, a commit's or release's tokens): the request loop works "
+        "through a request at once, so a huge one would stall every other client. A larger request "
+        "gets an 'invalid' reply naming this setting.",
+        metavar="N",
+    ),
     ("server", "drain_timeout_s"): Meta(
         "Seconds a shutdown waits for in-flight work before closing the tiers.", metavar="SECONDS"
     ),

@@ -46,7 +46,7 @@ from tiercache.server.events import ResidencyLog, chain_removals
 from tiercache.server.layouts import Layouts
 from tiercache.server.management_ops import ManagementOps
 from tiercache.server.records import EvictionRecord
-from tiercache.server.replies import Handler, Refused, error_reply
+from tiercache.server.replies import Handler, Refused, error_reply, request_keys
 from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups, with_tenants
@@ -410,6 +410,13 @@ class Server:
                     )
                 session.last_seen = now
                 signed = True
+                keys = request_keys(msg)
+                if keys > self.options.max_keys_per_request:
+                    raise Refused(
+                        p.ErrorCode.INVALID,
+                        f"this request names {keys} keys, over the server's --max-keys-per-request "
+                        f"{self.options.max_keys_per_request}; split it",
+                    )
                 reply = self._handlers[type(msg)](session, msg)
         except Refused as exc:
             return p.ErrorReply(req_id=msg.req_id, code=exc.code, message=exc.message), signed

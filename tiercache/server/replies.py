@@ -92,6 +92,24 @@ def parse_key(raw: bytes) -> ObjectKey:
         raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
 
 
+def request_keys(msg: p._Msg) -> int:
+    """How many keys (chunk hashes × groups, keys, objects and held blocks, tokens) ``msg`` names:
+    what the request loop works through for it."""
+    if isinstance(msg, (p.Lookup, p.Explain)):
+        return len(msg.hashes) * max(1, len(msg.groups))
+    if isinstance(msg, (p.Pin, p.Warm)):
+        return len(msg.keys)
+    if isinstance(msg, p.Reserve):
+        return len(msg.items) + sum(len(blocks) for _, blocks in msg.holds)
+    if isinstance(msg, (p.Commit, p.Abort, p.Release)):
+        return len(msg.tokens) + len(getattr(msg, "supersedes", ()))
+    if isinstance(msg, p.Corrupt):
+        return len(msg.objects)
+    if isinstance(msg, p.RegisterEngine):
+        return len(msg.groups)
+    return 0
+
+
 def parse_keys(raws: Sequence[bytes]) -> list[ObjectKey]:
     """:func:`parse_key` of each of ``raws`` (faster for many)."""
     try:
