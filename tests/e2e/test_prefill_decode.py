@@ -111,8 +111,17 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     tmp = tmp_path_factory.mktemp("pd")
     model = tmp / "model"
     write_served_tiny_llama(model, seed=1234)
+    # The gate holds the prefill engine's first stores until a decode lookup waits, which on CI's
+    # two busy cores took over 15 s: the heartbeat timeout, and so the window a reservation is
+    # surely held for. What this test claims does not depend on those timeouts; the defaults'
+    # effect on slow stores is tests/e2e/test_load_failure.py's to show.
     server = ServerProcess(
-        ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK})
+        ServerSpec(
+            listen=f"ipc://{tmp}/server.sock",
+            l1_bytes=64 * MiB,
+            options={"chunk_size": CHUNK, "heartbeat_timeout_s": 60.0},
+            l1_options={"reservation_ttl_s": 60.0},
+        )
     )
     server.wait_ready()
     producer = OpenAIServer(

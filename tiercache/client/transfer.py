@@ -12,7 +12,8 @@ backend) and the client's own helpers call it and know nothing of each other:
   sooner). A read's copy may start only within the first quarter of it (:attr:`Window.START`),
   and counts without the server's word only if it ended within half (:attr:`Window.END`); a later
   read waits for the release's reply, which names the leases that had expired. A write's copy may
-  start only within half of it; the commit's reply says whether the reservation still held.
+  start only within the window; the commit's reply says whether the reservation still held (a
+  copy that outlasts it writes, at worst, into its slot kept in quarantine).
 * **Digests.** A store commits with each object the digest of the bytes its writer meant to store
   (:mod:`tiercache.keys.digest`), computed over the writer's own memory, never over the slot
   (:class:`Store`). Every read checks its copy against the digest the slot names once the copy is
@@ -97,9 +98,7 @@ class Window:
 
     #: Share of the span within which a read's copy may start (it must end within :attr:`END`).
     START = 0.25
-    #: Share of the span within which a read's copy must have ended to count without a reply, and
-    #: within which a write's copy may start (the commit's reply then says whether the reservation
-    #: still held; what matters is that no copy starts into a slot that may no longer be its own).
+    #: Share of the span within which a read's copy must have ended to count without a reply.
     END = 0.5
 
     def may_start(self, now: float | None = None) -> bool:
@@ -107,8 +106,10 @@ class Window:
         return self._within(self.START, now)
 
     def may_start_write(self, now: float | None = None) -> bool:
-        """Whether a write's copy may start now."""
-        return self._within(self.END, now)
+        """Whether a write's copy may start now: while the reservation surely holds, so that no
+        copy starts into a slot that may no longer be its own. A copy that ends past the window
+        writes, at worst, into its slot in quarantine, and its commit is refused."""
+        return self._within(1.0, now)
 
     def held(self, now: float | None = None) -> bool:
         """Whether a copy that ended now was inside the hold, by time alone."""

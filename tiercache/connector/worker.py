@@ -647,7 +647,7 @@ class WorkerHalf:
         digests = store.fill(write)
         if digests is None:  # the window passed while the batch was being copied: aborted
             log.warning(
-                "tiercache: a store's copies outlasted half of its reservation's window "
+                "tiercache: a store's copies outlasted its reservation's window "
                 "(--l1-reservation-ttl-s); it was dropped rather than risk writing into reused slots"
             )
             self.stats["save_skipped"] += len(batch)
