@@ -25,7 +25,7 @@ from tiercache.client.client import Client
 from tiercache.client.transfer import Store
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.digest import digest
-from tiercache.testing.poll import wait_until
+from tiercache.testing.poll import stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1 << 10
@@ -182,7 +182,7 @@ def test_a_writer_whose_session_was_dropped_writes_into_dead_space(
     mine = os.urandom(NBYTES)
     with server.client() as other, server.client() as reader:
         late = writers(server.endpoint, key(1), 0xAA)
-        os.kill(late.proc.pid, signal.SIGSTOP)
+        stop_process(late.proc.pid)
         try:
             wait_until(
                 lambda: other.stats()["server"]["clients_expired"] >= 1 and l1(other)["quarantined"] == 1,

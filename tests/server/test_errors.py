@@ -23,7 +23,7 @@ from tests.server.serverproc import ServerProcess
 from tiercache.errors import ProtocolError, ServerError
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.digest import digest
-from tiercache.testing.poll import wait_until
+from tiercache.testing.poll import stop_process, wait_until
 from tiercache.wire import protocol as p
 
 MiB = 1 << 20
@@ -207,7 +207,7 @@ def test_a_heartbeat_unanswered_while_the_server_is_stalled_keeps_the_session(
     try:
         [slot] = client.reserve([(key(3), 4096)])
         client.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
-        os.kill(server.process.pid, signal.SIGSTOP)
+        stop_process(server.process.pid)
         try:
             time.sleep(3.5)  # a ping goes out 2-3 s after the reserve, unanswered past 0.3 s
         finally:

@@ -12,7 +12,7 @@ import pytest
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
 from tiercache.errors import ServerUnavailableError
-from tiercache.testing.poll import wait_until
+from tiercache.testing.poll import stop_process, wait_until
 
 
 def test_a_late_lookup_reply_releases_its_ticket(start_server: StartServer) -> None:
@@ -22,7 +22,7 @@ def test_a_late_lookup_reply_releases_its_ticket(start_server: StartServer) -> N
         hashes = prompt_hashes(3)
         store_prompt(owner, group, hashes)
         impatient.register([(0, manifest())])
-        os.kill(server.process.pid, signal.SIGSTOP)
+        stop_process(server.process.pid)
         try:
             req = impatient.lookup_async(hashes, [group])
             with pytest.raises(ServerUnavailableError):

@@ -14,7 +14,7 @@ from tiercache.cli.app import main
 from tiercache.client.client import Client
 from tiercache.client.transfer import Load
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
-from tiercache.testing.poll import wait_until
+from tiercache.testing.poll import stop_process, wait_until
 
 # Short enough to wait out, long enough that a pin and its release on a loaded shared host are in time.
 TTL_S = 1.0
@@ -85,7 +85,7 @@ def test_a_release_well_inside_its_leases_is_sent_without_waiting_for_the_reply(
         keys = stored_keys(client, 2)
         load = Load.pin(client, keys)
         assert len(load.tokens) == 2
-        os.kill(server.process.pid, signal.SIGSTOP)  # nobody would answer a release now
+        stop_process(server.process.pid)  # nobody would answer a release now
         try:
             # Within half the lease TTL of the pin, both leases held for the whole copy.
             assert load.finish() == set()

@@ -20,3 +20,19 @@ def wait_until(condition: Callable[[], T], *, timeout: float = 30.0, interval: f
         if time.monotonic() > end:
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def stop_process(pid: int, *, timeout: float = 10.0) -> None:
+    """Stop process ``pid`` (SIGSTOP) and return once it is stopped: the signal is delivered when
+    the kernel gets to it, and a process still running on another core would answer meanwhile."""
+    import os
+    import signal
+    from pathlib import Path
+
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] in "Tt"  # the state field, after the command's parentheses
+
+    wait_until(stopped, timeout=timeout, interval=0.001, what=f"process {pid} to stop")
