@@ -641,7 +641,7 @@ class Client:
     def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
         """:meth:`release_ticket` without waiting for the reply (a round trip less). For a reader
         that learns nothing from the reply: whether its copy was inside the ticket's leases it
-        decides by time (:meth:`leases_held_since`). A ticket whose release is lost ends with its
+        decides by time (:class:`~tiercache.client.transfer.Window`). A ticket whose release is lost ends with its
         leases' TTL or its session."""
         with self._lock:
             self._release_late_ticket(ticket, read)
