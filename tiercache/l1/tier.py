@@ -199,7 +199,6 @@ class L1Tier(FrontTier):
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
         # Slots of abandoned reservations kept out of use: token -> (slot, until); oldest first.
         self._quarantine: OrderedDict[int, tuple[_Slot, float]] = OrderedDict()
-        self._quarantined_bytes = 0
         self._quarantine_limit = int(self._allocator.capacity * QUARANTINE_SHARE)
         self._abandoned: deque[Abandoned] = deque(maxlen=_ABANDONED_KEPT)
         self._tokens = itertools.count(1)
@@ -492,10 +491,7 @@ class L1Tier(FrontTier):
         with self._lock:
             if self._objects.get(key.raw) is not slot:
                 return None
-            del self._objects[key.raw]
-            self._policy.on_remove(key)
-            self._tenants.on_remove(key, slot.tenant)
-            self._hide(slot)
+            self._unlist(key, slot)
             self.stats.add("verify_failures")
         self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
         return True
@@ -659,12 +655,10 @@ class L1Tier(FrontTier):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            slot = self._objects.pop(key.raw, None)
+            slot = self._objects.get(key.raw)
             if slot is None:
                 return False
-            self._policy.on_remove(key)
-            self._tenants.on_remove(key, slot.tenant)
-            self._hide(slot)
+            self._unlist(key, slot)
             self.stats.evicted(EvictionReason.DELETED, keys=(key,))
             return True
 
@@ -727,7 +721,7 @@ class L1Tier(FrontTier):
             self._reservation_deadlines.clear()
             self._lease_deadlines.clear()
             self._quarantine.clear()
-            self._quarantined_bytes = 0
+            self.stats.quarantine_bytes = 0
             self._bytes_held = 0
             self._tenants.clear()
         self._arena.close()
@@ -776,20 +770,18 @@ class L1Tier(FrontTier):
             self._free(slot)
             return
         self._quarantine[token] = (slot, now + self._config.quarantine_s)
-        self._quarantined_bytes += slot.nbytes
+        self.stats.quarantine_bytes += slot.nbytes  # guarded by _lock, like the quarantine
         self.stats.add("quarantined")
-        while self._quarantined_bytes > self._quarantine_limit and self._quarantine:
+        while self.stats.quarantine_bytes > self._quarantine_limit and self._quarantine:
             self._end_quarantine(next(iter(self._quarantine)))
             self.stats.add("quarantine_overflow")
-        self.stats.quarantine_bytes = self._quarantined_bytes
 
     def _end_quarantine(self, token: int) -> bool:
         """Free quarantined slot ``token``; whether there was one."""
         found = self._quarantine.pop(token) if token in self._quarantine else None
         if found is None:
             return False
-        self._quarantined_bytes -= found[0].nbytes
-        self.stats.quarantine_bytes = self._quarantined_bytes
+        self.stats.quarantine_bytes -= found[0].nbytes
         self._free(found[0])
         return True
 
@@ -829,6 +821,14 @@ class L1Tier(FrontTier):
         self._tenants.evicted(slot.tenant)
         self._free(slot)
         self.stats.evicted(EvictionReason.CAPACITY, keys=(key,))
+
+    def _unlist(self, key: ObjectKey, slot: _Slot) -> None:
+        """Take committed object ``key`` (its ``slot``) out of the index, the policy and its
+        tenant's account; its bytes go once no reader holds them."""
+        del self._objects[key.raw]
+        self._policy.on_remove(key)
+        self._tenants.on_remove(key, slot.tenant)
+        self._hide(slot)
 
     def _hide(self, slot: _Slot) -> None:
         """Take a version out of the index's view; free it unless a reader still holds it."""
@@ -870,6 +870,6 @@ class L1Tier(FrontTier):
             f"L1 arena full: cannot fit {key} ({nbytes} bytes). Free {self._allocator.free_bytes()} "
             f"bytes, largest free extent {self._allocator.largest_free()}; nothing left to evict: "
             f"{pinned} objects pinned, {owed} owed to a lower tier, {len(self._reservations)} open "
-            f"reservations, {self._quarantined_bytes} bytes quarantined (slots of abandoned "
+            f"reservations, {self.stats.quarantine_bytes} bytes quarantined (slots of abandoned "
             "reservations). Release pins, let writes to lower tiers settle, or raise --l1-size-gb."
         )

@@ -89,12 +89,12 @@ from tiercache.tier.contract import (
     Tier,
     TierUsage,
     WriteHandle,
-    check_copy,
 )
 from tiercache.tier.frames import (
     HEADER_BYTES,
     ZSTD_FLAG,
     FrameHeader,
+    check_copy,
     checksum,
     encode_header,
     pack_payload,

@@ -33,11 +33,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tiercache.errors import IntegrityError, TierError
+from tiercache.errors import TierError
 from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
+from tiercache.tier.frames import check_copy
 from tiercache.tier.stats import TierStats
 
 #: ``listener(key, payload)``: handed each object a tier evicts for capacity (write-back uses it).
@@ -76,17 +77,6 @@ class ReadHandle(NamedTuple):
 def payload_digest(known: int | None, data: bytes | bytearray | memoryview) -> int:
     """``known``, or the digest of ``data`` where the tier did not know it."""
     return digest_of(data) if known is None else known
-
-
-def check_copy(copy: bytes | bytearray | memoryview, digest: int | None, key: ObjectKey, path: str) -> None:
-    """Raise :class:`IntegrityError` (caught at ``path``) if ``copy``, a copy a tier made of bytes
-    others could write, does not hash to ``digest`` (``None``: nothing to check)."""
-    if digest is not None and digest_of(copy) != digest:
-        raise IntegrityError(
-            f"the bytes of {key} changed while they were copied (they differ from the digest its "
-            "writer committed): another process wrote into its L1 slot; nothing was stored",
-            path,
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,23 +164,25 @@ def encode_frame(
     (:class:`~tiercache.errors.IntegrityError` if the payload changed under the copy)."""
     if digest is not None and compress:
         payload = bytes(payload)  # compress a private copy known to be the writer's
-        _check(payload, digest, key)
+        check_copy(payload, digest, key, "write_through")
         digest = None
     if digest is None:
         header, stored = pack_payload(key, payload, compress=compress)
         return b"".join((header.encode(), stored))  # one copy of the payload, not two
     size = memoryview(payload).nbytes
     body = b"".join((encode_header(key.to_bytes(), 0, size, size, digest), payload))
-    _check(memoryview(body)[HEADER_BYTES:], digest, key)
+    check_copy(memoryview(body)[HEADER_BYTES:], digest, key, "write_through")
     return body
 
 
-def _check(copy: bytes | memoryview, digest: int, key: ObjectKey) -> None:
-    if checksum(copy) != digest:
+def check_copy(copy: bytes | bytearray | memoryview, digest: int | None, key: ObjectKey, path: str) -> None:
+    """Raise :class:`IntegrityError` (caught at ``path``) if ``copy``, a copy a tier made of bytes
+    others could write (an L1 slot), does not hash to ``digest`` (``None``: nothing to check)."""
+    if digest is not None and checksum(copy) != digest:
         raise IntegrityError(
-            f"the bytes of {key} changed while they were copied for upload (they differ from the digest "
-            "their writer committed): another process wrote into its L1 slot; nothing was uploaded",
-            "write_through",
+            f"the bytes of {key} changed while they were copied (they differ from the digest its "
+            "writer committed): another process wrote into its L1 slot; nothing was stored",
+            path,
         )
 
 
