@@ -368,6 +368,23 @@ def test_cuda_overlapped_load_is_visible_to_the_compute_stream_after_wait_layer(
         engine.close()
 
 
+@pytest.mark.parametrize("ids", [[1, 2, 3, 4, 5], [5, 4, 3], [2, 3, 1, 4, 5], [3]])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_out_writes_what_gather_writes_and_digests_exactly_those_bytes(
+    layout: str, ids: list[int]
+) -> None:
+    # A store hashes and copies its pages a piece at a time (two pages here, so runs split): the
+    # slot must get gather's bytes and the digest must be theirs, whatever the runs of block ids.
+    _, pv = LAYOUTS[layout]()
+    ref = torch.empty(len(ids), MANAGER_PAGE, dtype=torch.uint8)
+    pv.gather(torch.tensor(ids), ref)
+    got = torch.zeros(len(ids), MANAGER_PAGE, dtype=torch.uint8)
+    h = Digest()
+    pv.copy_out(h, ids, got, piece_bytes=2 * MANAGER_PAGE)
+    assert torch.equal(got, ref)
+    assert h.value == digest(ref.numpy().tobytes())
+
+
 @pytest.mark.parametrize("load_ids", [[1, 2, 3, 4], [4, 3, 2, 1], [1, 2, 4, 5], [5, 1, 2, 3]])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_scatter_writes_the_same_bytes_as_index_copy_whatever_the_runs_of_block_ids(

@@ -119,8 +119,7 @@ class CpuPageCopy(PageCopyEngine):
         for pv, dst in zip(pages, dsts, strict=True):
             if zeros:
                 digest.update(bytes(zeros * pv.page_bytes))
-            pv.feed(digest, blocks)  # the source pages: hashing brings them into cache for the copy
-            pv.gather(ids, dst)
+            pv.copy_out(digest, blocks, dst)  # the source pages, hashed piece by piece as copied
 
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
         """Overlapped: a thread writes layer by layer and hashes each part for its check right
