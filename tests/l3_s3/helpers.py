@@ -54,11 +54,13 @@ def raw_client(endpoint: S3Endpoint) -> Any:
 
 
 class RequestCounter:
-    """Counts HTTP requests a client sends, by operation, via botocore's event system."""
+    """Counts HTTP requests clients send, by operation, via botocore's event system (an S3 tier's
+    two: ``tier.client, tier.head_client``)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, *clients: Any) -> None:
         self.by_operation: Counter[str] = Counter()
-        client.meta.events.register("before-call.s3", self._on_call)
+        for client in clients:
+            client.meta.events.register("before-call.s3", self._on_call)
 
     def _on_call(self, model: Any, **_: Any) -> None:
         self.by_operation[model.name] += 1

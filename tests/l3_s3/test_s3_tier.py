@@ -64,7 +64,7 @@ def test_an_empty_prefix_has_no_leading_slash(s3: S3Endpoint, clock: FakeClock) 
 
 
 def test_each_put_is_one_request(tier: S3Tier) -> None:
-    counter = RequestCounter(tier.client)
+    counter = RequestCounter(tier.client, tier.head_client)
     tier.put(make_key(1), payload_for(make_key(1), 3 * CHUNK))
     assert counter.by_operation == {"PutObject": 1}
 
@@ -154,7 +154,7 @@ def test_a_compressed_object_with_a_flipped_bit_is_a_miss(s3: S3Endpoint, clock:
 def test_own_puts_and_deletes_answer_contains_without_requests(tier: S3Tier) -> None:
     key = make_key(1)
     tier.put(key, b"x" * 10)
-    counter = RequestCounter(tier.client)
+    counter = RequestCounter(tier.client, tier.head_client)
     assert tier.contains(key)
     assert counter.total == 0
     tier.delete(key)
@@ -165,7 +165,7 @@ def test_own_puts_and_deletes_answer_contains_without_requests(tier: S3Tier) -> 
 
 def test_a_missing_answer_is_cached_for_missing_ttl(tier: S3Tier, s3: S3Endpoint, clock: FakeClock) -> None:
     key = make_key(1)
-    counter = RequestCounter(tier.client)
+    counter = RequestCounter(tier.client, tier.head_client)
     assert not tier.contains(key)
     assert not tier.contains(key)
     assert counter.by_operation == {"HeadObject": 1}
@@ -183,7 +183,7 @@ def test_lookup_of_a_long_prompt_costs_logarithmic_requests(s3: S3Endpoint, cloc
             writer.put(key, b"c" * 32)
     # Another node (a fresh tier: nothing cached) asks for the whole prompt.
     with make_s3_tier(s3, clock) as reader:
-        counter = RequestCounter(reader.client)
+        counter = RequestCounter(reader.client, reader.head_client)
         assert reader.lookup_prefix(keys) == 173
         assert counter.total <= 12
         assert set(counter.by_operation) == {"HeadObject"}
@@ -193,7 +193,7 @@ def test_lookup_of_a_long_prompt_costs_logarithmic_requests(s3: S3Endpoint, cloc
 
 
 def test_lookup_with_the_first_chunk_missing_costs_one_request(tier: S3Tier) -> None:
-    counter = RequestCounter(tier.client)
+    counter = RequestCounter(tier.client, tier.head_client)
     assert tier.lookup_prefix([make_key(i) for i in range(512)]) == 0
     assert counter.total == 1
 
@@ -259,7 +259,7 @@ def test_an_object_larger_than_the_capacity_is_refused_without_a_request(
     s3: S3Endpoint, clock: FakeClock
 ) -> None:
     with make_s3_tier(s3, clock, capacity_bytes=CHUNK) as t:
-        counter = RequestCounter(t.client)
+        counter = RequestCounter(t.client, t.head_client)
         with pytest.raises(TierFullError, match="capacity"):
             t.put(make_key(1), b"x" * CHUNK)
         assert counter.total == 0
@@ -296,7 +296,7 @@ def test_an_unreachable_s3_is_a_fast_counted_miss_and_the_breaker_recovers(
         with t:
             stored = make_key(0)
             t.put(stored, payload_for(stored, CHUNK))
-            counter = RequestCounter(t.client)
+            counter = RequestCounter(t.client, t.head_client)
             proxy.stop()
 
             # Failures up to the threshold are tried, fail, and are counted as errors and misses.

@@ -11,6 +11,7 @@ hits again after it; S3 errors, skips and failed write-throughs are counted; ser
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -241,3 +242,86 @@ def test_writes_skipped_by_an_open_breaker_are_counted_without_a_warning_each(ca
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == []
     assert sum("skipped" in r.getMessage() for r in caplog.records) == 50
+
+
+def test_an_s3_answering_after_40_s_does_not_hold_lookups_of_chunks_on_disk(
+    start_server: StartServer, s3: S3Endpoint, tmp_path: Path
+) -> None:
+    # Every S3 setting at its default. Four clients keep asking for new prompts (each lookup asks
+    # S3 for what L1 and disk lack, as nearly every new prompt does); S3 answers each request after
+    # 40 s. A fifth client's lookups of prompts wholly on disk must each be answered within the
+    # connector's lookup timeout (2 s): S3's questions run on workers of their own, a lookup waits
+    # for them at most --remote-lookup-budget-s, and HEADs that time out open the breaker.
+    connector_timeout_s = 2.0
+    proxy = FaultyS3Proxy(s3.url)
+    server = start_server(
+        l1_bytes=1 * MiB,
+        disk_path=str(tmp_path / "disk"),
+        s3_url=proxy.url,
+        s3_bucket=BUCKET,
+    )
+    stop = threading.Event()
+    try:
+        with server.client(timeout=10.0) as client:
+            [group] = client.register([(0, manifest())])
+            # 3 MiB of prompts through a 1 MiB L1: the first 16 stored are on disk only.
+            stored = list(range(48))
+            on_disk = stored[:16]
+            for seed in stored:
+                keys = keys_of(group, seed)
+                client.store_chunks(keys, [payload(k, CHUNK_BYTES) for k in keys])
+            wait_until(
+                lambda: client.stats()["engine"]["l2_writes"] >= len(stored) * CHUNKS,
+                timeout=30,
+                what="every prompt written through to disk",
+            )
+            wait_until(
+                lambda: client.stats()["engine"]["l3_writes"] >= len(stored) * CHUNKS,
+                timeout=30,
+                what="every prompt written through to S3 (no write left to hang)",
+            )
+            proxy.mode, proxy.delay_s = "slow", 40.0
+
+            def new_prompts(worker: int) -> None:
+                with server.client(timeout=10.0) as other:
+                    seed = 100_000 * (worker + 1)
+                    while not stop.is_set():
+                        other.lookup(hashes_of(seed), [group], prefetch=False)
+                        seed += 1
+
+            askers = [threading.Thread(target=new_prompts, args=(w,), daemon=True) for w in range(4)]
+            for t in askers:
+                t.start()
+            wait_until(lambda: proxy.faults >= 1, timeout=10, what="a lookup asking the slow S3")
+            took: list[float] = []
+            disk_hits = 0
+            with server.client(timeout=connector_timeout_s) as measured:
+                for i in range(60):
+                    seed = on_disk[i % len(on_disk)]
+                    start = time.monotonic()
+                    found = measured.lookup(hashes_of(seed), [group], prefetch=False)
+                    took.append(time.monotonic() - start)
+                    assert found.chunks == CHUNKS
+                    disk_hits += found.per_tier.get("disk", 0) == CHUNKS
+            stop.set()
+            for t in askers:
+                t.join(timeout=10)
+            engine = client.stats()["engine"]
+            took.sort()
+            figures(
+                "s3-answering-after-40s",
+                disk_lookups=len(took),
+                of_them_from_disk=disk_hits,
+                p50_ms=1e3 * took[len(took) // 2],
+                p99_ms=1e3 * took[int(0.99 * (len(took) - 1))],
+                max_ms=1e3 * took[-1],
+                remote_lookups_late=engine["remote_lookups_late"],
+                remote_lookups_busy=engine["remote_lookups_busy"],
+                s3_requests_held=proxy.faults,
+            )
+            assert disk_hits == len(took)  # the lookups measured are the disk's, not L1's
+            assert took[-1] < connector_timeout_s
+            assert engine["remote_lookups_late"] > 0  # the budget was what answered them
+    finally:
+        stop.set()
+        proxy.close()

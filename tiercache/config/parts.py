@@ -206,6 +206,9 @@ class S3Config:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 10.0
     max_attempts: int = 3
+    #: An existence check (HEAD) is made once, with this read timeout: a lookup waits on it, and a
+    #: HEAD that times out counts towards the breaker, so a slow S3 is skipped within a few lookups.
+    head_timeout_s: float = 0.5
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     exists_ttl_s: float = 300.0
@@ -225,6 +228,7 @@ class S3Config:
         _at_least_one("max_attempts", "S3 max attempts", self.max_attempts)
         _positive("connect_timeout_s", "S3 connect timeout", self.connect_timeout_s, " s")
         _positive("read_timeout_s", "S3 read timeout", self.read_timeout_s, " s")
+        _positive("head_timeout_s", "S3 HEAD timeout", self.head_timeout_s, " s")
         _at_least_one("breaker_failures", "S3 breaker failures", self.breaker_failures)
         if self.relist_interval_s < 0:
             raise SettingError(
@@ -255,6 +259,12 @@ class EngineConfig:
     write_queue_depth: int = 256
     promote_workers: int = 4
     write_workers: int = 2
+    #: A lookup waits at most this long for the remote tiers' (S3's) answers, from its first
+    #: question to them; then it answers what L1 and disk hold. Keep it under the connector's
+    #: lookup timeout (2 s by default).
+    remote_lookup_budget_s: float = 1.0
+    #: Threads asking remote tiers for lookups (never the I/O workers serving L1 and disk).
+    remote_lookup_workers: int = 4
 
     def __post_init__(self) -> None:
         _at_least_one(
@@ -276,6 +286,13 @@ class EngineConfig:
             "promote_workers", "--promote-workers", self.promote_workers, "; use e.g. 4 (the default)"
         )
         _at_least_one("write_workers", "--write-workers", self.write_workers, "; use e.g. 2 (the default)")
+        _at_least_one(
+            "remote_lookup_workers",
+            "--remote-lookup-workers",
+            self.remote_lookup_workers,
+            "; use e.g. 4 (the default)",
+        )
+        _positive("remote_lookup_budget_s", "--remote-lookup-budget-s", self.remote_lookup_budget_s, " s")
 
 
 def default_runtime_dir() -> Path:

@@ -189,7 +189,15 @@ META: dict[tuple[str, str], Meta] = {
     ("s3", "max_concurrency"): Meta("Concurrent S3 requests (connection pool size).", metavar="N"),
     ("s3", "connect_timeout_s"): Meta("S3 connect timeout in seconds.", metavar="SECONDS"),
     ("s3", "read_timeout_s"): Meta("S3 read timeout in seconds.", metavar="SECONDS"),
-    ("s3", "max_attempts"): Meta("Attempts per S3 request, retries included.", metavar="N"),
+    ("s3", "max_attempts"): Meta(
+        "Attempts per S3 request, retries included (existence checks: one, see --s3-head-timeout-s).",
+        metavar="N",
+    ),
+    ("s3", "head_timeout_s"): Meta(
+        "Read timeout of an existence check (HEAD), made once: lookups wait on it, and one that times "
+        "out counts towards the breaker.",
+        metavar="SECONDS",
+    ),
     ("s3", "breaker_failures"): Meta(
         "Consecutive S3 failures that open the circuit breaker (requests are skipped).", metavar="N"
     ),
@@ -240,6 +248,14 @@ META: dict[tuple[str, str], Meta] = {
     ),
     ("engine", "promote_workers"): Meta("Threads promoting lower-tier hits into L1.", metavar="N"),
     ("engine", "write_workers"): Meta("Threads per write-through queue.", metavar="N"),
+    ("engine", "remote_lookup_budget_s"): Meta(
+        "Longest a lookup waits for S3's answers; then it answers what L1 and disk hold (counted as "
+        "remote_lookups_late). Keep it under the connector's lookup timeout.",
+        metavar="SECONDS",
+    ),
+    ("engine", "remote_lookup_workers"): Meta(
+        "Threads asking S3 for lookups, apart from the I/O workers that serve L1 and disk.", metavar="N"
+    ),
 }
 
 SECTION_TITLES = {

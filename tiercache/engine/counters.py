@@ -24,6 +24,11 @@ class EngineCounters(Counters):
     promotion_failures: int = 0
     inflight_waits: int = 0  # objects a prefetch waited for while another writer stored them
     inflight_wait_misses: int = 0  # of those, not committed in time (aborted, expired, too slow)
+    # A lookup's questions to a remote tier (S3) that it stopped waiting for: past its budget
+    # (--remote-lookup-budget-s), or not asked because the remote lookup workers were all busy.
+    # The lookup answered what the local tiers hold.
+    remote_lookups_late: int = 0
+    remote_lookups_busy: int = 0
     l2_queue_drops: int = 0
     l3_queue_drops: int = 0  # write-through only: the chunk is still on disk
     # Write-back: chunks the disk evicted that never reached S3, so they are in no tier (lost).

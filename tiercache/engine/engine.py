@@ -29,6 +29,7 @@ from tiercache.engine.counters import EngineCounters, Throttle, timed_pin
 from tiercache.engine.groups import GroupSpec
 from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
+from tiercache.engine.remote import RemoteAsker
 from tiercache.engine.writes import WriteBehind
 from tiercache.errors import TierCacheError, TierError
 from tiercache.keys.digest import digest as digest_of
@@ -77,7 +78,10 @@ class TieredEngine:
         self._lock = threading.Lock()
         self._manifests: dict[Fingerprint, LayoutManifest] = {}  # guarded by _lock
         self._closed = False
-        self._locator = Locator(self.tiers)
+        self._remote = RemoteAsker(
+            self.config.remote_lookup_workers, self.config.remote_lookup_budget_s, self.counters
+        )
+        self._locator = Locator(self.tiers, self._remote)
         self._integrity_log = Throttle()
         self._writes = WriteBehind(l1, self.lower, self.config, self.counters, self.integrity_failure)
         self._promoter = Promoter(
@@ -107,6 +111,7 @@ class TieredEngine:
         self._keep_block_index()
         self._writes.close()
         self._promoter.close()
+        self._remote.close()
         for tier in self.tiers:
             tier.close()
 

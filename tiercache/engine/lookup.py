@@ -4,7 +4,8 @@ At a boundary of ``T`` chunks every full-attention group needs all chunks before
 sliding-window group the chunks of its trailing window, every recurrent group the state snapshot
 stored under chunk ``T-1`` (:mod:`tiercache.keys.restore`). A hit is reported only when *all* groups
 are satisfied. Local tiers are asked in batches (one call per tier for all of a group's chunks);
-remote tiers (S3) by search, a run of keys at a time.
+remote tiers (S3) by search, a run of keys at a time, only for what the local tiers lack, on workers
+of their own and within the lookup's budget (:mod:`tiercache.engine.remote`).
 
 Asked with ``inflight=True``, an object whose bytes are being written into the front tier (an open
 L1 reservation: another engine's store, or a promotion) counts as present, under the front tier: the
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from tiercache.engine.groups import GroupSpec
+from tiercache.engine.remote import RemoteAsker, RemoteBudget
 from tiercache.keys.fingerprint import GroupKind
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier.contract import FrontTier, Tier
@@ -43,10 +46,12 @@ class LookupResult:
 
 class Locator:
     """Answers lookups over ``tiers`` (fastest first). Stateless between calls; thread-safe as the
-    tiers are. Blocking: local tiers may read LMDB, remote ones make a few requests."""
+    tiers are. Blocking: local tiers may read LMDB; remote ones are asked through ``remote``, on its
+    own workers and within its budget (:mod:`tiercache.engine.remote`)."""
 
-    def __init__(self, tiers: Sequence[Tier]) -> None:
+    def __init__(self, tiers: Sequence[Tier], remote: RemoteAsker) -> None:
         self._tiers = list(tiers)
+        self._asker = remote
         self._remote = [t for t in self._tiers if t.remote]
         self._front = self._tiers[0] if self._tiers and isinstance(self._tiers[0], FrontTier) else None
 
@@ -58,17 +63,18 @@ class Locator:
         if not groups or not hashes:
             return LookupResult(0, {})
         where: dict[ObjectKey, str] = {}
+        remote = self._asker.session()
         boundary = len(hashes)
         full: list[list[ObjectKey]] = []
         for g in groups:
             if g.kind is GroupKind.FULL_ATTENTION:
                 full.append(g.needed(hashes, boundary))
-                boundary = self._present_prefix(full[-1], where, inflight)
+                boundary = self._present_prefix(full[-1], where, inflight, remote)
         partial = [g for g in groups if g.kind is not GroupKind.FULL_ATTENTION]
         partial_keys: list[ObjectKey] = []
         while boundary > 0 and partial:
             partial_keys = [k for g in partial for k in g.needed(hashes, boundary)]
-            if self._present(partial_keys, where, inflight):
+            if self._present(partial_keys, where, inflight, remote):
                 break
             boundary -= 1
         if boundary == 0:
@@ -120,7 +126,9 @@ class Locator:
                 if writing:
                     where[key] = _INFLIGHT
 
-    def _present_prefix(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> int:
+    def _present_prefix(
+        self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool, remote: RemoteBudget
+    ) -> int:
         """How many leading ``keys`` some tier holds; fills ``where`` (remote finds included)."""
         self._locate(keys, where, inflight)
         i = 0
@@ -131,7 +139,7 @@ class Locator:
             # A remote tier answers a whole run with a search instead of one request per chunk.
             run = 0
             for tier in self._remote:
-                run = tier.lookup_prefix(keys[i:])
+                run = remote.ask(partial(tier.lookup_prefix, keys[i:]), 0)
                 if run:
                     for key in keys[i : i + run]:
                         where.setdefault(key, tier.name)
@@ -141,13 +149,15 @@ class Locator:
             i += run
         return i
 
-    def _present(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> bool:
+    def _present(
+        self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool, remote: RemoteBudget
+    ) -> bool:
         """Whether every key is held by some tier (asking remote tiers key by key, cached)."""
         self._locate(keys, where, inflight)
         for key in keys:
             if key in where:
                 continue
-            tier = next((t for t in self._remote if t.contains(key)), None)
+            tier = next((t for t in self._remote if remote.ask(partial(t.contains, key), False)), None)
             if tier is None:
                 return False
             where[key] = tier.name

@@ -67,15 +67,16 @@ def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", "Unknown"))
 
 
-def make_client(config: S3Config) -> Any:
-    """A new boto3 S3 client with the tier's settings; the caller owns (and closes) it.
+def make_client(config: S3Config, *, for_heads: bool = False) -> Any:
+    """A new boto3 S3 client with the tier's settings; the caller owns (and closes) it. ``for_heads``:
+    the client of existence checks (one attempt, ``head_timeout_s``: a lookup waits on them).
 
     A fresh session per client: boto3's default session is module-level shared state.
     """
     botocfg = BotoConfig(
         connect_timeout=config.connect_timeout_s,
-        read_timeout=config.read_timeout_s,
-        retries={"mode": "standard", "max_attempts": config.max_attempts},
+        read_timeout=config.head_timeout_s if for_heads else config.read_timeout_s,
+        retries={"mode": "standard", "max_attempts": 1 if for_heads else config.max_attempts},
         max_pool_connections=config.max_concurrency,
         s3={"addressing_style": "path" if config.path_style else "auto"},
         # Frames carry their own xxh3 checksum; SDK checksums cost ~15% per put for nothing.

@@ -106,7 +106,7 @@ class S3Tier(Tier):
         # here instead of opening and discarding extra connections.
         self._slots = threading.BoundedSemaphore(config.max_concurrency)
         self._client_lock = threading.Lock()
-        self._client_obj: Any = None  # guarded by _client_lock
+        self._clients: dict[bool, Any] = {}  # guarded by _client_lock; True: the HEADs' client
         self._client_pid = -1  # guarded by _client_lock
         self._tokens = itertools.count(1)
 
@@ -135,13 +135,25 @@ class S3Tier(Tier):
 
         Public for instrumentation, e.g. counting requests with ``client.meta.events.register``.
         """
+        return self._own_client(heads=False)
+
+    @property
+    def head_client(self) -> Any:
+        """This process's client for existence checks: one attempt, ``head_timeout_s`` (a lookup
+        waits on them; :meth:`contains`)."""
+        return self._own_client(heads=True)
+
+    def _own_client(self, *, heads: bool) -> Any:
         pid = os.getpid()
         with self._client_lock:
-            if self._client_obj is None or self._client_pid != pid:
+            if self._client_pid != pid:
                 # A client (and its connection pool) must not cross a fork: sockets would be shared.
-                self._client_obj = make_client(self.config)
+                self._clients = {}
                 self._client_pid = pid
-            return self._client_obj
+            client = self._clients.get(heads)
+            if client is None:
+                client = self._clients[heads] = make_client(self.config, for_heads=heads)
+            return client
 
     def raw_client(self) -> Any:
         """A new, independent boto3 S3 client with exactly this tier's settings; the caller owns it.
@@ -203,7 +215,7 @@ class S3Tier(Tier):
         return self._names.manifest(fp)
 
     # -- the one request boundary ---------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+    def _call(self, what: str, fn: Callable[[Any], T], *, head: bool = False) -> T:
         """Run ``fn(client)`` through the breaker and the concurrency bound; translate failures.
 
         Raises :class:`_NotFound` for a missing object (the service answered), :class:`CircuitOpenError`
@@ -222,7 +234,7 @@ class S3Tier(Tier):
                 f"{what} skipped for up to {self.config.breaker_cooldown_s:g} s"
             )
         try:
-            client = self.client
+            client = self.head_client if head else self.client
             with self._slots:
                 result = fn(client)
         except S3TierError:  # the client itself could not be built (after a fork, say)
@@ -262,7 +274,7 @@ class S3Tier(Tier):
         """HEAD ``key`` (one request); remembers the answer. Raises S3TierError/CircuitOpenError."""
         name = self.object_name(key)
         try:
-            self._call("HEAD", lambda c: c.head_object(Bucket=self.config.bucket, Key=name))
+            self._call("HEAD", lambda c: c.head_object(Bucket=self.config.bucket, Key=name), head=True)
         except _NotFound:
             self._exists.remember(key, False)
             return False
@@ -496,8 +508,8 @@ class S3Tier(Tier):
         self._closed.set()
         self._scanner.join(timeout=self.config.read_timeout_s + self.config.connect_timeout_s)
         with self._client_lock:
-            client, self._client_obj = self._client_obj, None
-        if client is not None:
+            clients, self._clients = self._clients, {}
+        for client in clients.values():
             client.close()
 
     # -- manifests ------------------------------------------------------------------------------
