@@ -96,7 +96,7 @@ def store_small(client: Client, group: GroupRef, hashes: list[bytes], nbytes: in
 
 def auth_cost(start: Callable[..., ServerProcess], hashes: list[bytes], n: int) -> list[Row]:
     """Lookup and store p50 with and without the shared secret, alternating between the servers."""
-    secret = "bench-secret"
+    secret = "bench-secret-3f8a1c9e07d2b645"
     plain = start(l1_bytes=64 * MiB)
     signed = start(l1_bytes=64 * MiB, options={"auth_secret": secret})
     samples: dict[str, dict[bool, list[float]]] = {

@@ -40,6 +40,6 @@ def test_the_example_config_file_in_the_reference_is_valid(tmp_path: Path) -> No
     path = tmp_path / "example.toml"
     path.write_text(example.group(1))
     tomllib.loads(example.group(1))
-    config = ServerConfig.load({}, {"TIERCACHE_AUTH_SECRET": "s"}, path)
+    config = ServerConfig.load({}, {"TIERCACHE_AUTH_SECRET": "s-0f9a27c4e1b8d6a35c2e"}, path)
     assert config.tiers == ("l1", "disk", "s3")
     assert config.s3 is not None and config.s3.bucket == "my-kv-cache"

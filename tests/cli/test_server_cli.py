@@ -38,7 +38,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         (["--eviction-policy", "mru"], "use one of lru, s3fifo"),
         (
             ["--listen", "tcp://0.0.0.0:7000"],
-            "needs authentication: set --auth-secret (or TIERCACHE_AUTH_SECRET)",
+            "needs authentication: set --auth-secret-file (or TIERCACHE_AUTH_SECRET)",
         ),
         (["--tiers", "l1,disk,s3"], "no bucket is set; set --s3-bucket"),
     ],

@@ -205,12 +205,12 @@ def test_a_second_signal_forces_exit_while_the_drain_is_still_running() -> None:
 
 
 def test_secrets_are_never_printed(start_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    server = start_server("--listen", "tcp://127.0.0.1:0", "--auth-secret", "hunter2-secret")
+    server = start_server("--listen", "tcp://127.0.0.1:0", "--auth-secret", "hunter2-secret-5b0e9c1d7a3f8462")
     server.wait_for(r"tiercache server ready on tcp://127\.0\.0\.1:\d+")
     server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(30)
     out = server.output()
-    assert "hunter2-secret" not in out
+    assert "hunter2-secret-5b0e9c1d7a3f8462" not in out
     assert "shared secret" in out
 
 
@@ -272,7 +272,7 @@ def test_silent_connections_past_the_soft_descriptor_limit_do_not_lock_a_client_
     libzmq closes them once the handshake time has passed."""
     from tiercache.client.client import Client
 
-    secret = "test-secret-" + "x" * 32
+    secret = "test-secret-" + "0f9a27c4e1b8d6a3" * 2
     server = start_server("--listen", "tcp://127.0.0.1:0", "--auth-secret", secret, soft_nofile=256)
     endpoint = server.wait_for(r"tiercache server ready on (tcp://\S+)").group(1)
     assert "open-descriptor limit raised from 256" in server.output()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,52 @@ def test_ipc_socket_is_owner_only(start_server: StartServer) -> None:
 def test_tcp_with_a_shared_secret_refuses_clients_without_it(start_server: StartServer) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = start_server(
-        listen=endpoint, options={"auth_secret": "s3cret"}, client_kw={"auth_secret": "s3cret"}
+        listen=endpoint,
+        options={"auth_secret": "s3cret-8d1e5a0c7b3f9264"},
+        client_kw={"auth_secret": "s3cret-8d1e5a0c7b3f9264"},
     )
     with pytest.raises(AuthenticationError):
         Client(endpoint, timeout=5, heartbeat=False)
     with pytest.raises(AuthenticationError):
         Client(endpoint, timeout=5, heartbeat=False, auth_secret="wrong")
-    with Client(endpoint, timeout=5, auth_secret="s3cret") as client:
+    with Client(endpoint, timeout=5, auth_secret="s3cret-8d1e5a0c7b3f9264") as client:
         client.ping()
-        assert "s3cret" not in repr(client.stats())
+        assert "s3cret-8d1e5a0c7b3f9264" not in repr(client.stats())
     assert server.process.is_alive()
+
+
+def test_repeated_failed_hellos_are_counted_and_then_wait_per_peer(start_server: StartServer) -> None:
+    # 782 wrong-secret hellos a second went unthrottled and uncounted (issue 30, point 4). Five
+    # failures from an address are checked at once; then its hellos wait, doubling per failure.
+    secret = "s3cret-8d1e5a0c7b3f9264"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    start_server(listen=endpoint, options={"auth_secret": secret}, client_kw={"auth_secret": secret})
+    messages = []
+    started = time.monotonic()
+    for _ in range(12):
+        with pytest.raises(AuthenticationError) as info:
+            Client(endpoint, timeout=5, heartbeat=False, auth_secret="a-guess-" + "0f9a27c4e1b8d6a3" * 2)
+        messages.append(str(info.value))
+    guessing_s = time.monotonic() - started
+    held = [m for m in messages if "too many failed hellos from 127.0.0.1" in m]
+    assert len(held) >= 12 - 5 - 1, messages  # at most one more got its proof checked
+    assert "secret-8d1e5a0c7b3f9264" not in " ".join(messages)
+    # The right secret from the same address waits too (docs/server.md says so), then starts afresh.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client = Client(endpoint, timeout=5, auth_secret=secret)
+            break
+        except AuthenticationError as exc:
+            assert "too many failed hellos" in str(exc)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    with client:
+        server = client.stats()["server"]
+        figures = f"12 guesses in {guessing_s * 1e3:.0f} ms: {server['hellos_failed']} checked and failed, "
+        print(f"\nFIGURES failed-hellos: {figures}{server['hellos_held']} held unchecked")
+        assert 5 <= server["hellos_failed"] <= 7
+        assert server["hellos_held"] >= 5
 
 
 def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 
-SECRET = "s3cret-of-the-node"
+SECRET = "s3cret-of-the-node-0f9a27c4e1b8d6"
 
 
 def free_port() -> int:

@@ -307,7 +307,9 @@ def _trust_line(server: dict[str, Any]) -> str:
     line = f"leases lost: {lost} (copies outlived their lease; the loads were recomputed)"
     if lost:
         line += "; raise --l1-lease-ttl-s above the slowest copy (docs/caveats.md)"
-    return line + f", requests refused unsigned: {unsigned}"
+    line += f", requests refused unsigned: {unsigned}"
+    failed, held = int(server.get("hellos_failed", 0)), int(server.get("hellos_held", 0))
+    return line + f", failed hellos: {failed} (+{held} held unchecked; a wrong --auth-secret, or guesses)"
 
 
 _INTEGRITY_PATHS = {

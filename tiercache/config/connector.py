@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiercache.config.values import parse_bool
+from tiercache.config.values import parse_bool, read_secret_file
 from tiercache.errors import ConfigError
 
 _KEYS = (
@@ -159,16 +159,7 @@ def _secret(raw: Mapping[str, Any]) -> str | None:
         )
         return str(raw["auth_secret"])
     if raw.get("auth_secret_file"):
-        path = Path(str(raw["auth_secret_file"])).expanduser()
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise ValueError(
-                f"auth_secret_file={str(path)!r} cannot be read: {exc.strerror or exc}"
-            ) from None
-        if not secret:
-            raise ValueError(f"auth_secret_file={str(path)!r} is empty")
-        return secret
+        return read_secret_file(Path(str(raw["auth_secret_file"])))
     return os.environ.get("TIERCACHE_AUTH_SECRET") or None
 
 

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.config.units import GiB, MiB
-from tiercache.config.values import DEFAULT_TIERS, parse_tenant_shares, parse_tier_list
+from tiercache.config.values import (
+    DEFAULT_TIERS,
+    parse_tenant_shares,
+    parse_tier_list,
+    read_secret_file,
+    secret_weakness,
+)
 from tiercache.errors import SettingError
 
 
@@ -350,6 +356,8 @@ class ServerOptions:
     chunk_size: int = 256
     separate_object_groups: bool = True
     auth_secret: str | None = field(default=None, repr=False)  # never printed or logged
+    #: A file whose first line is the shared secret (read once, at start), instead of auth_secret.
+    auth_secret_file: Path | None = None
     curve_secret_key_file: Path | None = None
     heartbeat_timeout_s: float = 15.0
     io_workers: int = 4
@@ -370,12 +378,18 @@ class ServerOptions:
                 "--listen",
                 f"{self.listen!r} is not supported; use ipc:///path/to/socket or tcp://HOST:PORT",
             )
+        if self.auth_secret_file is not None and not self.auth_secret:
+            object.__setattr__(self, "auth_secret", read_secret_file(Path(self.auth_secret_file)))
+        if self.auth_secret:
+            weak = secret_weakness(self.auth_secret)
+            if weak is not None:
+                raise SettingError("auth_secret", "--auth-secret", weak)
         if self.listen.startswith("tcp://") and not (self.auth_secret or self.curve_secret_key_file):
             raise SettingError(
                 "listen",
                 "--listen",
-                f"{self.listen} is TCP, which needs authentication: set --auth-secret "
-                "(or TIERCACHE_AUTH_SECRET) or --curve-secret-key-file",
+                f"{self.listen} is TCP, which needs authentication: set --auth-secret-file (or "
+                "TIERCACHE_AUTH_SECRET) or --curve-secret-key-file",
             )
         if self.chunk_size <= 0:
             raise SettingError(

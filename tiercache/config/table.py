@@ -76,10 +76,16 @@ META: dict[tuple[str, str], Meta] = {
         "object; off puts every layer into one object."
     ),
     ("server", "auth_secret"): Meta(
-        "Shared secret clients must present (required for tcp:// unless CURVE is used). Never printed "
-        "or logged; prefer the environment variable over the flag, which shows in `ps`.",
+        "Shared secret clients must present (required for tcp:// unless CURVE or --auth-secret-file "
+        "is used): at least 128 bits of key material, e.g. `openssl rand -hex 32`. Never printed or "
+        "logged; prefer --auth-secret-file or the environment variable over the flag, which shows in `ps`.",
         secret=True,
         metavar="SECRET",
+    ),
+    ("server", "auth_secret_file"): Meta(
+        "A file whose first line is the shared secret (read once, at start): keeps it off the command "
+        "line and the environment. At least 128 bits of key material, e.g. `openssl rand -hex 32`.",
+        metavar="FILE",
     ),
     ("server", "curve_secret_key_file"): Meta(
         "ZMQ CURVE secret key file of the server (for tcp://).", metavar="FILE"

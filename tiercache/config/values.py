@@ -3,7 +3,10 @@ vLLM's ``kv_connector_extra_config``). Each returns the value or says, in one li
 
 from __future__ import annotations
 
+import math
+import string
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tiercache.errors import ConfigError, KeyFormatError
@@ -97,3 +100,52 @@ def parse_tenant_shares(text: str) -> dict[bytes, float]:
             raise ValueError(f"names tenant {name.strip()} twice; name each once")
         shares[tenant] = share
     return shares
+
+
+#: The least key material a shared secret must carry: a recorded handshake lets an eavesdropper
+#: check guesses offline (docs/server.md, threat model), so a secret must be beyond guessing.
+SECRET_BITS = 128
+
+#: How to make a secret that passes (said by every refusal).
+MAKE_A_SECRET = (
+    "make one with `openssl rand -hex 32` or `python3 -c 'import secrets; print(secrets.token_hex(32))'`"
+)
+
+_CLASSES = (string.ascii_lowercase, string.ascii_uppercase, string.digits)
+
+
+def secret_weakness(secret: str) -> str | None:
+    """Why ``secret`` is too weak for a shared secret, or ``None``. An upper bound of its key
+    material: its length times log2 of the alphabets it draws on (lower case, upper case, digits,
+    the rest), which must reach :data:`SECRET_BITS`, and at least 8 distinct characters. A phrase
+    that passes may still be guessable; a random one of 32 hex digits or more always passes."""
+    alphabet = sum(len(c) for c in _CLASSES if any(ch in c for ch in secret))
+    if any(not any(ch in c for c in _CLASSES) for ch in secret):
+        alphabet += 33  # punctuation, space and anything else
+    bits = len(secret) * math.log2(alphabet) if alphabet else 0.0
+    distinct = len(set(secret))
+    if bits >= SECRET_BITS and distinct >= 8:
+        return None
+    what = (
+        f"holds at most {bits:.0f} bits of key material ({len(secret)} characters)"
+        if bits < SECRET_BITS
+        else f"repeats {distinct} distinct characters"
+    )
+    return (
+        f"the shared secret {what}, under the {SECRET_BITS} bits a secret needs: a recorded handshake "
+        f"lets anyone check guesses of it offline; {MAKE_A_SECRET}"
+    )
+
+
+def read_secret_file(path: Path, name: str = "auth_secret_file") -> str:
+    """The shared secret in ``path``: its first line (surrounding blanks dropped). Raises
+    :class:`ConfigError` naming ``name`` when the file cannot be read or holds nothing."""
+    path = path.expanduser()
+    try:
+        lines = path.read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{name}={str(path)!r} cannot be read: {reason}") from None
+    if not lines or not lines[0].strip():
+        raise ConfigError(f"{name}={str(path)!r} is empty; write the shared secret on its first line")
+    return lines[0].strip()

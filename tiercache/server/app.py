@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -43,6 +44,7 @@ from tiercache.l1.arena import SharedArena
 from tiercache.l1.tier import L1Tier
 from tiercache.server.data_ops import DataOps
 from tiercache.server.events import ResidencyLog, chain_removals
+from tiercache.server.hellos import FailedHellos
 from tiercache.server.layouts import Layouts
 from tiercache.server.management_ops import ManagementOps
 from tiercache.server.records import EvictionRecord
@@ -129,6 +131,7 @@ class Server:
         self._sessions = Sessions(engine, self._l1, self.options)
         self._inflight = 0
         self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0}
+        self._hellos = FailedHellos()
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
         #: What each tier gained and lost, for clients that follow it (KV events for routers).
@@ -328,13 +331,17 @@ class Server:
     def _read_requests(self, sock: zmq.Socket[bytes]) -> None:
         for _ in range(256):  # bounded batch so completions are not starved by a flood
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                # The routing id as a frame: it carries the peer's address, which a failed hello names.
+                head = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [head.bytes]
+            while sock.getsockopt(zmq.RCVMORE):
+                frames.append(sock.recv(copy=True))
             if len(frames) < 2:
                 continue
             identity = frames[0]
-            reply, signed = self._handle(identity, frames[1:])
+            reply, signed = self._handle(identity, frames[1:], partial(_peer_of, head))
             if reply is not None:
                 self._send(sock, identity, reply, signed)
 
@@ -358,9 +365,12 @@ class Server:
         except zmq.ZMQError as exc:
             log.debug("reply to a client dropped: %s", exc)
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> tuple[p._Msg | None, bool]:
+    def _handle(
+        self, identity: bytes, frames: list[bytes], peer: Callable[[], str] = lambda: "unknown"
+    ) -> tuple[p._Msg | None, bool]:
         """Decode and dispatch one request; every failure becomes an error reply. Also says whether
-        the reply may be signed: only when the request proved the session (or opened it)."""
+        the reply may be signed: only when the request proved the session (or opened it). ``peer``
+        names the sender's address (asked only of a hello)."""
         self._received = time.perf_counter()
         self._counters["requests"] += 1
         now = time.monotonic()
@@ -392,7 +402,7 @@ class Server:
             if isinstance(msg, p.Challenge):
                 reply: p._Msg | None = self._sessions.challenge(identity)
             elif isinstance(msg, p.Hello):
-                reply = self._sessions.hello(identity, msg, now)
+                reply = self._hello(identity, msg, now, peer())
                 signed = True  # with the key this hello just proved: the client checks the server
             else:
                 session = self._sessions.get(identity)
@@ -425,6 +435,26 @@ class Server:
         if reply is not None:
             reply.req_id = msg.req_id
         return reply, signed
+
+    def _hello(self, identity: bytes, msg: p.Hello, now: float, peer: str) -> p._Msg:
+        """A hello, unless its peer has failed too often of late (:mod:`tiercache.server.hellos`)."""
+        if not self.options.auth_secret:
+            return self._sessions.hello(identity, msg, now)
+        wait = self._hellos.wait_s(peer)
+        if wait:
+            raise Refused(
+                p.ErrorCode.AUTH_FAILED,
+                f"too many failed hellos from {peer} of late; the next one is checked in {wait:.1f} s: "
+                "give the client the server's shared secret",
+            )
+        try:
+            reply = self._sessions.hello(identity, msg, now)
+        except Refused as exc:
+            if exc.code == p.ErrorCode.AUTH_FAILED:
+                self._hellos.failure(peer, msg.client_name)
+            raise
+        self._hellos.success(peer)
+        return reply
 
     # -- offloading to the I/O executor ----------------------------------------------------------
     def _offload(
@@ -499,6 +529,8 @@ class Server:
             **self._counters,
             "clients_expired": self._sessions.expired,
             "refused_unsigned": self._sessions.refused_unsigned,
+            "hellos_failed": self._hellos.failed,
+            "hellos_held": self._hellos.held,
             "leases_lost": self._sessions.lost_leases,
             **self._sessions.counts(),
             "in_flight": self._inflight,
@@ -515,3 +547,11 @@ class Server:
             **stats,
             "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
         }
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    """The address libzmq reports for the connection ``frame`` came on (``unknown`` if none)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return "unknown"
