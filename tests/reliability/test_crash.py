@@ -145,8 +145,11 @@ def test_a_client_killed_mid_store_loses_its_reservations_and_the_space_returns(
 ) -> None:
     # A killed client's reservations are dropped with its session and their slots kept out of use
     # for the quarantine (it could be stalled, not dead, and write late): a second here.
+    # (Its clients reserve most of the arena at once: the per-client bound is lifted.)
     server = start_server(
-        l1_bytes=8 * MiB, options={"heartbeat_timeout_s": 0.5}, l1_options={"quarantine_s": 1.0}
+        l1_bytes=8 * MiB,
+        options={"heartbeat_timeout_s": 0.5, "max_reserved_share_per_client": 1.0},
+        l1_options={"quarantine_s": 1.0},
     )
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()

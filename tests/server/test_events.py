@@ -58,7 +58,8 @@ def test_a_store_is_reported_once_per_tier_it_lands_in(start_server: StartServer
 
 
 def test_evictions_and_deletes_are_reported_as_removals(start_server: StartServer) -> None:
-    server = start_server(l1_bytes=1 * MiB)  # room for 15 objects of 64 KiB
+    # Room for 15 objects of 64 KiB, stored in one reserve (past the default per-client bound).
+    server = start_server(l1_bytes=1 * MiB, options={"max_reserved_share_per_client": 1.0})
     with server.client() as client:
         [group] = client.register([(0, manifest())])
         fp = Fingerprint(group.fingerprint)

@@ -365,6 +365,12 @@ class ServerOptions:
     #: Keys (chunk hashes × groups, tokens, objects) one request may name: the loop works through
     #: them at once, so one huge request would stall every other client for as long.
     max_keys_per_request: int = 16384
+    #: What one client (session) may hold at once: read leases and reservations, promotion
+    #: tickets, and the share of the L1 arena in its open reservations. One client past a bound is
+    #: refused (``busy``, naming the setting) and the others are not touched.
+    max_holds_per_client: int = 65536
+    max_tickets_per_client: int = 4096
+    max_reserved_share_per_client: float = 0.5
     drain_timeout_s: float = 10.0
     metrics_port: int | None = None
     metrics_tenants: int = 10
@@ -405,6 +411,13 @@ class ServerOptions:
                 f"must be >= 1024 (a 128k-token prompt's lookup names 512 chunks per group), got "
                 f"{self.max_keys_per_request}",
             )
+        _at_least_one("max_holds_per_client", "--max-holds-per-client", self.max_holds_per_client)
+        _at_least_one("max_tickets_per_client", "--max-tickets-per-client", self.max_tickets_per_client)
+        _fraction(
+            "max_reserved_share_per_client",
+            "--max-reserved-share-per-client",
+            self.max_reserved_share_per_client,
+        )
         if self.max_message_bytes < 1 * MiB:
             raise SettingError(
                 "max_message_bytes", "max message bytes", f"must be >= 1 MiB, got {self.max_message_bytes}"

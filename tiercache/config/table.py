@@ -105,6 +105,22 @@ META: dict[tuple[str, str], Meta] = {
         "gets an 'invalid' reply naming this setting.",
         metavar="N",
     ),
+    ("server", "max_holds_per_client"): Meta(
+        "Most read leases and reservations one client may hold at once; past it its pins and "
+        "reserves get a 'busy' reply naming this setting (counted as server.refused_holds).",
+        metavar="N",
+    ),
+    ("server", "max_tickets_per_client"): Meta(
+        "Most promotion tickets (lookups with prefetch) one client may hold at once; past it its "
+        "lookups get a 'busy' reply (server.refused_tickets). Tickets also end with their leases.",
+        metavar="N",
+    ),
+    ("server", "max_reserved_share_per_client"): Meta(
+        "Largest share of the L1 arena one client's open reservations may cover; past it its "
+        "reserves get a 'busy' reply (server.refused_reserved_bytes), so one client cannot evict "
+        "the whole arena in one go.",
+        metavar="FRACTION",
+    ),
     ("server", "drain_timeout_s"): Meta(
         "Seconds a shutdown waits for in-flight work before closing the tiers.", metavar="SECONDS"
     ),

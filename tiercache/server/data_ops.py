@@ -120,6 +120,8 @@ class DataOps:
             )
         wait = msg.inflight_wait_s if msg.prefetch else 0.0
         tenant = parse_tenant_id(msg.tenant)
+        if msg.prefetch:
+            self._sessions.room_for_ticket(session, time.monotonic())
 
         def answer(specs: list[GroupSpec], found: LookupResult) -> tuple[LookupResult, PrefetchTicket | None]:
             ticket = None
@@ -231,6 +233,9 @@ class DataOps:
                 raise Refused(
                     p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}"
                 )
+        self._sessions.room_for_reserve(
+            session, len(msg.items), sum(nbytes for _, nbytes in msg.items), time.monotonic()
+        )
         keys = parse_keys([raw for raw, _ in msg.items])
         items = [(key, nbytes) for key, (_, nbytes) in zip(keys, msg.items)]
         for target, blocks in msg.holds:
@@ -297,6 +302,7 @@ class DataOps:
 
     def pin(self, session: Session, msg: p.Pin) -> p._Msg:
         keys = parse_keys(msg.keys)
+        self._sessions.room_for_holds(session, len(keys), time.monotonic())
         t0 = time.perf_counter()
         handles = self._l1.pin_many(keys)
         held = [h for h in handles if h is not None]

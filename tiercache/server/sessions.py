@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ class Session:
     found: dict[int, int] = field(default_factory=dict)
     #: The session key's seal (shared-secret servers only): requests must carry its tag.
     seal: SessionSeal | None = None
+    #: Bytes of its open reservations (expired ones included until committed, aborted or dropped).
+    reserved_bytes: int = 0
+    #: When each ticket was handed out (monotonic): a ticket ends with its leases.
+    ticket_at: dict[int, float] = field(default_factory=dict)
 
 
 class Sessions:
@@ -70,6 +75,11 @@ class Sessions:
         self.expired = 0  # sessions dropped for missed heartbeats
         self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
         self.lost_leases = 0  # leases released after they had expired (a release's or a ticket's)
+        # Requests refused because their client was at one of its bounds (--max-*-per-client).
+        self.refused_holds = 0
+        self.refused_tickets = 0
+        self.refused_reserved_bytes = 0
+        self.tickets_expired = 0  # tickets whose client let every lease of theirs expire
 
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)
@@ -141,8 +151,91 @@ class Sessions:
         return False
 
     # -- what sessions hold --------------------------------------------------------------------
+    # -- per-client bounds --------------------------------------------------------------------
+    def room_for_holds(self, session: Session, more: int, now: float) -> None:
+        """Refuse (``busy``) a pin or reserve that would take ``session`` past
+        ``max_holds_per_client`` leases and reservations; leases it let expire long ago are
+        dropped first."""
+        bound = self._options.max_holds_per_client
+        if len(session.leases) + len(session.reservations) + more <= bound:
+            return
+        self._drop_stale_leases(session, now)
+        held = len(session.leases) + len(session.reservations)
+        if held + more > bound:
+            self.refused_holds += 1
+            raise Refused(
+                p.ErrorCode.BUSY,
+                f"this client holds {held} read leases and reservations, and {more} more would pass the "
+                f"server's --max-holds-per-client {bound}: release (or commit) what it holds first",
+            )
+
+    def room_for_reserve(self, session: Session, more: int, nbytes: int, now: float) -> None:
+        """:meth:`room_for_holds`, and refuse a reserve that would take ``session``'s open
+        reservations past ``max_reserved_share_per_client`` of the arena."""
+        self.room_for_holds(session, more, now)
+        bound = int(self._options.max_reserved_share_per_client * self._l1.arena.size)
+        if session.reserved_bytes + nbytes <= bound:
+            return
+        live = sum(h.nbytes for h in session.reservations.values() if h.expires_at > now)
+        if live + nbytes > bound:
+            self.refused_reserved_bytes += 1
+            raise Refused(
+                p.ErrorCode.BUSY,
+                f"this client's open reservations cover {live} bytes, and {nbytes} more would pass the "
+                f"server's --max-reserved-share-per-client "
+                f"{self._options.max_reserved_share_per_client:g} of the {self._l1.arena.size}-byte arena: "
+                "commit or abort them first",
+            )
+
+    def room_for_ticket(self, session: Session, now: float) -> None:
+        """Refuse (``busy``) a lookup with prefetch while ``session`` holds
+        ``max_tickets_per_client`` tickets (those whose leases all expired end first)."""
+        bound = self._options.max_tickets_per_client
+        if len(session.tickets) < bound:
+            return
+        self._expire_tickets(session, now)
+        if len(session.tickets) >= bound:
+            self.refused_tickets += 1
+            raise Refused(
+                p.ErrorCode.BUSY,
+                f"this client holds {len(session.tickets)} promotion tickets, the server's "
+                f"--max-tickets-per-client: release the tickets of lookups it is done with",
+            )
+
+    def _drop_stale_leases(self, session: Session, now: float) -> None:
+        """Forget leases that expired over a heartbeat timeout ago: L1 took them back long since,
+        and a client that has not released them by now is not going to (a late release of one
+        is ``unknown_token``)."""
+        limit = now - self._options.heartbeat_timeout_s
+        stale = [h for h in session.leases.values() if h.expires_at < limit]
+        for handle in stale:
+            del session.leases[handle.token]
+            self._owner.pop(handle.token, None)
+        if stale:
+            self._l1.release_many(stale)
+
+    def _expire_tickets(self, session: Session, now: float) -> None:
+        """End ``session``'s tickets whose leases all expired over a heartbeat timeout ago (and that
+        are older than that): what they pinned is no longer held for the client, so they hold
+        nothing but memory. The slack leaves a client whose copy outlived its leases the time to
+        release the ticket itself, so the server counts those leases lost."""
+        grace = self._options.heartbeat_timeout_s
+        oldest = now - self._l1.config.lease_ttl_s - grace
+        ended = [
+            t
+            for tid, t in session.tickets.items()
+            if session.ticket_at.get(tid, now) < oldest
+            and all(h.expires_at < now - grace for h in t.handles.values())
+        ]
+        for ticket in ended:
+            self.drop_ticket(session, ticket.ticket_id)
+            self._engine.release_ticket(ticket)
+        self.tickets_expired += len(ended)
+
+    # -- what sessions hold --------------------------------------------------------------------
     def hold_reservation(self, session: Session, handle: WriteHandle) -> None:
         session.reservations[handle.token] = handle
+        session.reserved_bytes += handle.nbytes
         self._owner[handle.token] = session.identity
 
     def hold_lease(self, session: Session, handle: ReadHandle) -> None:
@@ -153,6 +246,7 @@ class Sessions:
         """``session`` holds ``ticket``, whose lookup reported ``found`` (its polls say it again)."""
         session.tickets[ticket.ticket_id] = ticket
         session.found[ticket.ticket_id] = found
+        session.ticket_at[ticket.ticket_id] = time.monotonic()
         self._ticket_owner[ticket.ticket_id] = session.identity
 
     def claim_reservations(self, session: Session, tokens: list[int]) -> list[WriteHandle]:
@@ -201,6 +295,7 @@ class Sessions:
     def forget_reservation(self, session: Session, handle: WriteHandle) -> None:
         """The client is done with ``handle`` (committed or aborted)."""
         del session.reservations[handle.token]
+        session.reserved_bytes -= handle.nbytes
         self._owner.pop(handle.token, None)
 
     def forget_lease(self, session: Session, handle: ReadHandle) -> None:
@@ -222,6 +317,7 @@ class Sessions:
         ticket = self.ticket(session, ticket_id)
         del session.tickets[ticket_id]
         session.found.pop(ticket_id, None)
+        session.ticket_at.pop(ticket_id, None)
         self._ticket_owner.pop(ticket_id, None)
         return ticket
 
@@ -253,6 +349,9 @@ class Sessions:
     def expire(self, now: float) -> None:
         """Drop every session silent for longer than the heartbeat timeout, releasing what it held."""
         limit = self._options.heartbeat_timeout_s
+        for session in self.by_identity.values():
+            if session.tickets:
+                self._expire_tickets(session, now)
         for session in [s for s in self.by_identity.values() if now - s.last_seen > limit]:
             log.info(
                 "client %r silent for %.1f s; releasing its reservations and leases",
@@ -289,6 +388,8 @@ class Sessions:
         session.leases.clear()
         session.tickets.clear()
         session.found.clear()
+        session.ticket_at.clear()
+        session.reserved_bytes = 0
 
     # -- observation ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -299,4 +400,8 @@ class Sessions:
             "reservations": sum(len(s.reservations) for s in sessions),
             "leases": sum(len(s.leases) for s in sessions),
             "tickets": len(self._ticket_owner),
+            "refused_holds": self.refused_holds,
+            "refused_tickets": self.refused_tickets,
+            "refused_reserved_bytes": self.refused_reserved_bytes,
+            "tickets_expired": self.tickets_expired,
         }
