@@ -8,14 +8,21 @@ injected with the test-only ``ServerSpec.faults`` hook), every read is still rig
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import make_key
 from tests.reliability.common import figures, payload
 from tests.server.conftest import StartServer, manifest
 from tiercache.config import DiskConfig, L1Config
 from tiercache.engine import TieredEngine
+from tiercache.errors import TierError
 from tiercache.keys import ObjectKey
 from tiercache.l1.tier import L1Tier
 from tiercache.l2_disk import DiskTier
@@ -128,3 +135,61 @@ def test_a_real_server_with_a_flaky_disk_serves_only_right_bytes(
     assert wrong == 0
     assert stats["engine"]["write_failures"] > 0  # the injected faults were real and counted
     assert hits > 0
+
+
+@pytest.fixture
+def small_file_system(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs of its own (root only: CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    where = tmp_path / "fs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(where)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_budget_larger_than_the_file_system_shrinks_to_fit_and_writes_go_on(
+    small_file_system: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A 1 GiB budget on a 24 MiB file system: every write failed once the file system was full,
+    # with a warning each, and the tier never evicted to recover (issue 30, point 10).
+    caplog.set_level(logging.WARNING, logger="tiercache.l2_disk.tier")
+    disk = DiskTier(DiskConfig(path=small_file_system / "l2", budget_bytes=1 << 30, sync_interval_s=0.2))
+    try:
+        assert disk.usage().bytes_budget < 24 * MiB  # fitted to the file system at start
+        assert any("more than the file system" in r.getMessage() for r in caplog.records)
+        # Then the file system fills up under the tier (another program's file).
+        room = disk.usage().bytes_budget
+        (small_file_system / "other").write_bytes(b"\0" * (24 * MiB - room // 2))
+        caplog.clear()
+        keys = [make_key(i, fp=b"F" * 16) for i in range(1200)]  # 18 MiB of 16 KiB objects
+        failed = 0
+        for key in keys:
+            try:
+                disk.put(key, payload(key, CHUNK_BYTES))
+            except TierError:
+                failed += 1
+        shrinks = [r for r in caplog.records if "almost full" in r.getMessage()]
+        budget = disk.usage().bytes_budget
+        right = sum(
+            1
+            for k in keys[-64:]
+            if (h := disk.pin(k)) is not None and bytes(h.buffer) == payload(k, CHUNK_BYTES)
+        )
+        figures(
+            "disk-budget-over-the-file-system",
+            writes=len(keys),
+            failed=failed,
+            budget_shrinks=len(shrinks),
+            budget_mib=budget / MiB,
+            last_64_read_right=right,
+        )
+        assert failed <= 1  # at most the write that met the full file system, then it fits
+        assert 1 <= len(shrinks) <= 3  # a warning when the budget shrinks, not one per write
+        assert right == 64  # it kept writing, evicting what was oldest
+    finally:
+        disk.close()

@@ -107,6 +107,16 @@ from tiercache.tier.stats import EvictionReason
 
 log = logging.getLogger(__name__)
 
+#: The share of the file system's room (free space plus this tier's file) a budget may take at
+#: start: LMDB's file holds more than the stored bytes (pages, the B-tree, the free list).
+_FS_SHARE = 0.8
+#: A write finds at least this many times its size free on the file system, plus the slack, or
+#: the budget shrinks (:meth:`DiskTier._keep_file_system_room`).
+_FS_RESERVE_WRITES = 4
+_FS_SLACK = 1 << 20
+#: When the file system runs low, the budget shrinks to this share of what the tier holds.
+_SHRINK = 0.8
+
 
 def _scribbled(key: ObjectKey) -> IntegrityError:
     return IntegrityError(
@@ -177,8 +187,17 @@ class DiskTier(Tier):
         self._stop = threading.Event()
         self._sync_thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._held_at_shrink: int | None = None  # stored bytes when the file system ran low
+        self._unchecked = 0  # bytes to write before the file system's free space is asked again
         self._env, self._dbs = self._open()
         self._data_db, self._meta_db = self._dbs["data"], self._dbs["meta"]  # hot-path lookups
+        room = self._file_system_room()
+        if room is not None and self._budget > int(_FS_SHARE * room):
+            self._set_budget(
+                int(_FS_SHARE * room),
+                f"--disk-size-gb ({config.budget_bytes} bytes) is more than the file system at "
+                f"{config.path} can hold ({room} bytes: its free space and this tier's file)",
+            )
         self._start_sync_thread()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -371,6 +390,31 @@ class DiskTier(Tier):
                 self._env.close()
 
     # -- helpers -------------------------------------------------------------------------------
+    # -- the file system under the budget -------------------------------------------------------
+    def _file_system_room(self) -> int | None:
+        """Bytes this tier's file could grow to: its size now plus the file system's free space
+        (``None`` when the file system does not say)."""
+        try:
+            fs = os.statvfs(self.config.path)
+            data = self.config.path / "data.mdb"
+            held = data.stat().st_blocks * 512 if data.exists() else 0
+        except OSError:
+            return None
+        return held + fs.f_bavail * fs.f_frsize
+
+    def _set_budget(self, budget: int, why: str) -> None:
+        """Keep at most ``budget`` bytes from now on (eviction brings the tier under it), saying
+        ``why`` in a warning."""
+        log.warning(
+            "%s: the disk tier now keeps at most %d bytes (was %d); free space there or lower --disk-size-gb",
+            why,
+            budget,
+            self._budget,
+        )
+        self._budget = budget
+        self._high = int(self.config.high_watermark * budget)
+        self._quotas = TenantQuotas(budget, self.config.tenant_share, self.config.tenant_overrides())
+
     def _translate(self, exc: lmdb.Error, what: str) -> DiskTierError:
         self.stats.add("errors")
         return DiskTierError(
@@ -594,6 +638,43 @@ class DiskTier(Tier):
         )
 
     def _store(
+        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes = DEFAULT_TENANT
+    ) -> None:
+        """:meth:`_store_in_map`, keeping the file system under the tier from filling up: LMDB
+        needs free pages even to evict (a full file system fails every write transaction, the
+        evicting ones too). When its free space runs low while the tier still means to grow (a
+        budget larger than the file system allows), the budget shrinks below what the tier holds,
+        so eviction frees pages inside its file for the writes that follow."""
+        self._keep_file_system_room(len(stored))
+        self._store_in_map(key, kb, head, stored, tail, tenant)
+
+    def _keep_file_system_room(self, nbytes: int) -> None:
+        # The file system is asked again once this process has written half of what was free
+        # at the last answer (a statvfs per small write would cost a few percent of it).
+        self._unchecked -= nbytes
+        if self._unchecked > 0:
+            return
+        try:
+            fs = os.statvfs(self.config.path)
+        except OSError:
+            return
+        free = fs.f_bavail * fs.f_frsize
+        reserve = _FS_RESERVE_WRITES * nbytes + _FS_SLACK
+        self._unchecked = (free - reserve) // 2
+        if free >= reserve:
+            return
+        used = self.usage().bytes_used
+        if self._held_at_shrink is not None and used + nbytes <= self._held_at_shrink:
+            return  # within what its file held when the budget last shrank: freed pages do
+        self._held_at_shrink = used
+        if self._budget > int(_SHRINK * used):
+            self._set_budget(
+                max(nbytes, int(_SHRINK * used)),
+                f"the file system at {self.config.path} is almost full "
+                f"({free} bytes free, {used} bytes held by this tier)",
+            )
+
+    def _store_in_map(
         self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes = DEFAULT_TENANT
     ) -> None:
         nbytes = len(stored)
