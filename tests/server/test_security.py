@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.server.conftest import StartServer, curve_keys
 from tiercache.client.client import Client
 from tiercache.errors import AuthenticationError, ConfigError, ServerError, ServerUnavailableError
 from tiercache.server.security import prepare_ipc
+
+MiB = 1 << 20
 
 
 def free_port() -> int:
@@ -78,6 +81,52 @@ def test_repeated_failed_hellos_are_counted_and_then_wait_per_peer(start_server:
         print(f"\nFIGURES failed-hellos: {figures}{server['hellos_held']} held unchecked")
         assert 5 <= server["hellos_failed"] <= 7
         assert server["hellos_held"] >= 5
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """(resident now, peak) of a live process, in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def test_a_stranger_sending_600_mib_is_dropped_unread_and_costs_the_server_little(
+    start_server: StartServer,
+) -> None:
+    # Ten 60 MiB frames from a peer that never said hello took the server from 50 to 654 MiB: each
+    # was copied and decoded (msgpack expands ~9x) before the session was looked up (issue 30,
+    # point 2). Now a frame larger than a handshake from a peer without a session is dropped unread.
+    secret = "s3cret-8d1e5a0c7b3f9264"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = start_server(listen=endpoint, options={"auth_secret": secret}, client_kw={"auth_secret": secret})
+    pid = server.process.pid
+    assert pid is not None
+    rss_before, peak_before = _rss_mib(pid)
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.linger = 0
+    stranger.connect(endpoint)
+    frame = b"\x91" * (60 * MiB)  # a msgpack array header, then more of them: nests and expands
+    try:
+        for _ in range(10):
+            stranger.send(frame, copy=False)
+        replies = []
+        while len(replies) < 10 and stranger.poll(30_000):
+            replies.append(stranger.recv())
+    finally:
+        stranger.close()
+        ctx.term()
+    rss_after, peak_after = _rss_mib(pid)
+    with Client(endpoint, timeout=5, auth_secret=secret) as client:
+        client.ping()  # everyone else is served
+        dropped = client.stats()["server"]["stranger_frames"]
+    print(
+        f"\nFIGURES stranger-600MiB: replies={len(replies)} dropped_unread={dropped} "
+        f"rss_mib={rss_before:.0f}->{rss_after:.0f} peak_mib={peak_before:.0f}->{peak_after:.0f}"
+    )
+    assert len(replies) == 10 and all(b"hello_required" in r for r in replies)
+    assert dropped == 10
+    assert rss_after - rss_before < 48  # what libzmq and the allocator keep of one frame
+    assert peak_after - peak_before < 200  # at most a couple of frames in libzmq's buffers at once
 
 
 def test_tcp_with_curve_admits_only_known_client_keys(start_server: StartServer, tmp_path: Path) -> None:

@@ -62,6 +62,13 @@ _JOBS_PER_WORKER = 64
 #: Frames above max_message_bytes but below this multiple get an error reply; above it libzmq drops
 #: the connection before the bytes are buffered (``MAXMSGSIZE``), so a huge frame cannot exhaust memory.
 _HARD_LIMIT_FACTOR = 2
+#: The largest frame taken from a peer without a session: a challenge or a hello is a few hundred
+#: bytes. Anything larger is refused unread (never decoded: msgpack expands ~9x in objects).
+_HANDSHAKE_FRAME_BYTES = 16 * 1024
+#: Frames libzmq queues per connection before it stops reading that peer's socket (backpressure,
+#: nothing dropped): with the loop dropping strangers' frames unread, this bounds what one
+#: connection can have the server hold.
+_RCVHWM = 64
 #: ZMTP heartbeats on tcp: a peer silent for 3 of these loses its connection (and so its routing id).
 _ZMTP_HEARTBEAT_MS = 2000
 #: Milliseconds a tcp connection may take to finish its handshake before libzmq closes it.
@@ -130,7 +137,7 @@ class Server:
         self._codec = p.Codec()
         self._sessions = Sessions(engine, self._l1, self.options)
         self._inflight = 0
-        self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0}
+        self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0, "stranger_frames": 0}
         self._hellos = FailedHellos()
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
@@ -254,6 +261,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes * _HARD_LIMIT_FACTOR + 4096)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         # No ROUTER_HANDOVER: a second connection with a routing id already connected is turned
         # away, so copying a client's id (it travels in the clear without CURVE) cannot take over
         # its connection. A client whose connection died reconnects once the server sees it gone
@@ -335,15 +343,33 @@ class Server:
                 head = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            frames = [head.bytes]
+            identity = head.bytes
+            parts = []
             while sock.getsockopt(zmq.RCVMORE):
-                frames.append(sock.recv(copy=True))
-            if len(frames) < 2:
+                parts.append(sock.recv(copy=False))  # not copied until known to be read
+            if not parts:
                 continue
-            identity = frames[0]
-            reply, signed = self._handle(identity, frames[1:], partial(_peer_of, head))
+            refused = self._stranger_frame(identity, parts)
+            if refused is not None:
+                self._send(sock, identity, refused, False)
+                continue
+            reply, signed = self._handle(identity, [part.bytes for part in parts], partial(_peer_of, head))
             if reply is not None:
                 self._send(sock, identity, reply, signed)
+
+    def _stranger_frame(self, identity: bytes, parts: list[zmq.Frame]) -> p.ErrorReply | None:
+        """The refusal of a frame larger than a handshake from a peer without a session (it is
+        dropped unread: never copied, never decoded, where msgpack would expand ~9x into
+        objects), or ``None`` to read the request."""
+        if identity in self._sessions.by_identity or all(len(f) <= _HANDSHAKE_FRAME_BYTES for f in parts):
+            return None
+        self._counters["requests"] += 1
+        self._counters["stranger_frames"] += 1
+        return p.ErrorReply(
+            code=p.ErrorCode.HELLO_REQUIRED,
+            message=f"a connection without a session may send only a challenge or a hello (at most "
+            f"{_HANDSHAKE_FRAME_BYTES} bytes); a frame of {max(map(len, parts))} bytes was dropped unread",
+        )
 
     def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p._Msg, signed: bool = True) -> None:
         """Send ``reply``; on a shared-secret session (and ``signed``) with its tag frame. Replies to
