@@ -150,7 +150,6 @@ class Sessions:
         self.refused_unsigned += 1
         return False
 
-    # -- what sessions hold --------------------------------------------------------------------
     # -- per-client bounds --------------------------------------------------------------------
     def room_for_holds(self, session: Session, more: int, now: float) -> None:
         """Refuse (``busy``) a pin or reserve that would take ``session`` past
