@@ -43,32 +43,38 @@ def run(config: ServerConfig, *, handle_signals: bool = True) -> None:
     process except on a second signal.
     """
     engine = build_engine(config)
-    metrics: MetricsServer | None = None
     try:
         # Built (not started) first: metrics export its lookup latencies beside the engine's stats.
         server = Server(engine, config.server)
-        if config.server.metrics_port is not None:
-            metrics = MetricsServer(server.metrics_stats, config.metrics_host, config.server.metrics_port)
-            try:
-                metrics.start()
-            except OSError as exc:
-                raise ConfigError(
-                    f"--metrics-port {config.server.metrics_port}: cannot listen on "
-                    f"{config.metrics_host}:{config.server.metrics_port} ({exc.strerror or exc}); "
-                    "choose a free port, or 0 for any"
-                ) from exc
-        # Handlers go in before start(): a signal during start-up must drain too, not raise
-        # KeyboardInterrupt past a half-started server.
-        guard = _signal_handlers(server, config.server.drain_timeout_s) if handle_signals else None
-        with guard if guard is not None else contextlib.nullcontext():
+    except BaseException:
+        engine.close(timeout=config.server.drain_timeout_s)
+        raise
+    # Handlers go in before start() and stay until the tiers are closed: a signal during start-up
+    # must drain too, and a second one while the tiers close must force the exit, never raise
+    # KeyboardInterrupt into a half-closed engine (whose worker threads would then keep the
+    # process alive).
+    guard = _signal_handlers(server, config.server.drain_timeout_s) if handle_signals else None
+    with guard if guard is not None else contextlib.nullcontext():
+        metrics: MetricsServer | None = None
+        try:
+            if config.server.metrics_port is not None:
+                metrics = MetricsServer(server.metrics_stats, config.metrics_host, config.server.metrics_port)
+                try:
+                    metrics.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"--metrics-port {config.server.metrics_port}: cannot listen on "
+                        f"{config.metrics_host}:{config.server.metrics_port} ({exc.strerror or exc}); "
+                        "choose a free port, or 0 for any"
+                    ) from exc
             server.start()
             _log_started(config, server, metrics)
             server.serve_forever()
-        log.info("server stopped; closing tiers")
-    finally:
-        if metrics is not None:
-            metrics.stop()
-        engine.close(timeout=config.server.drain_timeout_s)
+            log.info("server stopped; closing tiers")
+        finally:
+            if metrics is not None:
+                metrics.stop()
+            engine.close(timeout=config.server.drain_timeout_s)
     log.info("bye")
 
 
