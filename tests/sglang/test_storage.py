@@ -291,9 +291,14 @@ def test_the_kv_pool_named_again_is_accepted(tmp_path: Path, make: Make) -> None
     """SGLang's hybrid controller registers the KV pool a second time by name: the same pool passes
     (extra pools and refusals: test_hybrid)."""
     with running(server_spec(tmp_path, disk=False)) as server:
-        pool = MHALayoutHostPool(2, page_size=PAGE)
+        pool = MHALayoutHostPool(4, page_size=PAGE)
         b = make(server.endpoint, pool)
         b.register_mem_host_pool_v2(pool, "kv")
+        # Still the one KV pool: pages go out and come back through it as before.
+        names = keys(1)
+        stored = _store(b, pool, names, [0])
+        assert b.batch_get_v1(names, pool.indices([3])) == [True]
+        assert pool.page_bytes(3) == stored[0]
 
 
 def test_engines_whose_pages_differ_never_share_them(tmp_path: Path, make: Make) -> None:
