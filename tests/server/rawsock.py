@@ -27,23 +27,23 @@ class RawSocket:
     def send_frames(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
 
-    def request(self, frame: bytes | p._Msg, timeout_s: float = 10.0) -> p._Msg | None:
+    def request(self, frame: bytes | p.Message, timeout_s: float = 10.0) -> p.Message | None:
         """Send one frame and return the decoded reply, or None if none came within ``timeout_s``
         (for a frame that must be answered: a frame that may get no reply is :meth:`probe`'s)."""
         raw = frame if isinstance(frame, bytes) else self.codec.encode(frame)
         self.sock.send(raw)
         return self.receive(timeout_s)
 
-    def receive(self, timeout_s: float = 10.0) -> p._Msg | None:
+    def receive(self, timeout_s: float = 10.0) -> p.Message | None:
         """The next reply, decoded as a :data:`~tiercache.wire.protocol.Reply` (anything else raises),
         or None if none came within ``timeout_s``."""
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
         return msgspec.msgpack.decode(self.sock.recv(), type=p.Reply)
 
-    def _answer_to(self, req_id: int, timeout_s: float) -> tuple[p._Msg, list[p._Msg]]:
+    def _answer_to(self, req_id: int, timeout_s: float) -> tuple[p.Message, list[p.Message]]:
         """Receive until the reply to ``req_id``; return it and the replies that came before it."""
-        before: list[p._Msg] = []
+        before: list[p.Message] = []
         deadline = time.monotonic() + timeout_s
         while True:
             reply = self.receive(max(0.0, deadline - time.monotonic()))
@@ -53,7 +53,7 @@ class RawSocket:
                 return reply, before
             before.append(reply)
 
-    def hello(self) -> list[p._Msg]:
+    def hello(self) -> list[p.Message]:
         """Say hello; return the replies to earlier frames that came before the hello's."""
         req_id = next(self._own_ids)
         self.sock.send(self.codec.encode(p.Hello(req_id=req_id, protocol_version=p.PROTOCOL_VERSION)))
@@ -61,7 +61,7 @@ class RawSocket:
         assert isinstance(reply, p.HelloReply), reply
         return before
 
-    def probe(self, frame: bytes, timeout_s: float = 10.0) -> tuple[list[p._Msg], p._Msg]:
+    def probe(self, frame: bytes, timeout_s: float = 10.0) -> tuple[list[p.Message], p.Message]:
         """Send ``frame`` (which may get a reply or none), then a ping; return the replies that came
         before the ping's answer, and that answer.
 

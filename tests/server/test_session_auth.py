@@ -46,22 +46,22 @@ class Peer:
         self.seal: SessionSeal | None = None
         self.sent: list[list[bytes]] = []  # every request as it went on the wire
 
-    def send(self, msg: p._Msg, *, sign: bool = True) -> None:
+    def send(self, msg: p.Message, *, sign: bool = True) -> None:
         body = self.codec.encode(msg)
         frames = [body] if self.seal is None or not sign else [body, self.seal.seal(body)]
         self.sent.append(frames)
         self.sock.send_multipart(frames)
 
-    def replay(self, frames: list[bytes]) -> p._Msg | None:
+    def replay(self, frames: list[bytes]) -> p.Message | None:
         self.sock.send_multipart(frames)
         return self.receive()
 
-    def receive(self, timeout_s: float = 1.5) -> p._Msg | None:
+    def receive(self, timeout_s: float = 1.5) -> p.Message | None:
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
         return msgspec.msgpack.decode(self.sock.recv_multipart()[0], type=p.Reply)
 
-    def request(self, msg: p._Msg, *, sign: bool = True) -> p._Msg | None:
+    def request(self, msg: p.Message, *, sign: bool = True) -> p.Message | None:
         self.send(msg, sign=sign)
         return self.receive()
 

@@ -83,7 +83,7 @@ class _Pending:
     done: bool = False
     #: An asynchronous request, kept to be sent once more if the server answers hello_required (it
     #: restarted and forgot the session); ``None`` once resent, or for synchronous calls.
-    msg: p._Msg | None = None
+    msg: p.Message | None = None
 
 
 @dataclass(slots=True)
@@ -294,7 +294,7 @@ class Client:
 
     # -- request machinery -----------------------------------------------------------------------
     def _send(
-        self, msg: p._Msg, convert: Callable[[Any], Any], timeout: float | None, req_id: int | None = None
+        self, msg: p.Message, convert: Callable[[Any], Any], timeout: float | None, req_id: int | None = None
     ) -> int:
         """Send ``msg`` under a new request id (or ``req_id``: a resend) and file its pending reply."""
         if self._closed.is_set():
@@ -318,7 +318,7 @@ class Client:
         )
         return req_id
 
-    def _write(self, sock: zmq.Socket[bytes], msg: p._Msg) -> None:
+    def _write(self, sock: zmq.Socket[bytes], msg: p.Message) -> None:
         """Encode and send ``msg``, with its tag after the handshake of a shared-secret session."""
         body = self._codec.encode(msg)
         seal = self._state.seal
@@ -358,7 +358,7 @@ class Client:
                 if isinstance(reply, p.LookupReply) and reply.ticket:
                     self._release_late_ticket(reply.ticket)
 
-    def _believe(self, reply: p._Msg, frame: bytes, tag: bytes | None) -> bool:
+    def _believe(self, reply: p.Message, frame: bytes, tag: bytes | None) -> bool:
         """Whether a reply comes from the server this session proved the secret to: with a shared
         secret every reply carries the session's fresh tag, save the refusals it cannot sign."""
         seal = self._state.seal
@@ -372,7 +372,7 @@ class Client:
         """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
         self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read))
 
-    def _send_unanswered(self, msg: p._Msg) -> None:
+    def _send_unanswered(self, msg: p.Message) -> None:
         """Send ``msg`` if the socket takes it, without waiting for its reply (which matches no
         pending request: dropped). Called with ``_lock`` held."""
         sock = self._state.sock
@@ -402,7 +402,7 @@ class Client:
         return ServerError(f"{code.value}: {reply.message}", code.value)
 
     def _call(
-        self, msg: p._Msg, convert: Callable[[Any], T] = lambda r: r, timeout: float | None = None
+        self, msg: p.Message, convert: Callable[[Any], T] = lambda r: r, timeout: float | None = None
     ) -> T:
         """Send, wait for the reply and return ``convert(reply)`` (the reply itself by default), typed as
         ``convert`` or the caller says: nothing checks it at run time. Says hello again once if the
@@ -556,7 +556,7 @@ class Client:
         """Ask where a promotion ticket stands without waiting; collect with :meth:`poll`."""
         return self._submit(p.PollTicket(ticket=ticket), lambda r: r)
 
-    def _submit(self, msg: p._Msg, convert: Callable[[Any], Any]) -> int:
+    def _submit(self, msg: p.Message, convert: Callable[[Any], Any]) -> int:
         with self._lock:
             if self._state.hello is None:
                 self._say_hello(None)

@@ -81,9 +81,9 @@ class _Completion:
     req_id: int
     #: The executor's job, or ``None`` for a result computed on the loop (``result``).
     future: Future[Any] | None
-    finish: Callable[[Any], p._Msg | None]
+    finish: Callable[[Any], p.Message | None]
     #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
-    sent: Callable[[p._Msg | None], None] | None = None
+    sent: Callable[[p.Message | None], None] | None = None
     result: Any = None
 
 
@@ -371,7 +371,7 @@ class Server:
             f"{_HANDSHAKE_FRAME_BYTES} bytes); a frame of {max(map(len, parts))} bytes was dropped unread",
         )
 
-    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p._Msg, signed: bool = True) -> None:
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p.Message, signed: bool = True) -> None:
         """Send ``reply``; on a shared-secret session (and ``signed``) with its tag frame. Replies to
         requests that did not prove the session are never signed: the client does not believe them,
         save the errors that tell it to say hello again."""
@@ -393,7 +393,7 @@ class Server:
 
     def _handle(
         self, identity: bytes, frames: list[bytes], peer: Callable[[], str] = lambda: "unknown"
-    ) -> tuple[p._Msg | None, bool]:
+    ) -> tuple[p.Message | None, bool]:
         """Decode and dispatch one request; every failure becomes an error reply. Also says whether
         the reply may be signed: only when the request proved the session (or opened it). ``peer``
         names the sender's address (asked only of a hello)."""
@@ -426,7 +426,7 @@ class Server:
                     p.ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry on its successor"
                 )
             if isinstance(msg, p.Challenge):
-                reply: p._Msg | None = self._sessions.challenge(identity)
+                reply: p.Message | None = self._sessions.challenge(identity)
             elif isinstance(msg, p.Hello):
                 reply = self._hello(identity, msg, now, peer())
                 signed = True  # with the key this hello just proved: the client checks the server
@@ -462,7 +462,7 @@ class Server:
             reply.req_id = msg.req_id
         return reply, signed
 
-    def _hello(self, identity: bytes, msg: p.Hello, now: float, peer: str) -> p._Msg:
+    def _hello(self, identity: bytes, msg: p.Hello, now: float, peer: str) -> p.Message:
         """A hello, unless its peer has failed too often of late (:mod:`tiercache.server.hellos`)."""
         if not self.options.auth_secret:
             return self._sessions.hello(identity, msg, now)
@@ -488,8 +488,8 @@ class Server:
         session: Session,
         req_id: int,
         job: Callable[[], Any],
-        finish: Callable[[Any], p._Msg | None],
-        sent: Callable[[p._Msg | None], None] | None = None,
+        finish: Callable[[Any], p.Message | None],
+        sent: Callable[[p.Message | None], None] | None = None,
     ) -> None:
         """Run ``job`` on the I/O executor; ``finish(result)`` then runs on the loop and its reply
         is sent, then ``sent(reply)`` is called. Raises ``busy`` when the executor already has its
@@ -510,8 +510,8 @@ class Server:
         session: Session,
         req_id: int,
         result: Any,
-        finish: Callable[[Any], p._Msg | None],
-        sent: Callable[[p._Msg | None], None] | None = None,
+        finish: Callable[[Any], p.Message | None],
+        sent: Callable[[p.Message | None], None] | None = None,
     ) -> None:
         """Queue a result computed on the loop (no I/O was needed) as an executor job's would be:
         :meth:`_send_completions`, later in this loop iteration, finishes and sends it."""

@@ -102,7 +102,7 @@ class DataOps:
         def job() -> list[tuple[int, Fingerprint, LayoutManifest]]:
             return [(group, self._engine.register_manifest(m), m) for group, m in parsed]
 
-        def finish(done: list[tuple[int, Fingerprint, LayoutManifest]]) -> p._Msg:
+        def finish(done: list[tuple[int, Fingerprint, LayoutManifest]]) -> p.Message:
             return p.RegisterReply(groups=[self._layouts.record(fp, group, m) for group, fp, m in done])
 
         self._offload(session, msg.req_id, job, finish)
@@ -162,7 +162,7 @@ class DataOps:
         identity = session.identity
         received = self._arrival()
 
-        def sent(reply: p._Msg | None) -> None:
+        def sent(reply: p.Message | None) -> None:
             if reply is None:  # the client went away: nothing was answered
                 return
             if isinstance(reply, p.LookupReply):
@@ -171,7 +171,7 @@ class DataOps:
                 outcome = "error"
             self.lookup_latency.observe(outcome, time.perf_counter() - received)
 
-        def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p._Msg | None:
+        def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p.Message | None:
             found, ticket = result
             if not msg.every_object:  # (a tail lookup goes on the same request's chunk lookup)
                 self._tenants.record(tenant, len(msg.hashes), found.chunks)
@@ -213,12 +213,12 @@ class DataOps:
             reply.arena = self._l1.arena_name
         return reply
 
-    def poll_ticket(self, session: Session, msg: p.PollTicket) -> p._Msg:
+    def poll_ticket(self, session: Session, msg: p.PollTicket) -> p.Message:
         ticket = self._sessions.ticket(session, msg.ticket)
         found = session.found.get(msg.ticket, ticket.target)
         return self._ticket_reply(ticket, p.LookupReply(chunks=found, per_tier={}))
 
-    def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p._Msg:
+    def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message:
         # Counted like a release's: a connector worker may have copied from the ticket's slots.
         self._sessions.lost_leases += self._engine.release_ticket(
             self._sessions.drop_ticket(session, msg.ticket), read=msg.read
@@ -226,7 +226,7 @@ class DataOps:
         return p.Done(count=1)
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------
-    def reserve(self, session: Session, msg: p.Reserve) -> p._Msg:
+    def reserve(self, session: Session, msg: p.Reserve) -> p.Message:
         tenants = [parse_tenant_id(raw) for raw in msg.tenants]
         for _, nbytes in msg.items:
             if not 0 <= nbytes <= self._l1.arena.size:
@@ -253,7 +253,7 @@ class DataOps:
             slots.append(self._slot(handle))
         return p.SlotsReply(slots=slots)
 
-    def commit(self, session: Session, msg: p.Commit) -> p._Msg | None:
+    def commit(self, session: Session, msg: p.Commit) -> p.Message | None:
         if len(msg.digests) != len(msg.tokens):
             raise Refused(
                 p.ErrorCode.INVALID,
@@ -293,14 +293,14 @@ class DataOps:
             return done
         return None
 
-    def abort(self, session: Session, msg: p.Abort) -> p._Msg:
+    def abort(self, session: Session, msg: p.Abort) -> p.Message:
         handles = self._sessions.claim_reservations(session, msg.tokens)
         for handle in handles:
             self._sessions.forget_reservation(session, handle)
             self._engine.abort(handle)
         return p.Done(count=len(handles))
 
-    def pin(self, session: Session, msg: p.Pin) -> p._Msg:
+    def pin(self, session: Session, msg: p.Pin) -> p.Message:
         keys = parse_keys(msg.keys)
         self._sessions.room_for_holds(session, len(keys), time.monotonic())
         t0 = time.perf_counter()
@@ -319,7 +319,7 @@ class DataOps:
         where = self._l1.slot_of(handle)
         return p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token)
 
-    def release(self, session: Session, msg: p.Release) -> p._Msg:
+    def release(self, session: Session, msg: p.Release) -> p.Message:
         handles = self._sessions.claim_leases(session, msg.tokens)
         for handle in handles:
             self._sessions.forget_lease(session, handle)
@@ -346,14 +346,14 @@ class DataOps:
         self._offload(session, msg.req_id, job, lambda n: p.Done(count=n))
 
     # -- bytes over the socket (tools, remote clients) ------------------------------------------
-    def put(self, session: Session, msg: p.Put) -> p._Msg:
+    def put(self, session: Session, msg: p.Put) -> p.Message:
         return p.Done(count=int(self._engine.put(parse_key(msg.key), msg.data)))
 
     def get(self, session: Session, msg: p.Get) -> None:
         key = parse_key(msg.key)
         limit = self._options.max_message_bytes
 
-        def finish(data: bytes | None) -> p._Msg:
+        def finish(data: bytes | None) -> p.Message:
             if data is not None and len(data) > limit - 1024:
                 raise Refused(
                     p.ErrorCode.TOO_LARGE,

@@ -96,7 +96,7 @@ class ManagementOps:
                 p.ErrorCode.INVALID, f"list_keys order {msg.order!r} is unknown; use 'key' or 'use'"
             )
 
-        def job() -> p._Msg:
+        def job() -> p.Message:
             found: dict[bytes, list[str]] = {}
             for tier in tiers:
                 for key in _matching(tier.iter_keys(), msg):
@@ -116,7 +116,7 @@ class ManagementOps:
     def manifest(self, session: Session, msg: p.GetManifest) -> None:
         fp = parse_fingerprint(msg.fingerprint)
 
-        def job() -> p._Msg:
+        def job() -> p.Message:
             m = self._engine.manifest(fp)
             return p.ManifestReply(manifest=None if m is None else m.to_dict())
 
@@ -127,7 +127,7 @@ class ManagementOps:
         check_hashes(msg.hashes)
         self._offload(session, msg.req_id, lambda: self._explain(msg), lambda reply: reply)
 
-    def _explain(self, msg: p.Explain) -> p._Msg:
+    def _explain(self, msg: p.Explain) -> p.Message:
         """Per chunk and group: the tier holding it, or why not. Executor; may ask every tier."""
         specs = self._layouts.resolve(msg.groups)
         known = self._layouts.known_fingerprints()
@@ -197,7 +197,7 @@ class ManagementOps:
         def matching(tier: Tier) -> Iterator[ObjectKey]:
             return (k for k in tier.iter_keys() if not fingerprint or k.fingerprint.raw == fingerprint)
 
-        def job() -> p._Msg:
+        def job() -> p.Message:
             # A batch takes the first ``limit`` matching keys from an iterator (a large disk tier is
             # not listed whole per batch); deleted keys leave ``iter_keys``, so the next batch starts
             # with the next ones.
@@ -228,7 +228,7 @@ class ManagementOps:
             )
         keys = [parse_key(raw) for raw in msg.keys]
 
-        def job() -> p._Msg:
+        def job() -> p.Message:
             reply = p.WarmReply()
             for key in keys:
                 if msg.max_bytes and reply.bytes >= msg.max_bytes:
@@ -264,7 +264,7 @@ def _matching(keys: Iterator[ObjectKey], msg: p.ListKeys) -> Iterator[ObjectKey]
         yield key
 
 
-def _keys_by_use(tier: Tier, msg: p.ListKeys, limit: int) -> p._Msg:
+def _keys_by_use(tier: Tier, msg: p.ListKeys, limit: int) -> p.Message:
     """A page of ``tier``'s keys, most recently used first; the cursor is how many matching keys
     earlier pages returned (8 bytes, big-endian)."""
     skip = int.from_bytes(msg.cursor, "big") if msg.cursor else 0

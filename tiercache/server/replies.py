@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 #: A request handler: given the session and the decoded message, the reply to send now, or
 #: ``None`` when the reply comes later (the work was offloaded to the I/O executor).
-Handler = Callable[[Any, Any], p._Msg | None]
+Handler = Callable[[Any, Any], p.Message | None]
 
 
 class Refused(Exception):
@@ -64,8 +64,8 @@ class Offload(Protocol):
         session: Any,
         req_id: int,
         job: Callable[[], Any],
-        finish: Callable[[Any], p._Msg | None],
-        sent: Callable[[p._Msg | None], None] | None = None,
+        finish: Callable[[Any], p.Message | None],
+        sent: Callable[[p.Message | None], None] | None = None,
     ) -> None: ...
 
 
@@ -79,8 +79,8 @@ class Complete(Protocol):
         session: Any,
         req_id: int,
         result: Any,
-        finish: Callable[[Any], p._Msg | None],
-        sent: Callable[[p._Msg | None], None] | None = None,
+        finish: Callable[[Any], p.Message | None],
+        sent: Callable[[p.Message | None], None] | None = None,
     ) -> None: ...
 
 
@@ -92,7 +92,7 @@ def parse_key(raw: bytes) -> ObjectKey:
         raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
 
 
-def request_keys(msg: p._Msg) -> int:
+def request_keys(msg: p.Message) -> int:
     """How many keys (chunk hashes × groups, keys, objects and held blocks, tokens) ``msg`` names:
     what the request loop works through for it."""
     if isinstance(msg, (p.Lookup, p.Explain)):

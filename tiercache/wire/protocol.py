@@ -78,7 +78,7 @@ class EventKind(enum.StrEnum):
     REMOVED = "removed"  # the tier dropped it (evicted, failed verification, deleted, expired)
 
 
-class _Msg(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+class Message(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     """Base of every message: ``req_id`` is echoed by the reply."""
 
     req_id: int = 0
@@ -156,7 +156,7 @@ class ExplainEntry(msgspec.Struct, frozen=True, omit_defaults=True):
 # -- requests --------------------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(Message, tag="hello"):
     """First message of every connection. ``auth`` is HMAC-SHA256(secret, nonce) with the nonce
     from :class:`Challenge` when the server requires a shared secret; ``client_nonce`` (random, the
     client's own) goes into the session key that signs every later message both ways."""
@@ -167,21 +167,21 @@ class Hello(_Msg, tag="hello"):
     client_nonce: bytes = b""
 
 
-class Challenge(_Msg, tag="challenge"):
+class Challenge(Message, tag="challenge"):
     """Ask for a single-use nonce to prove the shared secret in the next :class:`Hello`."""
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(Message, tag="ping"):
     """Liveness and heartbeat: any message counts, ping is the one that does nothing else."""
 
 
-class RegisterEngine(_Msg, tag="register"):
+class RegisterEngine(Message, tag="register"):
     """Register an engine's layout: every object group with its manifest."""
 
     groups: list[RegisterGroup]
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(Message, tag="lookup"):
     """Longest restorable prefix of ``hashes`` (16-byte chained chunk hashes) for ``groups``.
 
     With ``prefetch`` the server also promotes lower-tier hits into L1 and pins the objects of the
@@ -210,11 +210,11 @@ class Lookup(_Msg, tag="lookup"):
     every_object: bool = False
 
 
-class PollTicket(_Msg, tag="poll_ticket"):
+class PollTicket(Message, tag="poll_ticket"):
     ticket: int
 
 
-class ReleaseTicket(_Msg, tag="release_ticket"):
+class ReleaseTicket(Message, tag="release_ticket"):
     """Unpin everything ``ticket`` holds. ``read``: a client copied the objects from the slots
     the ticket named (a connector's load without pins of its own), so the server counts each
     object it still held as an L1 hit, as a pin's read would be."""
@@ -223,7 +223,7 @@ class ReleaseTicket(_Msg, tag="release_ticket"):
     read: bool = False
 
 
-class Reserve(_Msg, tag="reserve"):
+class Reserve(Message, tag="reserve"):
     """Reserve arena slots for ``(key bytes, nbytes)`` pairs, all or nothing.
 
     ``tenants`` is empty (every object is the default tenant's) or holds each item's tenant id, in
@@ -239,7 +239,7 @@ class Reserve(_Msg, tag="reserve"):
     holds: list[tuple[bytes, list[bytes]]] = []
 
 
-class Commit(_Msg, tag="commit"):
+class Commit(Message, tag="commit"):
     """Make reservations visible, each with its payload's ``digests`` (in ``tokens`` order: the
     writer's xxh3-64 of the bytes it meant to store, computed over its own memory, never over the
     slot). ``supersedes`` (object keys) are dropped from the local tiers once the commit is done:
@@ -250,23 +250,23 @@ class Commit(_Msg, tag="commit"):
     supersedes: list[bytes] = []
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(Message, tag="abort"):
     tokens: list[int]
 
 
-class Pin(_Msg, tag="pin"):
+class Pin(Message, tag="pin"):
     """Lease the L1 copies of ``keys`` (no promotion; use :class:`Lookup` for that)."""
 
     keys: list[bytes]
 
 
-class Release(_Msg, tag="release"):
+class Release(Message, tag="release"):
     """End read leases; the reply (:class:`Released`) names those that had already expired."""
 
     tokens: list[int]
 
 
-class Corrupt(_Msg, tag="corrupt"):
+class Corrupt(Message, tag="corrupt"):
     """The client's copies of these ``objects`` (``(key bytes, offset, nbytes)``: the slot it
     copied from) did not match the digest their slot named: it took them as misses. The server
     re-checks each slot, drops an object that is corrupt, counts and logs it
@@ -275,26 +275,26 @@ class Corrupt(_Msg, tag="corrupt"):
     objects: list[tuple[bytes, int, int]]
 
 
-class Put(_Msg, tag="put"):
+class Put(Message, tag="put"):
     """Store ``data`` under ``key`` through the socket (tools, tests, remote clients)."""
 
     key: bytes
     data: bytes
 
 
-class Get(_Msg, tag="get"):
+class Get(Message, tag="get"):
     key: bytes
 
 
-class Delete(_Msg, tag="delete"):
+class Delete(Message, tag="delete"):
     key: bytes
 
 
-class Stats(_Msg, tag="stats"):
+class Stats(Message, tag="stats"):
     pass
 
 
-class ListKeys(_Msg, tag="list_keys"):
+class ListKeys(Message, tag="list_keys"):
     """A page of keys after ``cursor``; filters are ANDed, empty means any.
 
     ``order="key"``: byte order, ``cursor`` the last key of the previous page. ``order="use"``: one
@@ -309,22 +309,22 @@ class ListKeys(_Msg, tag="list_keys"):
     order: str = "key"
 
 
-class GetManifest(_Msg, tag="manifest"):
+class GetManifest(Message, tag="manifest"):
     fingerprint: bytes
 
 
-class Explain(_Msg, tag="explain"):
+class Explain(Message, tag="explain"):
     hashes: list[bytes]
     groups: list[GroupRef]
 
 
-class Clear(_Msg, tag="clear"):
+class Clear(Message, tag="clear"):
     """Delete everything, or everything of one ``fingerprint``, from every tier."""
 
     fingerprint: bytes = b""
 
 
-class ClearBatch(_Msg, tag="clear_batch"):
+class ClearBatch(Message, tag="clear_batch"):
     """Delete at most ``limit`` (1 … 10 000) keys, of one ``fingerprint`` or any, from every tier or
     only from ``tier``; the :class:`Done` reply counts the keys that went. Repeat until it is 0: a
     client clearing a large tier this way can show progress.
@@ -338,7 +338,7 @@ class ClearBatch(_Msg, tag="clear_batch"):
     fingerprint: bytes = b""
 
 
-class Warm(_Msg, tag="warm"):
+class Warm(Message, tag="warm"):
     """Promote ``keys`` (at most 10 000) into L1 from the fastest lower tier holding each.
 
     Stops once ``max_bytes`` (0: no limit) have been promoted by this request. Promoting into a full
@@ -349,7 +349,7 @@ class Warm(_Msg, tag="warm"):
     max_bytes: int = 0
 
 
-class Events(_Msg, tag="events"):
+class Events(Message, tag="events"):
     """The residency changes numbered after ``since``, of objects whose fingerprint is one of
     ``fingerprints`` (empty: all), scanning at most ``limit`` (1..10 000) changes.
 
@@ -394,12 +394,12 @@ Request = (
 # -- replies ---------------------------------------------------------------------------------------
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(Message, tag="error"):
     code: ErrorCode
     message: str
 
 
-class HelloReply(_Msg, tag="hello_ok"):
+class HelloReply(Message, tag="hello_ok"):
     protocol_version: int
     server_version: str
     chunk_size: int
@@ -417,19 +417,19 @@ class HelloReply(_Msg, tag="hello_ok"):
     reservation_ttl_s: float = 0.0
 
 
-class ChallengeReply(_Msg, tag="challenge_ok"):
+class ChallengeReply(Message, tag="challenge_ok"):
     nonce: bytes
 
 
-class Pong(_Msg, tag="pong"):
+class Pong(Message, tag="pong"):
     pass
 
 
-class RegisterReply(_Msg, tag="register_ok"):
+class RegisterReply(Message, tag="register_ok"):
     groups: list[GroupRef]
 
 
-class LookupReply(_Msg, tag="lookup_ok"):
+class LookupReply(Message, tag="lookup_ok"):
     """``chunks`` restorable, ``per_tier`` objects by the tier holding them; with a prefetch, the
     ticket, its state and (when READY) the pinned slots of the first ``ready_chunks`` chunks.
 
@@ -455,19 +455,19 @@ class LookupReply(_Msg, tag="lookup_ok"):
         return self.state is TicketStateName.PENDING
 
 
-class SlotsReply(_Msg, tag="slots"):
+class SlotsReply(Message, tag="slots"):
     """Reserve: one slot per item. Pin: one per key, ``None`` for a key not in L1."""
 
     slots: list[Slot | None]
 
 
-class Done(_Msg, tag="done"):
+class Done(Message, tag="done"):
     """A request that answers only with success; ``count`` is what it affected."""
 
     count: int = 0
 
 
-class Released(_Msg, tag="released"):
+class Released(Message, tag="released"):
     """``count`` leases ended; ``lost`` are the tokens among them whose lease had expired before
     this release (``lease_ttl_s``): their bytes may have been reused during the copy, so whatever
     was copied under them must not be used."""
@@ -476,28 +476,28 @@ class Released(_Msg, tag="released"):
     lost: list[int] = []
 
 
-class DataReply(_Msg, tag="data"):
+class DataReply(Message, tag="data"):
     data: bytes | None = None
 
 
-class StatsReply(_Msg, tag="stats_ok"):
+class StatsReply(Message, tag="stats_ok"):
     stats: dict[str, Any]
 
 
-class KeysReply(_Msg, tag="keys"):
+class KeysReply(Message, tag="keys"):
     keys: list[ListedKey]
     next_cursor: bytes = b""  # empty: no more pages
 
 
-class ManifestReply(_Msg, tag="manifest_ok"):
+class ManifestReply(Message, tag="manifest_ok"):
     manifest: dict[str, Any] | None = None
 
 
-class ExplainReply(_Msg, tag="explain_ok"):
+class ExplainReply(Message, tag="explain_ok"):
     entries: list[ExplainEntry]
 
 
-class WarmReply(_Msg, tag="warm_ok"):
+class WarmReply(Message, tag="warm_ok"):
     """What a :class:`Warm` did: keys ``promoted`` (``bytes`` in all), already ``present`` in L1, and
     ``failed`` (held by no lower tier, corrupt, or no room in L1). Keys after the budget ran out are
     in none of the three."""
@@ -508,7 +508,7 @@ class WarmReply(_Msg, tag="warm_ok"):
     bytes: int = 0
 
 
-class EventsReply(_Msg, tag="events_ok"):
+class EventsReply(Message, tag="events_ok"):
     """Changes after the request's ``since`` up to ``next_seq`` (ask from there next; ``more``: the
     scan stopped at ``limit`` and changes remain). ``instance`` is random per server start: a new one
     means a restarted server (its L1 is empty; numbering starts again). ``lost``: changes after
@@ -557,7 +557,7 @@ class Codec:
         self.replies = msgspec.msgpack.Decoder(Reply)
         self._any = msgspec.msgpack.Decoder()
 
-    def encode(self, msg: _Msg) -> bytes:
+    def encode(self, msg: Message) -> bytes:
         return self.encoder.encode(msg)
 
     def classify_bad_request(self, frame: bytes) -> tuple[int, ErrorCode, str]:
