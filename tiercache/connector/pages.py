@@ -80,9 +80,8 @@ class PageView:
         """:meth:`gather` that also feeds ``digest`` the pages' bytes, in order, read from this
         process's own memory (the writer's digest): the pages of blocks ``ids`` into ``out``
         (``[len(ids), page_bytes]``), each run of consecutive blocks in pieces of at most
-        ``piece_bytes`` (one page at least), each piece hashed just before it is copied, so the copy reads it from cache (measured on a 2-core EPYC with 64 KiB pages:
-        hash then copy per 512 KiB took 0.80x the time of hashing a layer's pages then gathering
-        them). Host tensors only."""
+        ``piece_bytes`` (one page at least), each piece hashed just before it is copied, so the
+        copy reads it from cache rather than memory. Host tensors only."""
         host, rows = self._host, self._rows(out).numpy()
         per = max(1, piece_bytes // self.page_bytes)
         i, n = 0, len(ids)

@@ -389,18 +389,25 @@ class DiskTier(Tier):
             finally:
                 self._env.close()
 
-    # -- helpers -------------------------------------------------------------------------------
     # -- the file system under the budget -------------------------------------------------------
+    def _free_bytes(self) -> int | None:
+        """The file system's free space for this tier (``None`` when it does not say)."""
+        try:
+            fs = os.statvfs(self.config.path)
+        except OSError:
+            return None
+        return fs.f_bavail * fs.f_frsize
+
     def _file_system_room(self) -> int | None:
         """Bytes this tier's file could grow to: its size now plus the file system's free space
         (``None`` when the file system does not say)."""
+        free = self._free_bytes()
+        data = self.config.path / "data.mdb"
         try:
-            fs = os.statvfs(self.config.path)
-            data = self.config.path / "data.mdb"
             held = data.stat().st_blocks * 512 if data.exists() else 0
         except OSError:
             return None
-        return held + fs.f_bavail * fs.f_frsize
+        return None if free is None else held + free
 
     def _set_budget(self, budget: int, why: str) -> None:
         """Keep at most ``budget`` bytes from now on (eviction brings the tier under it), saying
@@ -415,6 +422,7 @@ class DiskTier(Tier):
         self._high = int(self.config.high_watermark * budget)
         self._quotas = TenantQuotas(budget, self.config.tenant_share, self.config.tenant_overrides())
 
+    # -- helpers -------------------------------------------------------------------------------
     def _translate(self, exc: lmdb.Error, what: str) -> DiskTierError:
         self.stats.add("errors")
         return DiskTierError(
@@ -654,11 +662,9 @@ class DiskTier(Tier):
         self._unchecked -= nbytes
         if self._unchecked > 0:
             return
-        try:
-            fs = os.statvfs(self.config.path)
-        except OSError:
+        free = self._free_bytes()
+        if free is None:
             return
-        free = fs.f_bavail * fs.f_frsize
         reserve = _FS_RESERVE_WRITES * nbytes + _FS_SLACK
         self._unchecked = (free - reserve) // 2
         if free >= reserve:
