@@ -41,6 +41,22 @@ def test_a_lease_released_in_time_is_confirmed_and_an_expired_one_is_named(start
         assert client.stats()["server"]["leases_lost"] == 1
 
 
+def test_leases_a_silent_client_let_expire_count_as_lost_when_its_session_ends(
+    start_server: StartServer,
+) -> None:
+    server = start_server(l1_lease_ttl_s=0.2, options={"heartbeat_timeout_s": 1.0})
+    with server.client() as watcher:
+        silent = server.client(heartbeat=False)
+        [key] = stored_keys(silent, 1)
+        assert silent.pin([key])[0] is not None  # then never released: the client stalls
+        stats = wait_until(
+            lambda: (s := watcher.stats()["server"])["leases"] == 0 and s,
+            what="the silent client's session to end",
+        )
+        assert stats["leases_lost"] == 1  # it may have copied under the lease after it expired
+        silent.close()
+
+
 def test_inspect_summary_names_the_lost_leases(
     start_server: StartServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

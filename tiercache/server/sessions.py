@@ -74,7 +74,7 @@ class Sessions:
         self._abandoned: OrderedDict[int, tuple[bytes, str]] = OrderedDict()
         self.expired = 0  # sessions dropped for missed heartbeats
         self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
-        self.lost_leases = 0  # leases released after they had expired (a release's or a ticket's)
+        self.lost_leases = 0  # leases that expired before their release (or their ticket's end)
         # Requests refused because their client was at one of its bounds (--max-*-per-client).
         self.refused_holds = 0
         self.refused_tickets = 0
@@ -216,8 +216,8 @@ class Sessions:
     def _expire_tickets(self, session: Session, now: float) -> None:
         """End ``session``'s tickets whose leases all expired over a heartbeat timeout ago (and that
         are older than that): what they pinned is no longer held for the client, so they hold
-        nothing but memory. The slack leaves a client whose copy outlived its leases the time to
-        release the ticket itself, so the server counts those leases lost."""
+        nothing but memory. Their leases count as lost, as they would at the client's late release:
+        the client may have copied from their slots after they expired."""
         grace = self._options.heartbeat_timeout_s
         oldest = now - self._l1.config.lease_ttl_s - grace
         ended = [
@@ -228,7 +228,7 @@ class Sessions:
         ]
         for ticket in ended:
             self.drop_ticket(session, ticket.ticket_id)
-            self._engine.release_ticket(ticket)
+            self.lost_leases += self._engine.release_ticket(ticket)
         self.tickets_expired += len(ended)
 
     # -- what sessions hold --------------------------------------------------------------------
@@ -357,7 +357,8 @@ class Sessions:
                 session.name,
                 now - session.last_seen,
             )
-            self._release(session)
+            # Leases it let expire count as lost, as at a late release: it may have copied under them.
+            self.lost_leases += self._release(session)
             del self.by_identity[session.identity]
             self.expired += 1
 
@@ -367,7 +368,10 @@ class Sessions:
             self._release(session)
         self.by_identity.clear()
 
-    def _release(self, session: Session) -> None:
+    def _release(self, session: Session) -> int:
+        """Release everything ``session`` holds; returns how many of its leases (its tickets'
+        included) had expired first."""
+        lost = 0
         for token in session.reservations:
             self._owner.pop(token, None)
             self._abandoned[token] = (session.identity, session.name)
@@ -379,16 +383,17 @@ class Sessions:
         if session.leases:
             for token in session.leases:
                 self._owner.pop(token, None)
-            self._l1.release_many(list(session.leases.values()))
+            lost += self._l1.release_many(list(session.leases.values())).count(False)
         for ticket_id, ticket in session.tickets.items():
             self._ticket_owner.pop(ticket_id, None)
-            self._engine.release_ticket(ticket)
+            lost += self._engine.release_ticket(ticket)
         session.reservations.clear()
         session.leases.clear()
         session.tickets.clear()
         session.found.clear()
         session.ticket_at.clear()
         session.reserved_bytes = 0
+        return lost
 
     # -- observation ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
