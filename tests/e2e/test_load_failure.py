@@ -27,6 +27,7 @@ run's, and no object's digest ever failed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from tests.e2e.engine_run import write_tiny_llama
 from tests.e2e.setup import LOAD_FAILURE_RUN, MiB, Run, Setup, cold_setup, run_engine
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.keys import ObjectKey
+from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -170,13 +172,24 @@ def test_a_copy_that_outlives_its_lease_is_recomputed_not_used(setup: Setup, tru
             f"lost-lease-{trust}", server=server.endpoint, module=LOST_LEASE_RUN, launcher_args=launcher
         )
         with server.client() as c:
-            lost = c.stats()["server"]["leases_lost"]
+            # Counted at the ticket's release; a release that never came (the copy stalled past
+            # the connector's link) counts once the server ends the ticket or the silent session.
+            with contextlib.suppress(TimeoutError):  # the assertion below says what was missing
+                wait_until(
+                    lambda: c.stats()["server"]["leases_lost"] >= 1,
+                    timeout=40,
+                    interval=0.2,
+                    what="the server to count the stalled copy's leases as lost",
+                )
+            stats = c.stats()["server"]
+            lost = stats["leases_lost"]
     finally:
         server.stop()
     diff = run.max_logprob_diff(setup.cold)
     reported = run.metrics.get("vllm:tiercache_lost_leases", 0)
     print(
-        f"\n[e2e lost lease, trusted={trust}] server leases lost {lost}, connector lost_leases {reported}, "
+        f"\n[e2e lost lease, trusted={trust}] server leases lost {lost} (tickets ended "
+        f"{stats['tickets_expired']}, clients expired {stats['clients_expired']}), connector lost_leases {reported}, "
         f"cached tokens {run.num_cached}, max |logprob diff| {diff:.3g}"
     )
     assert "the slot was reused" in run.log
