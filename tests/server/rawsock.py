@@ -24,7 +24,7 @@ class RawSocket:
         self.codec = p.Codec()
         self._own_ids = itertools.count(OWN_REQ_IDS)
 
-    def send_frames(self, frames: list[bytes]) -> None:
+    def send_frames(self, frames: list[bytes | memoryview]) -> None:
         self.sock.send_multipart(frames)
 
     def request(self, frame: bytes | p.Message, timeout_s: float = 10.0) -> p.Message | None:

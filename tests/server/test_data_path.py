@@ -13,6 +13,8 @@ from tiercache.client.client import Client
 from tiercache.keys import ObjectKey, chunk_hashes
 from tiercache.wire.protocol import GroupRef, TicketStateName
 
+MiB = 1 << 20
+
 KiB = 1 << 10
 
 
@@ -121,15 +123,17 @@ def test_lookup_promotes_from_s3_after_a_restart(start_server: StartServer, s3: 
     restart_and_load(start_server, stored, hashes, group, "s3", s3_url=s3.url)
 
 
-def test_put_and_get_through_the_socket(start_server: StartServer) -> None:
+@pytest.mark.parametrize("nbytes", [2000, 3 * MiB + 5], ids=["one frame", "several frames"])
+def test_put_and_get_through_the_socket(start_server: StartServer, nbytes: int) -> None:
     server = start_server()
     with server.client() as client:
         [group] = client.register([(0, manifest())])
         from tiercache.keys import Fingerprint
 
         key = ObjectKey(Fingerprint(group.fingerprint), 0, prompt_hashes(1)[0])
-        assert client.put(key, b"kv" * 1000)
-        assert client.get(key) == b"kv" * 1000
+        data = os.urandom(nbytes)
+        assert client.put(key, data)
+        assert client.get(key) == data
         assert client.delete(key) == 1
         assert client.get(key) is None
 

@@ -25,6 +25,7 @@ from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.digest import digest
 from tiercache.testing.poll import stop_process, wait_until
 from tiercache.wire import protocol as p
+from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_frames
 
 MiB = 1 << 20
 
@@ -76,11 +77,31 @@ def test_malformed_oversized_and_unknown_messages_get_error_replies(
         is p.ErrorCode.UNKNOWN_OP
     )
     big = p.Put(key=key(1).to_bytes(), data=b"\0" * (MiB + 10))
-    assert error_of(raw.request(big)) is p.ErrorCode.TOO_LARGE
+    raw.send_frames(request_frames(raw.codec.encode(big), None))  # in 1 MiB frames, as a client sends
+    assert error_of(raw.receive()) is p.ErrorCode.TOO_LARGE
     raw.send_frames([b"a", b"b"])
     assert error_of(raw.receive()) is p.ErrorCode.MALFORMED
     assert error_of(raw.request(p.Reserve(items=[(b"short", 10)]))) is p.ErrorCode.INVALID
     with server.client() as good:
+        good.ping()
+
+
+def test_a_frame_over_a_mib_closes_its_connection_unread_and_the_server_goes_on(
+    server: ServerProcess,
+) -> None:
+    # libzmq refuses it from its size alone (MAXMSGSIZE), before buffering its bytes.
+    raw = RawSocket(server.endpoint)
+    try:
+        raw.hello()
+        raw.send_frames([b"\0" * (REQUEST_FRAME_BYTES + 1)])
+        assert raw.receive(timeout_s=1.0) is None
+    finally:
+        raw.close()
+    with server.client() as good:
+        good.ping()
+        with pytest.raises(ServerError, match="max_message_bytes") as err:
+            good.put(key(2), b"\1" * (MiB + 1))  # refused before it is sent: the server's bound
+        assert err.value.code == "too_large"
         good.ping()
 
 

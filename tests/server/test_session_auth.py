@@ -22,6 +22,7 @@ from tiercache.errors import AuthenticationError
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
+from tiercache.wire.frames import request_frames
 
 SECRET = "s3cret-of-the-node-0f9a27c4e1b8d6"
 
@@ -48,7 +49,10 @@ class Peer:
 
     def send(self, msg: p.Message, *, sign: bool = True) -> None:
         body = self.codec.encode(msg)
-        frames = [body] if self.seal is None or not sign else [body, self.seal.seal(body)]
+        frames = [
+            bytes(f)
+            for f in request_frames(body, None if self.seal is None or not sign else self.seal.seal(body))
+        ]
         self.sent.append(frames)
         self.sock.send_multipart(frames)
 
@@ -166,6 +170,26 @@ def test_a_request_signed_for_a_session_is_refused_when_replayed(endpoint: str, 
         peers.append(stranger)
         elsewhere = stranger.replay(recorded_put)
         assert isinstance(elsewhere, p.ErrorReply) and elsewhere.code is p.ErrorCode.HELLO_REQUIRED
+
+
+def test_a_request_over_a_frame_is_signed_across_all_its_frames(endpoint: str, peers: list[Peer]) -> None:
+    with Client(endpoint, timeout=5, auth_secret=SECRET) as owner:
+        [kept, tampered] = keys(owner, 2, seed=7)
+    peer = Peer(endpoint, b"\0frames-peer")
+    peers.append(peer)
+    peer.login(SECRET)
+    data = bytes(range(256)) * (3 * 4096 + 7)  # 3 MiB and more: four body frames, then the tag
+    assert peer.request(p.Put(req_id=1, key=kept.to_bytes(), data=data)) == p.Done(req_id=1, count=1)
+    assert isinstance(peer.seal, SessionSeal)
+    body = peer.codec.encode(p.Put(req_id=2, key=tampered.to_bytes(), data=data))
+    frames = [bytes(f) for f in request_frames(body, peer.seal.seal(body))]
+    assert len(frames) == 5
+    frames[2] = frames[2][:-1] + bytes([frames[2][-1] ^ 1])  # one bit of a middle frame
+    refused = peer.replay(frames)
+    assert isinstance(refused, p.ErrorReply) and refused.code is p.ErrorCode.AUTH_FAILED
+    with Client(endpoint, timeout=5, auth_secret=SECRET) as reader:
+        assert reader.get(kept) == data
+        assert reader.get(tampered) is None
 
 
 def test_a_client_with_the_secret_does_not_believe_a_server_that_cannot_prove_it(

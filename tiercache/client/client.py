@@ -51,6 +51,7 @@ from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import SharedArena
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
+from tiercache.wire.frames import request_frames
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -319,13 +320,20 @@ class Client:
         return req_id
 
     def _write(self, sock: zmq.Socket[bytes], msg: p.Message) -> None:
-        """Encode and send ``msg``, with its tag after the handshake of a shared-secret session."""
+        """Encode and send ``msg`` in frames the server takes (:mod:`tiercache.wire.frames`), with
+        its tag after the handshake of a shared-secret session."""
         body = self._codec.encode(msg)
+        info = self._state.hello
+        if info is not None and len(body) > info.max_message_bytes:
+            # The server would read it only to refuse it (and could not say which request it was).
+            raise ServerError(
+                f"a {msg.__class__.__name__.lower()} of {len(body)} bytes exceeds the server's "
+                f"max_message_bytes {info.max_message_bytes}; store large chunks through the arena",
+                p.ErrorCode.TOO_LARGE.value,
+            )
         seal = self._state.seal
-        if seal is None or isinstance(msg, (p.Hello, p.Challenge)):
-            sock.send(body, zmq.NOBLOCK)
-        else:
-            sock.send_multipart([body, seal.seal(body)], zmq.NOBLOCK)
+        tag = None if seal is None or isinstance(msg, (p.Hello, p.Challenge)) else seal.seal(body)
+        sock.send_multipart(request_frames(body, tag), zmq.NOBLOCK)
 
     def _drain(self, wait_s: float) -> None:
         """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""

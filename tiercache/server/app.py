@@ -53,18 +53,18 @@ from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_c
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups, with_tenants
 from tiercache.wire import protocol as p
+from tiercache.wire.auth import TAG_BYTES
+from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_of
 
 log = logging.getLogger(__name__)
 
 #: In-flight executor jobs allowed per I/O worker before new ones get ``busy`` (bounds memory and
 #: queueing delay; a scheduler would rather recompute than wait behind a deep queue).
 _JOBS_PER_WORKER = 64
-#: Frames above max_message_bytes but below this multiple get an error reply; above it libzmq drops
-#: the connection before the bytes are buffered (``MAXMSGSIZE``), so a huge frame cannot exhaust memory.
-_HARD_LIMIT_FACTOR = 2
-#: The largest frame taken from a peer without a session: a challenge or a hello is a few hundred
-#: bytes. Anything larger is refused unread (never decoded: msgpack expands ~9x in objects).
-_HANDSHAKE_FRAME_BYTES = 16 * 1024
+#: The most a peer without a session may send in one message: a challenge or a hello is a few
+#: hundred bytes. Anything more is read and freed frame by frame, never joined or decoded (msgpack
+#: expands ~9x in objects), and refused.
+_HANDSHAKE_MESSAGE_BYTES = 16 * 1024
 #: Frames libzmq queues per connection before it stops reading that peer's socket (backpressure,
 #: nothing dropped): with the loop dropping strangers' frames unread, this bounds what one
 #: connection can have the server hold.
@@ -260,7 +260,9 @@ class Server:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
-        sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes * _HARD_LIMIT_FACTOR + 4096)
+        # A larger frame closes its connection before libzmq buffers it: no frame from anyone,
+        # a stranger included, costs the server more than this (larger requests come in parts).
+        sock.setsockopt(zmq.MAXMSGSIZE, REQUEST_FRAME_BYTES)
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         # No ROUTER_HANDOVER: a second connection with a routing id already connected is turned
         # away, so copying a client's id (it travels in the clear without CURVE) cannot take over
@@ -344,31 +346,44 @@ class Server:
             except zmq.Again:
                 return
             identity = head.bytes
-            parts = []
+            known = identity in self._sessions.by_identity
+            # The body, up to max_message_bytes, and its trailer (a tag).
+            limit = self.options.max_message_bytes + TAG_BYTES if known else _HANDSHAKE_MESSAGE_BYTES
+            parts: list[zmq.Frame] = []
+            size = 0
             while sock.getsockopt(zmq.RCVMORE):
-                parts.append(sock.recv(copy=False))  # not copied until known to be read
-            if not parts:
+                part = sock.recv(copy=False)  # at most REQUEST_FRAME_BYTES (MAXMSGSIZE)
+                size += len(part)
+                if size <= limit:
+                    parts.append(part)
+                elif parts:
+                    parts.clear()  # over the bound: each further part is freed as it is read
+            if size == 0 and not parts:
                 continue
-            refused = self._stranger_frame(identity, parts)
-            if refused is not None:
-                self._send(sock, identity, refused, False)
+            if size > limit:
+                self._counters["requests"] += 1
+                self._send(sock, identity, self._oversized(known, size), False)
                 continue
-            reply, signed = self._handle(identity, [part.bytes for part in parts], partial(_peer_of, head))
+            body, tag = request_of([part.buffer for part in parts])
+            reply, signed = self._handle(identity, body, tag, partial(_peer_of, head))
             if reply is not None:
                 self._send(sock, identity, reply, signed)
 
-    def _stranger_frame(self, identity: bytes, parts: list[zmq.Frame]) -> p.ErrorReply | None:
-        """The refusal of a frame larger than a handshake from a peer without a session (it is
-        dropped unread: never copied, never decoded, where msgpack would expand ~9x into
-        objects), or ``None`` to read the request."""
-        if identity in self._sessions.by_identity or all(len(f) <= _HANDSHAKE_FRAME_BYTES for f in parts):
-            return None
-        self._counters["requests"] += 1
+    def _oversized(self, known: bool, size: int) -> p.ErrorReply:
+        """The refusal of a message larger than its sender may send: ``max_message_bytes`` for a
+        session, a handshake's for a peer without one (dropped unread: never joined, never
+        decoded, where msgpack would expand ~9x into objects)."""
+        if known:
+            return p.ErrorReply(
+                code=p.ErrorCode.TOO_LARGE,
+                message=f"message of {size} bytes exceeds the server's max_message_bytes "
+                f"{self.options.max_message_bytes}; store large chunks through the arena",
+            )
         self._counters["stranger_frames"] += 1
         return p.ErrorReply(
             code=p.ErrorCode.HELLO_REQUIRED,
             message=f"a connection without a session may send only a challenge or a hello (at most "
-            f"{_HANDSHAKE_FRAME_BYTES} bytes); a frame of {max(map(len, parts))} bytes was dropped unread",
+            f"{_HANDSHAKE_MESSAGE_BYTES} bytes); a message of {size} bytes was dropped unread",
         )
 
     def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p.Message, signed: bool = True) -> None:
@@ -392,7 +407,7 @@ class Server:
             log.debug("reply to a client dropped: %s", exc)
 
     def _handle(
-        self, identity: bytes, frames: list[bytes], peer: Callable[[], str] = lambda: "unknown"
+        self, identity: bytes, frame: bytes, tag: bytes | None, peer: Callable[[], str] = lambda: "unknown"
     ) -> tuple[p.Message | None, bool]:
         """Decode and dispatch one request; every failure becomes an error reply. Also says whether
         the reply may be signed: only when the request proved the session (or opened it). ``peer``
@@ -400,19 +415,8 @@ class Server:
         self._received = time.perf_counter()
         self._counters["requests"] += 1
         now = time.monotonic()
-        if len(frames) not in (1, 2):
-            return p.ErrorReply(
-                code=p.ErrorCode.MALFORMED,
-                message=f"a request is one frame (and its tag on a shared-secret server), got {len(frames)}",
-            ), False
-        frame = frames[0]
-        tag = frames[1] if len(frames) == 2 else None
-        if len(frame) > self.options.max_message_bytes:
-            return p.ErrorReply(
-                code=p.ErrorCode.TOO_LARGE,
-                message=f"message of {len(frame)} bytes exceeds the server's max_message_bytes "
-                f"{self.options.max_message_bytes}; store large chunks through the arena",
-            ), False
+        if len(frame) > self.options.max_message_bytes:  # the body alone: a trailer may have fit
+            return self._oversized(True, len(frame)), False
         try:
             msg = self._codec.requests.decode(frame)
         except Exception:  # undecodable in any way (a frame nested past the decoder's depth too)

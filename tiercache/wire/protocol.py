@@ -40,7 +40,9 @@ import msgspec
 #: :class:`Slot` of a lease says it (``[key, offset, nbytes, token, digest]``), and a reader whose
 #: copy did not match tells the server (:class:`Corrupt`). :class:`HelloReply` says the
 #: reservation TTL, which a writer times its copies by.
-PROTOCOL_VERSION = 5
+#: 6: a request body over 1 MiB travels in frames of at most 1 MiB, then a trailer frame (the tag, or
+#: empty): :mod:`tiercache.wire.frames`. The server closes a connection that sends a larger frame.
+PROTOCOL_VERSION = 6
 
 
 class ErrorCode(enum.StrEnum):
