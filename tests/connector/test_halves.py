@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.connector.fakes import link_to
@@ -18,6 +19,7 @@ from tiercache.connector.layout import check_block_sizes
 from tiercache.errors import ConfigError
 from tiercache.keys.weights import content_fingerprint, weights_identity
 from tiercache.testing.poll import wait_until
+from tiercache.wire.protocol import LookupKind, LookupReply
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -280,14 +282,19 @@ class _LookupClient:
         self.reply, self.asked, self.released = reply, [], []  # type: ignore[var-annotated]
         self.read: list[bool] = []  # per released ticket: whether a load copied from its slots
         self.hashes: list[bytes] = []
+        self.tail = False  # whether the last lookup asked for a tail
 
     def lookup_async(self, hashes: list[bytes], refs: object, **how: object) -> int:
         self.asked.append((len(hashes), how))
         self.hashes = list(hashes)
+        self.tail = how.get("kind") is LookupKind.TAIL
         return 1
 
     def poll(self, req_id: int, wait_s: float = 0.0) -> object:
-        return self.reply(self.hashes) if callable(self.reply) else self.reply
+        reply = self.reply(self.hashes) if callable(self.reply) else self.reply
+        if self.tail and isinstance(reply, LookupReply):  # a tail's answer counts its blocks
+            return msgspec.structs.replace(reply, blocks=reply.chunks, chunks=min(reply.chunks, 1))
+        return reply
 
     def release_ticket(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
@@ -1170,7 +1177,7 @@ def test_a_hit_ends_at_the_last_tail_block_found_and_loads_it_into_its_block() -
     got = sched.get_num_new_matched_tokens(_prompt_request(2000), 0)  # type: ignore[attr-defined]
     assert got == (2 * 768 + 384, False)
     (chunks, _), (blocks, tail_how) = client.asked
-    assert (chunks, blocks) == (2, 1) and tail_how["every_object"] is True
+    assert (chunks, blocks) == (2, 1) and tail_how["kind"] is LookupKind.TAIL
     ids = list(range(1, 8))
     sched.update_state_after_alloc(
         SimpleNamespace(request_id="r"), SimpleNamespace(get_block_ids=lambda: (ids,)), 1920

@@ -1,6 +1,6 @@
 """Specification: a tail object (the first blocks of a chunk a request did not fill, keyed by the
 tail hash of its last block: :func:`tiercache.keys.tail_hashes`) damaged at rest on the disk is a
-miss, as every object is: the connector's tail lookup (``every_object``) that meets it loads
+miss, as every object is: the connector's tail lookup (``LookupKind.TAIL``) that meets it loads
 nothing, the server counts the failed verification and drops the object, and asked again the hit
 is what remains intact (here an older, shorter tail of the same chunk), every byte of it right.
 """
@@ -39,7 +39,7 @@ def store_tail(client: Client, key: ObjectKey, holds: list[bytes]) -> None:
 
 def tail_lookup(client: Client, hashes: list[bytes], group: p.GroupRef) -> LookupResult:
     """The connector's tail lookup: the object holding most of these blocks, prefetched."""
-    req = client.lookup_async(hashes, [group], every_object=True)
+    req = client.lookup_async(hashes, [group], kind=p.LookupKind.TAIL)
     deadline = time.monotonic() + 10
     while (found := client.poll(req, 0.05)) is None:
         assert time.monotonic() < deadline, "no reply to the tail lookup"
@@ -82,6 +82,6 @@ def test_a_damaged_tail_on_disk_is_a_miss_and_an_intact_shorter_one_is_found_aft
         # Dropped: asked again, the intact one-block tail is the hit, byte for byte.
         again = tail_lookup(client, hashes, group)
         assert again.state is p.TicketStateName.READY
-        assert (again.chunks, again.ready_chunks) == (1, 1)
+        assert (again.blocks, again.chunks, again.ready_chunks) == (1, 1, 1)
         assert client.read_ticket(again) == {short: tail_payload(short, 1)}
         assert client.stats()["tiers"]["disk"]["verify_failures"] == 1

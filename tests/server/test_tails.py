@@ -1,4 +1,4 @@
-"""Specification: over the real server, a tail lookup (``every_object``: the tail hashes of the
+"""Specification: over the real server, a tail lookup (``LookupKind.TAIL``: the tail hashes of the
 blocks of one chunk) answers with the one stored object holding the longest prefix of them,
 whatever its key: a tail of exactly those blocks, a longer tail, or the full chunk, as each object's
 reservation named the blocks it holds (``Reserve.holds``). A tail still being stored is waited
@@ -46,7 +46,7 @@ def store(client: Client, group: p.GroupRef, prefix_hash: bytes, holds: list[byt
 
 
 def tail(client: Client, group: p.GroupRef, asked: list[bytes], **kw: object) -> p.LookupReply:
-    return client.lookup(asked, [group], every_object=True, **kw)  # type: ignore[arg-type]
+    return client.lookup(asked, [group], kind=p.LookupKind.TAIL, **kw)  # type: ignore[arg-type]
 
 
 def test_the_blocks_of_a_stored_chunk_are_found_by_a_prompt_that_cannot_name_it(
@@ -57,7 +57,12 @@ def test_the_blocks_of_a_stored_chunk_are_found_by_a_prompt_that_cannot_name_it(
         [group] = client.register([(0, manifest())])
         whole = store(client, group, CHUNK_HASH, HASHES[: CHUNK // BLOCK - 1])  # (15 blocks named)
         found = tail(client, group, HASHES[:3])
-        assert (found.state, found.chunks, found.ready_chunks) == (p.TicketStateName.READY, 3, 1)
+        assert (found.state, found.blocks, found.chunks, found.ready_chunks) == (
+            p.TicketStateName.READY,
+            3,
+            1,
+            1,
+        )
         assert client.read_ticket(found) == {key(group, CHUNK_HASH): whole}
         assert client.stats()["engine"]["tail_blocks_hit"] == 3
 
@@ -69,11 +74,11 @@ def test_the_longest_prefix_wins_and_the_newest_object_holding_it(start_server: 
         one = store(client, group, HASHES[0], HASHES[:1])
         two = store(client, group, HASHES[1], HASHES[:2])
         found = tail(client, group, HASHES)  # 4 blocks asked, 2 held
-        assert found.chunks == 2
+        assert found.blocks == 2
         assert client.read_ticket(found) == {key(group, HASHES[1]): two}
         # A prompt of one block: both objects hold it; the newest answers.
         found = tail(client, group, HASHES[:1])
-        assert found.chunks == 1
+        assert found.blocks == 1
         assert client.read_ticket(found) == {key(group, HASHES[1]): two}
         assert one  # (stored, superseded by nothing: still a candidate behind the newer one)
 
@@ -82,10 +87,10 @@ def test_blocks_nobody_named_are_a_miss_and_so_is_an_object_no_tier_holds(start_
     server = start_server()
     with server.client() as client:
         [group] = client.register([(0, manifest())])
-        assert tail(client, group, HASHES).chunks == 0
+        assert tail(client, group, HASHES).blocks == 0
         store(client, group, HASHES[1], HASHES[:2])
         assert client.delete(key(group, HASHES[1])) >= 1
-        assert tail(client, group, HASHES).chunks == 0
+        assert tail(client, group, HASHES).blocks == 0
 
 
 def test_another_layout_never_finds_the_object(start_server: StartServer) -> None:
@@ -94,7 +99,7 @@ def test_another_layout_never_finds_the_object(start_server: StartServer) -> Non
         [group] = client.register([(0, manifest())])
         [other] = client.register([(0, manifest(kv_dtype="float16"))])
         store(client, group, HASHES[1], HASHES[:2])
-        assert tail(client, other, HASHES).chunks == 0
+        assert tail(client, other, HASHES).blocks == 0
 
 
 def test_a_tail_lookup_waits_for_a_tail_still_being_stored(start_server: StartServer) -> None:
@@ -104,10 +109,15 @@ def test_a_tail_lookup_waits_for_a_tail_still_being_stored(start_server: StartSe
         consumer.register([(0, manifest())])
         slot, data = reserve(producer, group, HASHES[2], HASHES[:3])  # a prefill engine's, in flight
         found = tail(consumer, group, HASHES[:2], inflight_wait_s=30)  # a prompt one block shorter
-        assert (found.state, found.chunks, found.awaiting) == (p.TicketStateName.PENDING, 2, 1)
+        assert (found.state, found.blocks, found.awaiting) == (p.TicketStateName.PENDING, 2, 1)
         producer.commit([slot.token], [digest(data)])
         ready = consumer.wait_ticket(found.ticket, timeout=30)
-        assert (ready.state, ready.chunks, ready.ready_chunks) == (p.TicketStateName.READY, 2, 1)
+        assert (ready.state, ready.blocks, ready.chunks, ready.ready_chunks) == (
+            p.TicketStateName.READY,
+            2,
+            1,
+            1,
+        )
         assert consumer.read_ticket(ready) == {key(group, HASHES[2]): data}
 
 
@@ -154,7 +164,7 @@ def test_a_server_restarted_on_its_disk_finds_the_blocks_inside_a_stored_chunk_a
         [group] = client.register([(0, manifest())])
         assert client.stats()["engine"]["tail_index_blocks"] == len(HASHES)
         found = tail(client, group, HASHES[:3])
-        assert found.chunks == 3 and found.per_tier == {"disk": 1}
+        assert found.blocks == 3 and found.per_tier == {"disk": 1}
         ready = client.wait_ticket(found.ticket) if found.pending else found
         assert client.read_ticket(ready) == {key(group, CHUNK_HASH): whole}
 
@@ -176,5 +186,5 @@ def test_a_damaged_block_index_on_disk_is_ignored_and_the_server_starts_without_
     with second.client() as client:
         [group] = client.register([(0, manifest())])
         assert client.stats()["engine"]["tail_index_blocks"] == 0
-        assert tail(client, group, HASHES[:3]).chunks == 0  # a miss, never a guess
+        assert tail(client, group, HASHES[:3]).blocks == 0  # a miss, never a guess
         assert client.lookup([CHUNK_HASH], [group], prefetch=False).chunks == 1  # the chunk is there

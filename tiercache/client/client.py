@@ -123,7 +123,7 @@ def _lookup(
     max_chunks: int,
     inflight_wait_s: float,
     tenant: bytes,
-    every_object: bool = False,
+    kind: p.LookupKind = p.LookupKind.CHUNKS,
 ) -> p.Lookup:
     return p.Lookup(
         hashes=list(hashes),
@@ -132,7 +132,7 @@ def _lookup(
         max_chunks=max_chunks,
         inflight_wait_s=inflight_wait_s,
         tenant=tenant,
-        every_object=every_object,
+        kind=kind,
     )
 
 
@@ -518,12 +518,13 @@ class Client:
         inflight_wait_s: float = 0.0,
         tenant: bytes = b"",
         timeout: float | None = None,
-        every_object: bool = False,
+        kind: p.LookupKind = p.LookupKind.CHUNKS,
     ) -> LookupResult:
         """Longest restorable prefix; with ``prefetch`` also a promotion ticket (waiting up to
         ``inflight_wait_s`` for objects still being stored: :class:`~tiercache.wire.protocol.Lookup`),
-        asked for ``tenant``. ``every_object``: a tail lookup (the same). One round trip."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
+        asked for ``tenant``. ``kind``: what the hashes are (chunks, or a chunk's tail blocks) and
+        what the reply counts (:class:`~tiercache.wire.protocol.LookupKind`). One round trip."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, kind)
         return self._call(msg, timeout=timeout)
 
     def lookup_async(
@@ -535,11 +536,11 @@ class Client:
         max_chunks: int = 0,
         inflight_wait_s: float = 0.0,
         tenant: bytes = b"",
-        every_object: bool = False,
+        kind: p.LookupKind = p.LookupKind.CHUNKS,
     ) -> int:
         """Send a lookup (as :meth:`lookup`) and return its request id at once; collect it with
-        :meth:`poll`. ``every_object``: see :class:`~tiercache.wire.protocol.Lookup`."""
-        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, every_object)
+        :meth:`poll`."""
+        msg = _lookup(hashes, groups, prefetch, max_chunks, inflight_wait_s, tenant, kind)
         return self._submit(msg, lambda r: r)
 
     def events(

@@ -394,7 +394,7 @@ class SchedulerHalf:
                     max_chunks=asked,
                     inflight_wait_s=self._settings.inflight_wait_s,
                     tenant=st.tenant,
-                    every_object=True,
+                    kind=p.LookupKind.TAIL,
                 )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
@@ -469,7 +469,7 @@ class SchedulerHalf:
         # (found through the server's block index). Every group's object of it is pinned (a
         # sliding group's too: the tail is the newest part of its window), all of one size in
         # blocks, holding at least the blocks the reply counts.
-        blocks = min(result.chunks, len(st.tail_hashes))
+        blocks = min(result.blocks, len(st.tail_hashes))
         by_group = {}
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)

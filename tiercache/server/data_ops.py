@@ -50,6 +50,27 @@ log = logging.getLogger(__name__)
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Asked:
+    """A lookup being answered: the request, and what the loop knew of it on arrival."""
+
+    msg: p.Lookup
+    tenant: bytes  # its tenant id (parsed)
+    wait: float  # seconds its ticket may wait for objects in flight (0 without a prefetch)
+    identity: bytes
+    received: float  # perf_counter() at its arrival
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    """A lookup's reply before its ticket is settled; ``polled``: what the ticket's polls say
+    (``chunks``, ``blocks``)."""
+
+    reply: p.LookupReply
+    ticket: PrefetchTicket | None = None
+    polled: tuple[int, int] = (0, 0)
+
+
 class DataOps:
     """Handlers of the data path's requests. Every method runs on the request loop."""
 
@@ -112,93 +133,118 @@ class DataOps:
         check_hashes(msg.hashes)
         if not msg.groups:
             raise Refused(p.ErrorCode.INVALID, "lookup needs at least one group")
-        engine = self._engine
         if not 0 <= msg.inflight_wait_s <= MAX_INFLIGHT_WAIT_S:
             raise Refused(
                 p.ErrorCode.INVALID,
                 f"inflight_wait_s={msg.inflight_wait_s} is outside 0..{MAX_INFLIGHT_WAIT_S} seconds",
             )
-        wait = msg.inflight_wait_s if msg.prefetch else 0.0
-        tenant = parse_tenant_id(msg.tenant)
         if msg.prefetch:
             self._sessions.room_for_ticket(session, time.monotonic())
+        asked = _Asked(
+            msg,
+            tenant=parse_tenant_id(msg.tenant),
+            wait=msg.inflight_wait_s if msg.prefetch else 0.0,
+            identity=session.identity,
+            received=self._arrival(),
+        )
+        if msg.kind is p.LookupKind.TAIL:
+            self._lookup_tail(session, asked)
+        else:
+            self._lookup_chunks(session, asked)
 
-        def answer(specs: list[GroupSpec], found: LookupResult) -> tuple[LookupResult, PrefetchTicket | None]:
-            ticket = None
-            if msg.prefetch and found.chunks > 0:
-                target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
-                keys = found.keys if target == found.chunks else None  # the lookup built them
-                ticket = engine.prefetch(
-                    msg.hashes, specs, target, inflight_wait_s=wait, tenant=tenant, keys=keys
-                )
-            return found, ticket
+    def _lookup_chunks(self, session: Session, asked: _Asked) -> None:
+        """The longest restorable prefix of the chunks asked; with a prefetch, a ticket pinning it.
+        Answered on the loop when L1 holds every object asked (no other tier could lengthen it)."""
+        engine, msg = self._engine, asked.msg
 
-        def job() -> tuple[LookupResult, PrefetchTicket | None]:
+        def answer(specs: list[GroupSpec], found: LookupResult) -> _Answer:
+            reply = p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
+            if not (msg.prefetch and found.chunks > 0):
+                return _Answer(reply)
+            target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
+            keys = found.keys if target == found.chunks else None  # the lookup built them
+            ticket = engine.prefetch(
+                msg.hashes, specs, target, inflight_wait_s=asked.wait, tenant=asked.tenant, keys=keys
+            )
+            return _Answer(reply, ticket, polled=(ticket.target, 0))  # its polls say what it pins
+
+        def job() -> _Answer:
             specs = self._layouts.resolve(msg.groups)
-            return answer(specs, engine.lookup(msg.hashes, specs, inflight=wait > 0))
+            return answer(specs, engine.lookup(msg.hashes, specs, inflight=asked.wait > 0))
 
-        if msg.every_object:
-            # A tail: the one object holding the most of these blocks, every group's (a tail's
-            # blocks are the newest of a sliding window too), pinned alone.
-            def tail_specs(specs: list[GroupSpec]) -> list[GroupSpec]:
-                return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
+        known = self._layouts.resolve_known(msg.groups)
+        found = None if known is None else engine.lookup_front(msg.hashes, known)
+        if known is not None and found is not None:
+            self._complete(
+                session, msg.req_id, answer(known, found), self._answered(asked), self._observed(asked)
+            )
+        else:
+            self._offload(session, msg.req_id, job, self._answered(asked), self._observed(asked))
 
-            def tail_answer(
-                specs: list[GroupSpec], tail: TailLookup
-            ) -> tuple[LookupResult, PrefetchTicket | None]:
-                ticket = None
-                if msg.prefetch and tail.blocks:
-                    ticket = engine.prefetch(
-                        [tail.target], specs, 1, inflight_wait_s=wait, tenant=tenant, keys=tail.found.keys
-                    )
-                return LookupResult(tail.blocks, tail.found.per_tier), ticket
+    def _lookup_tail(self, session: Session, asked: _Asked) -> None:
+        """The one object, every group's, holding the most of the tail blocks asked (a tail's
+        blocks are the newest of a sliding window too: every group is asked as full attention);
+        with a prefetch, a ticket pinning it alone. Answered on the loop when the best candidate
+        is in L1, or there is none."""
+        engine, msg = self._engine, asked.msg
 
-            def tail_job() -> tuple[LookupResult, PrefetchTicket | None]:
-                specs = tail_specs(self._layouts.resolve(msg.groups))
-                return tail_answer(specs, engine.lookup_tail(msg.hashes, specs, inflight=wait > 0))
+        def answer(specs: list[GroupSpec], tail: TailLookup) -> _Answer:
+            found = 1 if tail.blocks else 0
+            reply = p.LookupReply(chunks=found, blocks=tail.blocks, per_tier=tail.found.per_tier)
+            if not (msg.prefetch and tail.blocks):
+                return _Answer(reply)
+            ticket = engine.prefetch(
+                [tail.target], specs, 1, inflight_wait_s=asked.wait, tenant=asked.tenant, keys=tail.found.keys
+            )
+            return _Answer(reply, ticket, polled=(found, tail.blocks))
 
-            job = tail_job
+        def as_tail(specs: list[GroupSpec]) -> list[GroupSpec]:
+            return [dataclasses.replace(s, kind=GroupKind.FULL_ATTENTION) for s in specs]
 
-        identity = session.identity
-        received = self._arrival()
+        def job() -> _Answer:
+            specs = as_tail(self._layouts.resolve(msg.groups))
+            return answer(specs, engine.lookup_tail(msg.hashes, specs, inflight=asked.wait > 0))
+
+        known = self._layouts.resolve_known(msg.groups)
+        specs = None if known is None else as_tail(known)
+        tail = None if specs is None else engine.lookup_tail_front(msg.hashes, specs)
+        if specs is not None and tail is not None:
+            self._complete(
+                session, msg.req_id, answer(specs, tail), self._answered(asked), self._observed(asked)
+            )
+        else:
+            self._offload(session, msg.req_id, job, self._answered(asked), self._observed(asked))
+
+    def _answered(self, asked: _Asked) -> Callable[[_Answer], p.Message | None]:
+        """The reply to a lookup once its answer is known (on the loop): counted for its tenant, its
+        ticket held for the session that asked, or released if that session went away meanwhile."""
+
+        def finish(answer: _Answer) -> p.Message | None:
+            if asked.msg.kind is p.LookupKind.CHUNKS:  # (a tail lookup goes with a chunk lookup)
+                self._tenants.record(asked.tenant, len(asked.msg.hashes), answer.reply.chunks)
+            if answer.ticket is None:
+                return answer.reply
+            owner = self._sessions.get(asked.identity)
+            if owner is None:
+                self._engine.release_ticket(answer.ticket)
+                return None
+            self._sessions.hold_ticket(owner, answer.ticket, answer.polled)
+            return self._ticket_reply(answer.ticket, answer.reply)
+
+        return finish
+
+    def _observed(self, asked: _Asked) -> Callable[[p.Message | None], None]:
+        """Times a lookup from its arrival to its reply's send, by outcome."""
 
         def sent(reply: p.Message | None) -> None:
             if reply is None:  # the client went away: nothing was answered
                 return
+            outcome = "error"
             if isinstance(reply, p.LookupReply):
                 outcome = "hit" if reply.chunks > 0 else "miss"
-            else:
-                outcome = "error"
-            self.lookup_latency.observe(outcome, time.perf_counter() - received)
+            self.lookup_latency.observe(outcome, time.perf_counter() - asked.received)
 
-        def finish(result: tuple[LookupResult, PrefetchTicket | None]) -> p.Message | None:
-            found, ticket = result
-            if not msg.every_object:  # (a tail lookup goes on the same request's chunk lookup)
-                self._tenants.record(tenant, len(msg.hashes), found.chunks)
-            owner = self._sessions.get(identity)
-            if ticket is None:
-                return p.LookupReply(chunks=found.chunks, per_tier=found.per_tier)
-            if owner is None:  # the client went away while we looked
-                engine.release_ticket(ticket)
-                return None
-            # Its polls say what it pins (a chunk lookup) or how many blocks the object holds (a tail).
-            self._sessions.hold_ticket(owner, ticket, found.chunks if msg.every_object else ticket.target)
-            return self._ticket_reply(ticket, p.LookupReply(chunks=found.chunks, per_tier=found.per_tier))
-
-        known = self._layouts.resolve_known(msg.groups)
-        if known is not None and msg.every_object:
-            specs = tail_specs(known)
-            tail = engine.lookup_tail_front(msg.hashes, specs)
-            if tail is not None:  # no candidate, or the best one in L1: nothing blocks
-                self._complete(session, msg.req_id, tail_answer(specs, tail), finish, sent)
-                return
-        elif known is not None:
-            specs = known
-            found = engine.lookup_front(msg.hashes, specs)
-            if found is not None:  # all in L1: the executor's answer too, and nothing blocks
-                self._complete(session, msg.req_id, answer(specs, found), finish, sent)
-                return
-        self._offload(session, msg.req_id, job, finish, sent)
+        return sent
 
     def _ticket_reply(self, ticket: PrefetchTicket, reply: p.LookupReply) -> p.LookupReply:
         state = self._engine.poll(ticket)
@@ -215,8 +261,8 @@ class DataOps:
 
     def poll_ticket(self, session: Session, msg: p.PollTicket) -> p.Message:
         ticket = self._sessions.ticket(session, msg.ticket)
-        found = session.found.get(msg.ticket, ticket.target)
-        return self._ticket_reply(ticket, p.LookupReply(chunks=found, per_tier={}))
+        chunks, blocks = session.found.get(msg.ticket, (ticket.target, 0))
+        return self._ticket_reply(ticket, p.LookupReply(chunks=chunks, blocks=blocks, per_tier={}))
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message:
         # Counted like a release's: a connector worker may have copied from the ticket's slots.

@@ -47,9 +47,8 @@ class Session:
     reservations: dict[int, WriteHandle] = field(default_factory=dict)
     leases: dict[int, ReadHandle] = field(default_factory=dict)
     tickets: dict[int, PrefetchTicket] = field(default_factory=dict)
-    #: What each ticket's lookup reported found (chunks, or a tail lookup's blocks), said again by
-    #: its polls.
-    found: dict[int, int] = field(default_factory=dict)
+    #: What each ticket's polls say it found: (``chunks``, ``blocks``) of a :class:`LookupReply`.
+    found: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: The session key's seal (shared-secret servers only): requests must carry its tag.
     seal: SessionSeal | None = None
     #: Bytes of its open reservations (expired ones included until committed, aborted or dropped).
@@ -241,8 +240,9 @@ class Sessions:
         session.leases[handle.token] = handle
         self._owner[handle.token] = session.identity
 
-    def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: int) -> None:
-        """``session`` holds ``ticket``, whose lookup reported ``found`` (its polls say it again)."""
+    def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: tuple[int, int]) -> None:
+        """``session`` holds ``ticket``, whose lookup reported ``found`` (chunks, blocks: its polls
+        say them again)."""
         session.tickets[ticket.ticket_id] = ticket
         session.found[ticket.ticket_id] = found
         session.ticket_at[ticket.ticket_id] = time.monotonic()

@@ -32,9 +32,8 @@ import msgspec
 #: is an array ``[key, offset, nbytes, token]``, not a map (a lookup's reply holds 512 of them for a
 #: 128k-token prompt: a third fewer bytes, encoded and decoded faster).
 #: 4: tails are objects of several blocks found through the server's block index:
-#: ``Reserve.holds`` names the blocks each stored object holds, and a ``Lookup`` with
-#: ``every_object`` (a tail lookup) answers with the one object holding the longest prefix of the
-#: blocks asked for (``LookupReply.chunks``: how many of them).
+#: ``Reserve.holds`` names the blocks each stored object holds, and a tail lookup answers with
+#: the one object holding the longest prefix of the blocks asked for.
 #: 5: every object in L1 carries its payload digest (:mod:`tiercache.keys.digest`): a
 #: :class:`Commit` names one per reservation (``digests``, the writer's, over its own bytes), every
 #: :class:`Slot` of a lease says it (``[key, offset, nbytes, token, digest]``), and a reader whose
@@ -42,6 +41,8 @@ import msgspec
 #: reservation TTL, which a writer times its copies by.
 #: 6: a request body over 1 MiB travels in frames of at most 1 MiB, then a trailer frame (the tag, or
 #: empty): :mod:`tiercache.wire.frames`. The server closes a connection that sends a larger frame.
+#: A :class:`Lookup` says its :class:`LookupKind`, and a tail
+#: lookup's reply counts its blocks in ``LookupReply.blocks``, not in ``chunks``.
 PROTOCOL_VERSION = 6
 
 
@@ -183,6 +184,20 @@ class RegisterEngine(Message, tag="register"):
     groups: list[RegisterGroup]
 
 
+class LookupKind(enum.StrEnum):
+    """What a :class:`Lookup`'s hashes are, and so what its reply counts."""
+
+    #: Prefix hashes of consecutive chunks: the reply's ``chunks`` is how many of them, from the
+    #: first, are restorable (every group's object), and a prefetch pins those.
+    CHUNKS = "chunks"
+    #: Tail hashes of blocks ``0 .. m-1`` of one chunk (:func:`tiercache.keys.tail_hashes`): the
+    #: answer is the one stored object (every group's) holding the longest prefix of them, found
+    #: through the block index (``Reserve.holds``). The reply's ``blocks`` is how many of the blocks
+    #: asked it holds, ``chunks`` is 1 (that object) or 0, and a prefetch pins that object alone
+    #: (``ready_chunks`` 1), whose key names it. ``max_chunks`` does not apply.
+    TAIL = "tail"
+
+
 class Lookup(Message, tag="lookup"):
     """Longest restorable prefix of ``hashes`` (16-byte chained chunk hashes) for ``groups``.
 
@@ -195,7 +210,8 @@ class Lookup(Message, tag="lookup"):
 
     ``tenant`` is the asking request's tenant id (:mod:`tiercache.keys.tenant`; empty: the default
     tenant): the server counts the lookup's hits and misses for it, and promoted copies count
-    against its L1 quota.
+    against its L1 quota. ``kind`` says what the hashes are (chunks, or one chunk's tail blocks)
+    and what the reply counts: :class:`LookupKind`.
     """
 
     hashes: list[bytes]
@@ -204,12 +220,7 @@ class Lookup(Message, tag="lookup"):
     max_chunks: int = 0
     inflight_wait_s: float = 0.0
     tenant: bytes = b""
-    #: A tail lookup: ``hashes`` are the tail hashes of blocks ``0 .. m-1`` of one chunk
-    #: (:func:`tiercache.keys.tail_hashes`). The answer is the one stored object (every group's)
-    #: holding the longest prefix of them, found through the block index (``Reserve.holds``):
-    #: ``LookupReply.chunks`` is how many blocks it holds of those asked, and a prefetch pins that
-    #: object alone (``ready_chunks`` 1), whose key names it. ``max_chunks`` does not apply.
-    every_object: bool = False
+    kind: LookupKind = LookupKind.CHUNKS
 
 
 class PollTicket(Message, tag="poll_ticket"):
@@ -442,6 +453,8 @@ class LookupReply(Message, tag="lookup_ok"):
 
     chunks: int
     per_tier: dict[str, int]
+    #: A tail lookup's answer (:attr:`LookupKind.TAIL`): blocks of those asked the object holds.
+    blocks: int = 0
     state: TicketStateName = TicketStateName.NONE
     ticket: int = 0
     ready_chunks: int = 0
