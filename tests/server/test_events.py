@@ -91,7 +91,7 @@ def test_a_client_that_falls_behind_the_bounded_log_is_told_so() -> None:
     log = ResidencyLog(capacity=4)
     assert log.read(Events()).next_seq == 0
     for i in range(1, 7):
-        log.stored("l1")(key(i))
+        log.stored("l1")([key(i)])
     behind = log.read(Events(since=1))
     assert behind.lost  # changes 2 (and 1) fell out: only 3..6 are left
     assert [e.seq for e in behind.events] == [3, 4, 5, 6] and behind.next_seq == 6
@@ -103,7 +103,7 @@ def test_a_reply_scans_at_most_limit_changes_and_says_more_remain() -> None:
     log = ResidencyLog()
     log.read(Events())
     for i in range(1, 6):
-        log.removed("disk")(key(i), EvictionReason.CAPACITY)
+        log.removed("disk")([key(i)], EvictionReason.CAPACITY)
     first = log.read(Events(limit=1))
     assert first.events == [] and first.next_seq == 5  # no since: only the position
     page = log.read(Events(since=1, limit=2))
@@ -118,7 +118,7 @@ def test_a_reply_scans_at_most_limit_changes_and_says_more_remain() -> None:
 
 def test_nothing_is_recorded_until_someone_follows() -> None:
     log = ResidencyLog()
-    log.stored("l1")(key(1))  # nobody asked yet: not recorded
+    log.stored("l1")([key(1)])  # nobody asked yet: not recorded
     assert log.read(Events()).next_seq == 0
-    log.stored("l1")(key(2))  # recorded from the first read on
+    log.stored("l1")([key(2)])  # recorded from the first read on
     assert [e.key for e in log.read(Events(since=0)).events] == [key(2).to_bytes()]

@@ -309,6 +309,7 @@ class L1Tier(FrontTier):
         if tenants and len(tenants) != len(items):
             raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
         handles: list[WriteHandle] = []
+        evicted: list[ObjectKey] = []  # told to the stats once, for the whole batch
         with self._lock:
             self._check_open()
             now = self._clock()
@@ -316,16 +317,22 @@ class L1Tier(FrontTier):
             try:
                 for i, (key, nbytes) in enumerate(items):
                     tenant = tenants[i] if tenants else DEFAULT_TENANT
-                    handles.append(self._reserve_locked(key, nbytes, now, tenant))
+                    handles.append(self._reserve_locked(key, nbytes, now, tenant, evicted))
             except BaseException:
                 for handle in handles:
                     ticket = self._end_reservation(handle.token)
                     if ticket is not None:
                         self._free(ticket.slot)
                 raise
+            finally:
+                if evicted:
+                    self.stats.evicted(EvictionReason.CAPACITY, len(evicted), evicted)
         return handles
 
-    def _reserve_locked(self, key: ObjectKey, nbytes: int, now: float, tenant: bytes) -> WriteHandle:
+    def _reserve_locked(
+        self, key: ObjectKey, nbytes: int, now: float, tenant: bytes, evicted: list[ObjectKey]
+    ) -> WriteHandle:
+        """Reserve ``key``'s slot, evicting for room; appends the evicted keys to ``evicted``."""
         if nbytes < 0:
             raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
         capacity = self._allocator.capacity
@@ -344,6 +351,7 @@ class L1Tier(FrontTier):
                 self.stats.add("skipped")
                 raise TierFullError(self._full_message(key, nbytes, tenant))
             self._evict(victim)
+            evicted.append(victim)
             extent = self._allocator.allocate(nbytes)
         slot = _Slot(key, extent.offset, nbytes, tenant)
         self._bytes_held += nbytes
@@ -816,11 +824,11 @@ class L1Tier(FrontTier):
         return self._objects[key.raw].tenant
 
     def _evict(self, key: ObjectKey) -> None:
+        """Drop ``key`` for capacity; the caller tells the stats (once per batch)."""
         slot = self._objects.pop(key.raw)
         slot.visible = False
         self._tenants.evicted(slot.tenant)
         self._free(slot)
-        self.stats.evicted(EvictionReason.CAPACITY, keys=(key,))
 
     def _unlist(self, key: ObjectKey, slot: _Slot) -> None:
         """Take committed object ``key`` (its ``slot``) out of the index, the policy and its

@@ -39,20 +39,21 @@ class ResidencyLog:
         self._last = 0  # seq of the newest change recorded (guarded by _lock)
         self._recording = False  # set by the first read; never cleared
 
-    def stored(self, tier: str) -> Callable[[ObjectKey], None]:
+    def stored(self, tier: str) -> Callable[[Sequence[ObjectKey]], None]:
         """The ``arrival`` listener for the tier named ``tier``."""
-        return lambda key: self._add(p.EventKind.STORED, tier, key)
+        return lambda keys: self._add(p.EventKind.STORED, tier, keys)
 
-    def removed(self, tier: str) -> Callable[[ObjectKey, EvictionReason], None]:
+    def removed(self, tier: str) -> Callable[[Sequence[ObjectKey], EvictionReason], None]:
         """The removal listener for the tier named ``tier`` (every reason is a removal)."""
-        return lambda key, reason: self._add(p.EventKind.REMOVED, tier, key)
+        return lambda keys, reason: self._add(p.EventKind.REMOVED, tier, keys)
 
-    def _add(self, kind: p.EventKind, tier: str, key: ObjectKey) -> None:
+    def _add(self, kind: p.EventKind, tier: str, keys: Sequence[ObjectKey]) -> None:
         if not self._recording:
             return
         with self._lock:
-            self._last += 1
-            self._log.append((self._last, kind, tier, key))
+            first = self._last + 1
+            self._last += len(keys)
+            self._log.extend((seq, kind, tier, key) for seq, key in enumerate(keys, first))
 
     def read(self, msg: p.Events) -> p.EventsReply:
         """Answer an :class:`~tiercache.wire.protocol.Events` request (in memory; request loop)."""
@@ -89,13 +90,13 @@ class ResidencyLog:
 
 
 def chain_removals(
-    *listeners: Callable[[ObjectKey, EvictionReason], None],
-) -> Callable[[ObjectKey, EvictionReason], None]:
+    *listeners: Callable[[Sequence[ObjectKey], EvictionReason], None],
+) -> Callable[[Sequence[ObjectKey], EvictionReason], None]:
     """One removal listener that calls each of ``listeners`` in turn."""
 
-    def removed(key: ObjectKey, reason: EvictionReason) -> None:
+    def removed(keys: Sequence[ObjectKey], reason: EvictionReason) -> None:
         for listener in listeners:
-            listener(key, reason)
+            listener(keys, reason)
 
     return removed
 

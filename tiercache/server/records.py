@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiercache.keys.object_key import ObjectKey
@@ -39,16 +39,18 @@ class EvictionRecord:
         self._lock = threading.Lock()
         self._notes: OrderedDict[ObjectKey, EvictionNote] = OrderedDict()  # guarded by _lock
 
-    def listener(self, tier: str) -> Callable[[ObjectKey, EvictionReason], None]:
+    def listener(self, tier: str) -> Callable[[Sequence[ObjectKey], EvictionReason], None]:
         """The callback to install as ``tier.stats.listener`` for the tier named ``tier``."""
 
-        def note(key: ObjectKey, reason: EvictionReason) -> None:
-            entry = EvictionNote(tier, reason.value, self._clock())
+        def note(keys: Sequence[ObjectKey], reason: EvictionReason) -> None:
+            entry = EvictionNote(tier, reason.value, self._clock())  # one note for the batch
+            notes = self._notes
             with self._lock:
-                self._notes[key] = entry
-                self._notes.move_to_end(key)
-                if len(self._notes) > self._capacity:
-                    self._notes.popitem(last=False)
+                for key in keys:
+                    notes[key] = entry
+                    notes.move_to_end(key)
+                while len(notes) > self._capacity:
+                    notes.popitem(last=False)
 
         return note
 

@@ -293,7 +293,7 @@ class TierSuite:
     def test_every_removal_is_told_to_the_stats_listener(self, tier: Tier) -> None:
         """``stats.listener`` hears of each key that leaves, and why (the server's explain uses it)."""
         heard: list[tuple[ObjectKey, EvictionReason]] = []
-        tier.stats.listener = lambda key, reason: heard.append((key, reason))
+        tier.stats.listener = lambda keys, reason: heard.extend((key, reason) for key in keys)
         tier.put(make_key(0), b"x" * 100)
         tier.delete(make_key(0))
         assert heard == [(make_key(0), EvictionReason.DELETED)]
@@ -357,7 +357,7 @@ class PersistentTierSuite(TierSuite):
         tier.put(other, payload_for(other, 4096))
         self.damage(tier, key)
         heard: list[tuple[ObjectKey, EvictionReason]] = []
-        tier.stats.listener = lambda k, reason: heard.append((k, reason))
+        tier.stats.listener = lambda keys, reason: heard.extend((k, reason) for k in keys)
         assert tier.get(key) is None
         stats = tier.stats.snapshot()
         assert stats["verify_failures"] == 1

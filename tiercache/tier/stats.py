@@ -54,10 +54,12 @@ class Counters:
 #: The transfer directions timed per tier (see :attr:`TierStats.latency`).
 TRANSFER_OPS = ("read", "write")
 
-#: ``listener(key, reason)``: told about each object a tier names as gone (see :attr:`TierStats.listener`).
-RemovalListener = Callable[[ObjectKey, EvictionReason], None]
-#: ``arrival(key)``: told about each object a tier committed (see :attr:`TierStats.arrival`).
-ArrivalListener = Callable[[ObjectKey], None]
+#: ``listener(keys, reason)``: told about the objects a tier names as gone, a batch at a time (see
+#: :attr:`TierStats.listener`).
+RemovalListener = Callable[[Sequence[ObjectKey], EvictionReason], None]
+#: ``arrival(keys)``: told about the objects a tier committed, a batch at a time (see
+#: :attr:`TierStats.arrival`).
+ArrivalListener = Callable[[Sequence[ObjectKey]], None]
 
 
 @dataclass(slots=True)
@@ -75,12 +77,13 @@ class TierStats(Counters):
     expired_reservations: int = 0
     expired_leases: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
-    #: Called as ``listener(key, reason)`` for each evicted key a tier names (the server keeps a
-    #: bounded record of recent evictions for ``explain``). Runs under the tier's locks: it must be
-    #: cheap and must never call back into a tier.
+    #: Called as ``listener(keys, reason)`` with the evicted keys a tier names, once per batch (the
+    #: server keeps a bounded record of recent evictions for ``explain``). Runs under the tier's
+    #: locks: it must be cheap and must never call back into a tier.
     listener: RemovalListener | None = field(default=None, repr=False, compare=False)
-    #: Called as ``arrival(key)`` for each object a tier committed (a store, a write to a lower
-    #: tier, a promotion into L1; the server's residency log). Same rules as :attr:`listener`.
+    #: Called as ``arrival(keys)`` with the objects a tier committed, once per batch (a store, a
+    #: write to a lower tier, a promotion into L1; the server's residency log). Same rules as
+    #: :attr:`listener`.
     arrival: ArrivalListener | None = field(default=None, repr=False, compare=False)
     #: Seconds per chunk object moved, ``read`` (pin / read into L1) and ``write`` (commit / put).
     #: Recorded by whoever times the call (the engine, around each tier call); not part of
@@ -100,15 +103,13 @@ class TierStats(Counters):
             self.puts += n
             self.bytes_written += nbytes
         arrival = self.arrival
-        if arrival is not None:
-            for key in keys:
-                arrival(key)
+        if arrival is not None and keys:
+            arrival(keys)
 
     def evicted(self, reason: EvictionReason, n: int = 1, keys: Sequence[ObjectKey] = ()) -> None:
         """Count ``n`` evictions for ``reason``; tell the :attr:`listener` which ``keys`` went."""
         with self._lock:
             self.evictions[reason.value] = self.evictions.get(reason.value, 0) + n
         listener = self.listener
-        if listener is not None:
-            for key in keys:
-                listener(key, reason)
+        if listener is not None and keys:
+            listener(keys, reason)
