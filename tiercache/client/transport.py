@@ -1,0 +1,524 @@
+"""The client's transport: one ZMQ ``DEALER`` socket to the server, its handshake and its requests.
+
+:class:`Transport` connects (ipc, tcp, CURVE), says hello (version check, the shared secret's proof
+and session key), signs every request and checks every reply of a signed session, matches replies
+to requests by ``req_id`` (several may be in flight: the scheduler's non-blocking lookups), says
+hello again when a restarted server forgot the session, and pings while idle so the server keeps
+what the session holds. It knows no operation but ``hello`` and ``ping``:
+:class:`~tiercache.client.client.Client` adds them.
+
+One socket per client, guarded by a lock, so one client may be shared by threads. A ping only has
+to arrive: it is never waited for, so a server stalled past the client's timeout (but not past the
+heartbeat timeout) keeps the session and what it holds, where a timed-out ping would have dropped
+the socket and started a new session. If the server restarts, the socket reconnects by itself and
+the next request says hello again (the server answers ``hello_required``); calls made while it is
+down raise :class:`~tiercache.errors.ServerUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self, TypeVar, cast
+
+import msgspec
+import zmq
+import zmq.auth
+
+from tiercache.config.parts import default_endpoint, default_runtime_dir, runtime_dir_problem
+from tiercache.errors import (
+    AuthenticationError,
+    ConfigError,
+    ProtocolError,
+    ServerError,
+    ServerUnavailableError,
+)
+from tiercache.wire import protocol as p
+from tiercache.wire.auth import SessionSeal, auth_proof, session_key
+from tiercache.wire.frames import request_frames
+
+T = TypeVar("T")
+
+_PROTOCOL_CODES = {p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.VERSION_MISMATCH}
+
+#: What the server said in its hello reply (chunk size, arena name and size, heartbeat, limits).
+ServerInfo = p.HelloReply
+
+
+@dataclass(slots=True)
+class _Pending:
+    convert: Callable[[Any], Any]
+    deadline: float
+    reply: Any = None
+    done: bool = False
+    #: An asynchronous request, kept to be sent once more if the server answers hello_required (it
+    #: restarted and forgot the session); ``None`` once resent, or for synchronous calls.
+    msg: p.Message | None = None
+
+
+@dataclass(slots=True)
+class _State:
+    """Socket-side state; guarded by ``Transport._lock``."""
+
+    sock: zmq.Socket[bytes] | None = None
+    hello: ServerInfo | None = None
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    last_send: float = 0.0
+    #: Async requests given up on (their timeout passed) whose late reply may still come: a ticket
+    #: it carries is released at once, so nothing stays pinned for a caller that gave up.
+    abandoned: set[int] = field(default_factory=set)
+    #: The session key's seal, from the hello of a client with a shared secret: signs every request
+    #: after the handshake and checks every reply (:mod:`tiercache.wire.auth`).
+    seal: SessionSeal | None = None
+    #: Replies dropped because the server did not sign them (forged, or from another session).
+    unsigned_replies: int = 0
+
+
+#: Timed-out async requests remembered for their late replies; beyond this many, none will come.
+_MAX_ABANDONED = 4096
+#: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
+#: believed unsigned: the worst a forged one does is make the client say hello again or give up.
+_UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
+
+
+class Transport:
+    """A connection to a tiercache server at ``endpoint`` (default: the server's default ipc
+    socket): see the module docstring. Its arguments are :class:`~tiercache.client.client.Client`'s.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        auth_secret: str | None = None,
+        curve_server_key: bytes | None = None,
+        curve_client_key_file: Path | None = None,
+        client_name: str = "",
+        heartbeat: bool = True,
+        on_thread_start: Callable[[], None] | None = None,
+        io_cpus: Collection[int] | None = None,
+    ) -> None:
+        if endpoint is None:
+            # The default endpoint's directory may be in /tmp: only trust one of this user's own.
+            problem = runtime_dir_problem(default_runtime_dir())
+            if problem is not None:
+                raise ConfigError(problem)
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self._secret = auth_secret
+        self._curve_server_key = curve_server_key
+        self._curve_key_file = curve_client_key_file
+        self._name = client_name
+        self._codec = p.Codec()
+        self._ids = itertools.count(1)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # libzmq starts its I/O thread (which moves every message of the socket, both ways) with
+        # the first socket, bound like the thread that creates it unless told otherwise.
+        for cpu in io_cpus or ():
+            self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+        self._lock = threading.RLock()  # guards _state, the socket and _codec
+        self._state = _State()
+        self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._on_thread_start = on_thread_start  # run first on the heartbeat thread (e.g. its CPUs)
+        try:
+            self._connect()
+            self.hello()
+        except BaseException:
+            self.close()
+            raise
+        if heartbeat:
+            self._heartbeat = threading.Thread(
+                target=self._beat, name="tiercache-client-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
+
+    # -- connection --------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        # A fixed identity lets the server recognise us after a reconnect (and say hello_required).
+        sock.setsockopt(zmq.ROUTING_ID, b"tc-" + secrets.token_bytes(12))
+        if self._curve_server_key is not None:
+            if self._curve_key_file is None:
+                raise AuthenticationError(
+                    "a CURVE server needs this client's secret key file (curve_client_key_file)",
+                    "auth_failed",
+                )
+            public, secret = zmq.auth.load_certificate(self._curve_key_file)
+            if not secret:
+                raise AuthenticationError(
+                    f"{self._curve_key_file} holds no secret key; pass the client's .key_secret file, not its public "
+                    ".key",
+                    "auth_failed",
+                )
+            sock.curve_serverkey = self._curve_server_key
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(self.endpoint)
+        self._state.sock = sock
+
+    def _reset(self) -> None:
+        """Drop the socket (stale replies with it) and make a fresh one; hello again on next use."""
+        st = self._state
+        if st.sock is not None:
+            st.sock.close(0)
+        st.sock = None
+        st.hello = None
+        st.pending.clear()
+        st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
+        st.seal = None
+        if not self._closed.is_set():
+            self._connect()
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the socket (and what :meth:`_closing` releases). Idempotent.
+
+        Open reservations and leases are freed by the server once the heartbeat timeout passes.
+        """
+        self._closed.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(2.0)
+        with self._lock:
+            if self._state.sock is not None:
+                self._state.sock.close(0)
+                self._state.sock = None
+            self._closing()
+        self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _beat(self) -> None:
+        if self._on_thread_start is not None:
+            self._on_thread_start()
+        while not self._closed.is_set():
+            info = self._state.hello
+            interval = (info.heartbeat_timeout_s if info else 15.0) / 3
+            if self._closed.wait(min(interval, 1.0)):
+                return
+            if time.monotonic() - self._state.last_send < interval:
+                continue
+            if not self._lock.acquire(timeout=0.1):
+                continue  # someone is talking to the server: that is a heartbeat too
+            try:
+                self._send_ping()
+            except Exception:  # down or restarting: the next real call reports it
+                pass
+            finally:
+                self._lock.release()
+
+    def _send_ping(self) -> None:
+        """Send a ping and forget it (its reply is dropped when it comes). Caller holds the lock.
+
+        Not a round trip: a late reply must not reset the socket (a new routing id is a new
+        session, which would orphan the reservations and leases this client still uses), and the
+        server counts the ping as a sign of life when it arrives, whenever it answers."""
+        st = self._state
+        if st.hello is None or st.sock is None:
+            return  # nothing held yet, or the next real call says hello first
+        self._drain(0)  # the earlier pings' replies (an idle client's socket would pile them up)
+        req_id = self._send(p.Ping(), lambda r: r, None)
+        st.pending.pop(req_id, None)
+        if len(st.abandoned) >= _MAX_ABANDONED:
+            st.abandoned.clear()
+        st.abandoned.add(req_id)
+
+    # -- request machinery -----------------------------------------------------------------------
+    def _send(
+        self, msg: p.Message, convert: Callable[[Any], Any], timeout: float | None, req_id: int | None = None
+    ) -> int:
+        """Send ``msg`` under a new request id (or ``req_id``: a resend) and file its pending reply."""
+        if self._closed.is_set():
+            raise ServerUnavailableError("this client is closed; create a new one")
+        req_id = next(self._ids) if req_id is None else req_id
+        msg.req_id = req_id
+        st = self._state
+        if st.sock is None:
+            self._connect()
+        assert st.sock is not None
+        try:
+            self._write(st.sock, msg)
+        except zmq.Again as exc:
+            raise ServerUnavailableError(
+                f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
+                "not reading: stopped or overloaded); check that it runs, then retry"
+            ) from exc
+        st.last_send = time.monotonic()
+        st.pending[req_id] = _Pending(
+            convert, time.monotonic() + (self.timeout if timeout is None else timeout)
+        )
+        return req_id
+
+    def _write(self, sock: zmq.Socket[bytes], msg: p.Message) -> None:
+        """Encode and send ``msg`` in frames the server takes (:mod:`tiercache.wire.frames`), with
+        its tag after the handshake of a shared-secret session."""
+        body = self._codec.encode(msg)
+        info = self._state.hello
+        if info is not None and len(body) > info.max_message_bytes:
+            # The server would read it only to refuse it (and could not say which request it was).
+            raise ServerError(
+                f"a {msg.__class__.__name__.lower()} of {len(body)} bytes exceeds the server's "
+                f"max_message_bytes {info.max_message_bytes}; store large chunks through the arena",
+                p.ErrorCode.TOO_LARGE.value,
+            )
+        seal = self._state.seal
+        tag = None if seal is None or isinstance(msg, (p.Hello, p.Challenge)) else seal.seal(body)
+        sock.send_multipart(request_frames(body, tag), zmq.NOBLOCK)
+
+    def _drain(self, wait_s: float) -> None:
+        """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
+        sock = self._state.sock
+        assert sock is not None
+        if wait_s > 0 and not sock.poll(int(wait_s * 1000) or 1, zmq.POLLIN):
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = frames[0]
+            try:
+                reply = self._codec.replies.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+                raise ProtocolError(
+                    f"undecodable reply from the server at {self.endpoint}: {exc}; use the same tiercache version "
+                    "for the server and its clients",
+                    "malformed",
+                ) from exc
+            if not self._believe(reply, frame, frames[1] if len(frames) == 2 else None):
+                self._state.unsigned_replies += 1
+                continue
+            entry = self._state.pending.get(reply.req_id)
+            if entry is not None:
+                entry.reply, entry.done = reply, True
+            elif reply.req_id in self._state.abandoned:
+                self._state.abandoned.discard(reply.req_id)
+                if isinstance(reply, p.LookupReply) and reply.ticket:
+                    self._release_late_ticket(reply.ticket)
+
+    def _believe(self, reply: p.Message, frame: bytes, tag: bytes | None) -> bool:
+        """Whether a reply comes from the server this session proved the secret to: with a shared
+        secret every reply carries the session's fresh tag, save the refusals it cannot sign."""
+        seal = self._state.seal
+        if seal is None:
+            return tag is None
+        if tag is not None:
+            return seal.open(frame, tag)
+        return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
+
+    def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
+        """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
+        self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read))
+
+    def _send_unanswered(self, msg: p.Message) -> None:
+        """Send ``msg`` if the socket takes it, without waiting for its reply (which matches no
+        pending request: dropped). Called with ``_lock`` held."""
+        sock = self._state.sock
+        if sock is None:
+            return
+        msg.req_id = next(self._ids)
+        try:
+            self._write(sock, msg)
+        except zmq.ZMQError:
+            return
+        self._state.last_send = time.monotonic()
+
+    def _result(self, req_id: int) -> Any:
+        entry = self._state.pending.pop(req_id)
+        reply = entry.reply
+        if isinstance(reply, p.ErrorReply):
+            raise self._error(reply)
+        return entry.convert(reply)
+
+    @staticmethod
+    def _error(reply: p.ErrorReply) -> ServerError:
+        code = reply.code
+        if code is p.ErrorCode.AUTH_FAILED:
+            return AuthenticationError(reply.message, code.value)
+        if code in _PROTOCOL_CODES:
+            return ProtocolError(reply.message, code.value)
+        return ServerError(f"{code.value}: {reply.message}", code.value)
+
+    def _call(
+        self, msg: p.Message, convert: Callable[[Any], T] = lambda r: r, timeout: float | None = None
+    ) -> T:
+        """Send, wait for the reply and return ``convert(reply)`` (the reply itself by default), typed as
+        ``convert`` or the caller says: nothing checks it at run time. Says hello again once if the
+        server forgot us (restart)."""
+        with self._lock:
+            for attempt in (0, 1):
+                if self._state.hello is None and not isinstance(msg, (p.Hello, p.Challenge)):
+                    self._say_hello(timeout)
+                req_id = self._send(msg, convert, timeout)
+                entry = self._state.pending[req_id]
+                while not entry.done:
+                    left = entry.deadline - time.monotonic()
+                    if left <= 0:
+                        self._drain(0)  # a reply that came while this thread was not running
+                        if entry.done:
+                            break
+                        self._reset()
+                        raise ServerUnavailableError(
+                            f"no reply from the tiercache server at {self.endpoint} within "
+                            f"{self.timeout if timeout is None else timeout:g} s; is it running?"
+                        )
+                    self._drain(left)
+                reply = entry.reply
+                if (
+                    attempt == 0
+                    and isinstance(reply, p.ErrorReply)
+                    and reply.code is p.ErrorCode.HELLO_REQUIRED
+                    and not isinstance(msg, (p.Hello, p.Challenge))
+                ):
+                    self._state.pending.pop(req_id)
+                    self._state.hello = None
+                    continue
+                return cast(T, self._result(req_id))
+        raise AssertionError("unreachable")
+
+    def _say_hello(self, timeout: float | None) -> ServerInfo:
+        st = self._state
+        st.seal = None  # a new handshake: the challenge's reply comes unsigned
+        dropped = st.unsigned_replies
+        auth = client_nonce = b""
+        if self._secret:
+            nonce = self._call(p.Challenge(), lambda r: r.nonce, timeout)
+            auth = auth_proof(self._secret, nonce)
+            client_nonce = secrets.token_bytes(16)
+            # Before the hello is sent: its reply must already carry the new session's tag.
+            st.seal = SessionSeal(session_key(self._secret, nonce, client_nonce), to_server=True)
+        msg = p.Hello(
+            protocol_version=p.PROTOCOL_VERSION, client_name=self._name, auth=auth, client_nonce=client_nonce
+        )
+        try:
+            info: ServerInfo = self._call(msg, timeout=timeout)
+        except ServerUnavailableError as exc:
+            if self._secret and st.unsigned_replies > dropped:
+                raise AuthenticationError(
+                    f"the server at {self.endpoint} answered the hello without proving the shared secret "
+                    "(it runs without --auth-secret, with another secret, or something between rewrote its "
+                    "reply); give the server and this client the same secret",
+                    p.ErrorCode.AUTH_FAILED.value,
+                ) from exc
+            raise
+        st.hello = info
+        self._said_hello(info)
+        return info
+
+    # -- handshake and liveness ------------------------------------------------------------------
+    def hello(self, timeout: float | None = None) -> ServerInfo:
+        """Say hello (version check, authentication); returns what the server reported. Round trip."""
+        with self._lock:
+            return self._say_hello(timeout)
+
+    @property
+    def server(self) -> ServerInfo:
+        """The last hello reply (says hello first if needed)."""
+        info = self._state.hello
+        return info if info is not None else self.hello()
+
+    def ping(self, timeout: float | None = None) -> None:
+        """One round trip; raises :class:`ServerUnavailableError` if nobody answers in time."""
+        self._call(p.Ping(), timeout=timeout)
+
+    def _submit(self, msg: p.Message, convert: Callable[[Any], Any]) -> int:
+        with self._lock:
+            if self._state.hello is None:
+                self._say_hello(None)
+            req_id = self._send(msg, convert, None)
+            self._state.pending[req_id].msg = msg
+            return req_id
+
+    def _resend_after_hello(self, req_id: int, entry: _Pending) -> None:
+        """The server restarted (``hello_required``): say hello again (one round trip, as
+        :meth:`_submit` does after a reconnect) and send ``entry``'s request once more under the
+        same id, so its caller's :meth:`poll` goes on as if nothing happened."""
+        msg = entry.msg
+        assert msg is not None
+        self._state.pending.pop(req_id)  # a failure below leaves nothing to poll for
+        self._state.hello = None
+        self._say_hello(None)
+        self._send(msg, entry.convert, None, req_id=req_id)  # not kept again: resent once at most
+
+    def poll(self, req_id: int, wait_s: float = 0.0) -> Any:
+        """The result of an ``*_async`` request, or ``None`` if it has not arrived; waits up to
+        ``wait_s`` for a reply to come (never, by default).
+
+        Raises the request's error, or :class:`ServerUnavailableError` once its timeout passed; a
+        lookup's late reply is then dropped, and its ticket released (the caller gave up on it).
+        """
+        with self._lock:
+            entry = self._state.pending.get(req_id)
+            if entry is None:
+                raise ServerError(
+                    f"request {req_id} is unknown or already collected; poll each request id until it returns a "
+                    "result, once",
+                    "unknown_token",
+                )
+            if not entry.done:
+                self._drain(0)
+            deadline = time.monotonic() + wait_s
+            while not entry.done and (left := deadline - time.monotonic()) > 0:
+                self._drain(left)  # returns on the first reply, which may be another request's
+            if (
+                entry.done
+                and entry.msg is not None
+                and isinstance(entry.reply, p.ErrorReply)
+                and entry.reply.code is p.ErrorCode.HELLO_REQUIRED
+            ):
+                self._resend_after_hello(req_id, entry)
+                return None
+            if entry.done:
+                return self._result(req_id)
+            if time.monotonic() > entry.deadline:
+                self._state.pending.pop(req_id)
+                if len(self._state.abandoned) >= _MAX_ABANDONED:  # replies that will never come
+                    self._state.abandoned.clear()
+                self._state.abandoned.add(req_id)
+                raise ServerUnavailableError(
+                    f"no reply to request {req_id} from {self.endpoint} in time; check that the server runs and is "
+                    "not overloaded (tiercache inspect summary), or raise the client timeout"
+                )
+            return None
+
+    def clock(self) -> float:
+        """What holds are timed by (:class:`~tiercache.client.transfer.Window`): ``time.monotonic()``,
+        one clock for every process of this host."""
+        return time.monotonic()
+
+    @property
+    def lease_window_s(self) -> float:
+        """How long a lease surely holds after its pin was sent: ``min(lease_ttl_s,
+        heartbeat_timeout_s)`` of the last hello; 0 before a hello or from a server that does not
+        say its lease TTL. Reads no socket and takes no lock."""
+        info = self._state.hello
+        if info is None or info.lease_ttl_s <= 0:
+            return 0.0
+        return min(info.lease_ttl_s, info.heartbeat_timeout_s)
+
+    @property
+    def reservation_window_s(self) -> float:
+        """How long a reservation surely holds after its reserve was sent: ``min(reservation_ttl_s,
+        heartbeat_timeout_s)`` of the last hello; 0 before a hello or from a server that does not
+        say it. Reads no socket and takes no lock."""
+        info = self._state.hello
+        if info is None or info.reservation_ttl_s <= 0:
+            return 0.0
+        return min(info.reservation_ttl_s, info.heartbeat_timeout_s)
+
+    # -- what a subclass keeps per session --------------------------------------------------------
+    def _said_hello(self, info: ServerInfo) -> None:
+        """Called (under the lock) with every hello's reply: the server may be a new one."""
+
+    def _closing(self) -> None:
+        """Called (under the lock) as the client closes, before the socket's context ends."""
