@@ -172,6 +172,15 @@ def test_an_arena_of_another_user_is_never_attached() -> None:
             SharedArena.attach(arena.name)
 
 
+def test_an_arena_other_users_may_open_is_never_attached() -> None:
+    """A server makes its arena 0600; one open to others may hold, or take, anyone's bytes."""
+    with SharedArena.create(default_arena_name(), 4096) as arena:
+        SharedArena.attach(arena.name).close()
+        os.chmod(arena.path, 0o666)
+        with pytest.raises(ArenaError, match="has mode 666, open to other users"):
+            SharedArena.attach(arena.name)
+
+
 def test_attaching_a_missing_arena_says_what_to_check() -> None:
     with pytest.raises(ArenaError, match=r"no L1 arena named .* is the tiercache server running"):
         SharedArena.attach(default_arena_name())

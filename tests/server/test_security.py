@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import socket
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from tests.server.conftest import StartServer, curve_keys
 from tiercache.client.client import Client
 from tiercache.errors import AuthenticationError, ConfigError, ServerError, ServerUnavailableError
 from tiercache.server.security import prepare_ipc
+from tiercache.testing.poll import wait_until
 from tiercache.wire.frames import REQUEST_FRAME_BYTES
 
 MiB = 1 << 20
@@ -211,3 +215,30 @@ def test_a_squatted_default_socket_directory_is_refused_by_server_and_client(
         prepare_ipc(directory / "server.sock")
     with pytest.raises(ConfigError, match="another local user may have made it"):
         Client()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to listen as another user")
+def test_a_client_refuses_an_ipc_socket_another_user_listens_on() -> None:
+    """Whoever listens at the endpoint's path (a shared or squatted directory) would read what the
+    client stores and serve it their bytes: the client asks the kernel who listens, and refuses."""
+    shared = Path(tempfile.mkdtemp(prefix="tiercache-shared-"))
+    shared.chmod(0o777)
+    path = shared / "server.sock"
+    pid = os.fork()
+    if pid == 0:  # the other user: listens and waits (no exec: it may not read this interpreter)
+        try:
+            os.setuid(12345)
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(str(path))
+            listener.listen(8)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        wait_until(path.exists, timeout=10, what="the other user's listener")
+        with pytest.raises(AuthenticationError, match="runs as uid 12345, not as this user"):
+            Client(f"ipc://{path}", timeout=2, heartbeat=False)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        shutil.rmtree(shared, ignore_errors=True)

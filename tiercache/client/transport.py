@@ -18,7 +18,10 @@ down raise :class:`~tiercache.errors.ServerUnavailableError`.
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -79,11 +82,37 @@ class _State:
     unsigned_replies: int = 0
 
 
+#: The largest unsigned reply a client of a shared-secret server decodes: a refusal the server
+#: cannot sign is a few hundred bytes.
+_UNSIGNED_REPLY_BYTES = 4096
+
+
+def _unsigned_refusal(reply: p.Message) -> bool:
+    return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
+
+
 #: Timed-out async requests remembered for their late replies; beyond this many, none will come.
 _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
 #: believed unsigned: the worst a forged one does is make the client say hello again or give up.
 _UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
+
+
+def ipc_listener_uid(endpoint: str) -> int | None:
+    """The uid of the process listening at ipc ``endpoint``, as the kernel says it
+    (``SO_PEERCRED`` of a connection that is closed at once), or ``None`` if nothing listens."""
+    path = endpoint.removeprefix("ipc://")
+    if path.startswith("@"):  # libzmq's abstract namespace
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return None
+        raw = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", raw)
+    return int(uid)
 
 
 class Transport:
@@ -287,6 +316,10 @@ class Transport:
             except zmq.Again:
                 return
             frame = frames[0]
+            tag = frames[1] if len(frames) == 2 else None
+            if not self._authentic(frame, tag):  # before a byte of it is decoded
+                self._state.unsigned_replies += 1
+                continue
             try:
                 reply = self._codec.replies.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -295,7 +328,7 @@ class Transport:
                     "for the server and its clients",
                     "malformed",
                 ) from exc
-            if not self._believe(reply, frame, frames[1] if len(frames) == 2 else None):
+            if tag is None and self._state.seal is not None and not _unsigned_refusal(reply):
                 self._state.unsigned_replies += 1
                 continue
             entry = self._state.pending.get(reply.req_id)
@@ -306,15 +339,16 @@ class Transport:
                 if isinstance(reply, p.LookupReply) and reply.ticket:
                     self._release_late_ticket(reply.ticket)
 
-    def _believe(self, reply: p.Message, frame: bytes, tag: bytes | None) -> bool:
-        """Whether a reply comes from the server this session proved the secret to: with a shared
-        secret every reply carries the session's fresh tag, save the refusals it cannot sign."""
+    def _authentic(self, frame: bytes, tag: bytes | None) -> bool:
+        """Whether a reply may be decoded, judged before any of it is: with a shared secret every
+        reply carries the session's fresh tag, save the few refusals the server cannot sign
+        (:data:`_UNSIGNED_CODES`), which are small; without one, replies carry no tag."""
         seal = self._state.seal
         if seal is None:
             return tag is None
         if tag is not None:
             return seal.open(frame, tag)
-        return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
+        return len(frame) <= _UNSIGNED_REPLY_BYTES
 
     def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
         """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
@@ -388,6 +422,7 @@ class Transport:
 
     def _say_hello(self, timeout: float | None) -> ServerInfo:
         st = self._state
+        self._check_listener()
         st.seal = None  # a new handshake: the challenge's reply comes unsigned
         dropped = st.unsigned_replies
         auth = client_nonce = b""
@@ -414,6 +449,23 @@ class Transport:
         st.hello = info
         self._said_hello(info)
         return info
+
+    def _check_listener(self) -> None:
+        """On ipc, refuse a server that runs as another user (not root): whoever could create the
+        socket file (a squatted or shared directory) would read what this client stores and serve
+        it their bytes. The kernel says who listens (``SO_PEERCRED``); nobody listening is left
+        to the hello's timeout."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        uid = ipc_listener_uid(self.endpoint)
+        me = os.geteuid()
+        if uid is not None and uid not in (me, 0):
+            raise AuthenticationError(
+                f"the process listening at {self.endpoint} runs as uid {uid}, not as this user (uid {me}) or "
+                "root: another local user may have put it there. Point the client at your own server's socket "
+                "(in an owner-only directory: set XDG_RUNTIME_DIR, or pass the endpoint)",
+                p.ErrorCode.AUTH_FAILED.value,
+            )
 
     # -- handshake and liveness ------------------------------------------------------------------
     def hello(self, timeout: float | None = None) -> ServerInfo:

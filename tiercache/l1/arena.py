@@ -250,6 +250,12 @@ class SharedArena:
                     f"L1 arena {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): it is not "
                     "your server's; check the endpoint, and run the server and its clients as one user"
                 )
+            if st.st_mode & 0o077:
+                # A server makes it 0600: one others may open is not what it made, or was changed.
+                raise ArenaError(
+                    f"L1 arena {path} has mode {st.st_mode & 0o777:o}, open to other users; a tiercache server "
+                    "makes its arena 0600: restart the server, and let nothing else change the file's mode"
+                )
             size = st.st_size
             if size <= 0:
                 raise ArenaError(
