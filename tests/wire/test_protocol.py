@@ -17,3 +17,36 @@ def test_a_slot_travels_as_an_array_of_its_five_fields() -> None:
     reply = p.LookupReply(chunks=1, per_tier={"l1": 1}, state=p.TicketStateName.READY, ticket=3, slots=[slot])
     decoded = codec.replies.decode(codec.encode(reply))
     assert isinstance(decoded, p.LookupReply) and decoded.slots == [slot]
+
+
+def test_a_manifest_travels_with_every_field_of_a_layout_manifest_typed() -> None:
+    """A request holds nothing untyped: the manifest is a struct of the manifest's own fields, and a
+    manifest survives the trip unchanged, its fingerprint with it."""
+    import dataclasses
+
+    from tiercache.keys import GroupKind, LayoutManifest
+
+    assert {f.name for f in dataclasses.fields(LayoutManifest)} == set(p.ManifestFields.__struct_fields__)
+    manifest = LayoutManifest(
+        model_id="m",
+        model_revision="r",
+        kv_dtype="bfloat16",
+        attention_backend="FLASH_ATTN",
+        kv_layout="NHD",
+        kernel_block_size=16,
+        manager_block_size=16,
+        page_bytes=4096,
+        page_bytes_unpadded=4000,
+        group_kind=GroupKind.RECURRENT,
+        chunk_size=256,
+        num_layers=2,
+        state_shapes=((2, 3), (4,)),
+        state_dtypes=("float32", "bfloat16"),
+        extra=(("lora", "x"),),
+    )
+    codec = p.Codec()
+    sent = p.RegisterEngine(groups=[p.RegisterGroup(3, p.ManifestFields(**manifest.to_dict()))])
+    got = codec.requests.decode(codec.encode(sent))
+    assert isinstance(got, p.RegisterEngine)
+    back = LayoutManifest.from_dict(msgspec.structs.asdict(got.groups[0].manifest))
+    assert back == manifest and back.fingerprint() == manifest.fingerprint()

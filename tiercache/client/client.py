@@ -101,7 +101,9 @@ class Client(Transport):
     ) -> list[p.GroupRef]:
         """Register an engine's object groups ``(group id, manifest)``; returns their refs
         (fingerprint + group) for lookups. Round trip; the server stores manifests on L2/L3."""
-        msg = p.RegisterEngine(groups=[p.RegisterGroup(g, m.to_dict()) for g, m in groups])
+        msg = p.RegisterEngine(
+            groups=[p.RegisterGroup(g, p.ManifestFields(**m.to_dict())) for g, m in groups]
+        )
         return self._call(msg, lambda r: r.groups, timeout)
 
     def manifest(self, fingerprint: Fingerprint, timeout: float | None = None) -> LayoutManifest | None:

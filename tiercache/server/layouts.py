@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
+
 from tiercache.config.parts import ServerOptions
 from tiercache.engine import GroupSpec, TieredEngine
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
@@ -48,7 +50,7 @@ class Layouts:
                     p.ErrorCode.INVALID, f"object group {g.object_group} is duplicated or out of range"
                 )
             seen.add(g.object_group)
-            m = LayoutManifest.from_dict(g.manifest)
+            m = LayoutManifest.from_dict(msgspec.structs.asdict(g.manifest))
             if m.chunk_size != opts.chunk_size:
                 raise Refused(
                     p.ErrorCode.INVALID,

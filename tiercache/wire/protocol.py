@@ -115,11 +115,41 @@ class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):
     digest: int = 0
 
 
+class ManifestFields(msgspec.Struct, frozen=True, kw_only=True):
+    """A :class:`~tiercache.keys.LayoutManifest` on the wire, its fields typed (``to_dict()``'s),
+    so a request holds nothing untyped a decoder would descend into."""
+
+    model_id: str
+    model_revision: str
+    kv_dtype: str
+    attention_backend: str
+    kv_layout: str
+    kernel_block_size: int
+    manager_block_size: int
+    page_bytes: int
+    page_bytes_unpadded: int
+    group_kind: str
+    chunk_size: int
+    num_layers: int
+    kv_quantization: str = "none"
+    sliding_window: int | None = None
+    state_shapes: list[list[int]] = []
+    state_dtypes: list[str] = []
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    extra: dict[str, str] = {}
+    format_version: int
+
+
 class RegisterGroup(msgspec.Struct, frozen=True):
     """One object group of an engine: its id and the manifest saying what its bytes mean."""
 
     object_group: int
-    manifest: dict[str, Any]  # LayoutManifest.to_dict()
+    manifest: ManifestFields
 
 
 class ListedKey(msgspec.Struct, frozen=True):
