@@ -1,8 +1,9 @@
 """Specification: whatever frame comes back as a reply, the client raises one of its own errors
 (a vLLM connector catches those, and only those), never a RecursionError out of the decoder.
 
-A stand-in server on an ipc socket answers the hello as a server would, then answers the next
-request with a frame whose one unknown field is nested 2,000 deep."""
+Stand-in servers on ipc sockets answer the hello as a server would, then answer requests with
+frames nested past the decoder's depth, forged unsigned frames on a signed session, or whatever a
+fuzzer makes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiercache.client.client import Client
-from tiercache.errors import ProtocolError
+from tiercache.errors import ProtocolError, TierCacheError
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, session_key
 
@@ -120,3 +123,93 @@ def test_on_a_signed_session_a_forged_reply_is_dropped_before_it_is_decoded(tmp_
         thread.join(5)
         sock.close()
         ctx.term()
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_reply_ops = [*sorted(str(t.__struct_config__.tag) for t in p.Reply.__args__), "nonsense"]
+_reply_maps = st.fixed_dictionaries(
+    {"op": st.sampled_from(_reply_ops), "req_id": st.integers(-(2**63), 2**64 - 1)},
+    optional={"chunks": _values, "slots": _values, "code": _values, "message": _values, "data": _values},
+)
+_nested = st.integers(1000, 3000).map(lambda depth: b"\x91" * depth + b"\xc0")
+_frames = (
+    st.binary(max_size=64)
+    | _values.map(msgspec.msgpack.encode)
+    | _reply_maps.map(msgspec.msgpack.encode)
+    | _nested
+)
+
+
+def _fuzzing_stand_in(sock: zmq.Socket[bytes], done: threading.Event, queue: list[bytes]) -> None:
+    """Answers the hello as a server would, then each request with the next queued frame and then
+    its real reply."""
+    codec = p.Codec()
+    while not done.is_set():
+        if not sock.poll(50):
+            continue
+        identity, body = sock.recv_multipart()
+        msg = codec.requests.decode(body)
+        if isinstance(msg, p.Hello):
+            sock.send_multipart([identity, codec.encode(_hello_reply(msg.req_id))])
+            continue
+        sock.send_multipart([identity, queue.pop(0)])
+        sock.send_multipart([identity, codec.encode(p.Pong(req_id=msg.req_id))])
+
+
+def _hello_reply(req_id: int) -> p.HelloReply:
+    return p.HelloReply(
+        req_id=req_id,
+        protocol_version=p.PROTOCOL_VERSION,
+        server_version="stand-in",
+        chunk_size=256,
+        separate_object_groups=True,
+        arena_name="tiercache-none",
+        arena_size=1,
+        heartbeat_timeout_s=15.0,
+        max_message_bytes=1 << 20,
+    )
+
+
+def test_whatever_frame_comes_back_the_client_raises_only_its_own_errors(tmp_path: Path) -> None:
+    """The vLLM connector and the SGLang backend catch TierCacheError, and only that: no reply may
+    raise anything else out of a client call."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    endpoint = f"ipc://{tmp_path}/stand-in.sock"
+    sock.bind(endpoint)
+    done = threading.Event()
+    queue: list[bytes] = []
+    thread = threading.Thread(target=_fuzzing_stand_in, args=(sock, done, queue), daemon=True)
+    thread.start()
+    outcomes: dict[str, int] = {}
+    try:
+        with Client(endpoint, timeout=2, heartbeat=False) as client:
+
+            @settings(max_examples=200, deadline=None)
+            @given(frame=_frames)
+            def answer_with(frame: bytes) -> None:
+                queue.append(frame)
+                try:
+                    client.ping()
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                except TierCacheError as exc:
+                    outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+
+            answer_with()
+    finally:
+        done.set()
+        thread.join(5)
+        sock.close()
+        ctx.term()
+    print(f"\n[forged replies] outcomes {outcomes}")
+    assert outcomes.get("ProtocolError", 0) > 0  # the fuzzer did reach the decoder's failures
