@@ -20,10 +20,11 @@ from tiercache.client.client import Client
 from tiercache.errors import ProtocolError, TierCacheError
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, session_key
+from tiercache.wire.codec import Codec
 
 
 def _stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
-    codec = p.Codec()
+    codec = Codec()
     while not done.is_set():
         if not sock.poll(50):
             continue
@@ -72,7 +73,7 @@ SECRET = "a-secret-of-the-stand-in-0f9a27c4e1b8d6a3"
 def _signed_stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
     """A server with the secret that answers each ping with a forged unsigned frame nested past the
     decoder's depth (what anyone on the path could inject), then with its real, signed pong."""
-    codec = p.Codec()
+    codec = Codec()
     nonce = b"n" * 16
     seal: SessionSeal | None = None
     while not done.is_set():
@@ -152,7 +153,7 @@ _frames = (
 def _fuzzing_stand_in(sock: zmq.Socket[bytes], done: threading.Event, queue: list[bytes]) -> None:
     """Answers the hello as a server would, then each request with the next queued frame and then
     its real reply."""
-    codec = p.Codec()
+    codec = Codec()
     while not done.is_set():
         if not sock.poll(50):
             continue

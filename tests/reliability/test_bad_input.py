@@ -26,6 +26,7 @@ from tests.server.rawsock import RawSocket
 from tests.server.serverproc import ServerProcess
 from tiercache.keys import ObjectKey
 from tiercache.wire import protocol as p
+from tiercache.wire.codec import Codec
 
 KiB = 1 << 10
 FUZZED = {"frames": 0, "replies": 0}
@@ -82,7 +83,7 @@ request_structs = st.one_of(
 
 frames = st.one_of(
     st.binary(max_size=256),
-    request_structs.map(lambda m: p.Codec().encode(m)),
+    request_structs.map(lambda m: Codec().encode(m)),
     st.dictionaries(
         st.sampled_from(["op", "req_id", "tokens", "key", "items"]),
         st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.binary(max_size=8), st.none()),

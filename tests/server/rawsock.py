@@ -9,6 +9,7 @@ import msgspec
 import zmq
 
 from tiercache.wire import protocol as p
+from tiercache.wire.codec import Codec
 
 #: Request ids of this socket's own hellos and pings: far above what the fuzzers' pings use
 #: (0..2**32), so a fuzzed frame's reply is never taken for the answer to one of ours.
@@ -21,7 +22,7 @@ class RawSocket:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.connect(endpoint)
-        self.codec = p.Codec()
+        self.codec = Codec()
         self._own_ids = itertools.count(OWN_REQ_IDS)
 
     def send_frames(self, frames: list[bytes | memoryview]) -> None:

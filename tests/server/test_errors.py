@@ -25,6 +25,7 @@ from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.digest import digest
 from tiercache.testing.poll import stop_process, wait_until
 from tiercache.wire import protocol as p
+from tiercache.wire.codec import Codec
 from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_frames
 
 MiB = 1 << 20
@@ -262,7 +263,7 @@ def test_a_request_loop_that_fails_anyway_stops_the_server_which_says_so(
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(server.endpoint)
-    sock.send(p.Codec().encode(p.Ping()))
+    sock.send(Codec().encode(p.Ping()))
     try:
         with pytest.raises(ServerError, match="request loop failed"):
             server.serve_forever()

@@ -22,6 +22,7 @@ from tiercache.errors import AuthenticationError
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
+from tiercache.wire.codec import Codec
 from tiercache.wire.frames import request_frames
 
 SECRET = "s3cret-of-the-node-0f9a27c4e1b8d6"
@@ -43,7 +44,7 @@ class Peer:
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.connect(endpoint)
-        self.codec = p.Codec()
+        self.codec = Codec()
         self.seal: SessionSeal | None = None
         self.sent: list[list[bytes]] = []  # every request as it went on the wire
 

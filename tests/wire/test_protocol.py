@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from tiercache.wire import protocol as p
+from tiercache.wire.codec import Codec
 
 
 def test_a_slot_travels_as_an_array_of_its_five_fields() -> None:
@@ -13,7 +14,7 @@ def test_a_slot_travels_as_an_array_of_its_five_fields() -> None:
     assert p.PROTOCOL_VERSION >= 5
     slot = p.Slot(b"k" * 35, 4096, 16384, 7, 2**63 + 5)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(slot)) == [b"k" * 35, 4096, 16384, 7, 2**63 + 5]
-    codec = p.Codec()
+    codec = Codec()
     reply = p.LookupReply(chunks=1, per_tier={"l1": 1}, state=p.TicketStateName.READY, ticket=3, slots=[slot])
     decoded = codec.replies.decode(codec.encode(reply))
     assert isinstance(decoded, p.LookupReply) and decoded.slots == [slot]
@@ -44,7 +45,7 @@ def test_a_manifest_travels_with_every_field_of_a_layout_manifest_typed() -> Non
         state_dtypes=("float32", "bfloat16"),
         extra=(("lora", "x"),),
     )
-    codec = p.Codec()
+    codec = Codec()
     sent = p.RegisterEngine(groups=[p.RegisterGroup(3, p.ManifestFields(**manifest.to_dict()))])
     got = codec.requests.decode(codec.encode(sent))
     assert isinstance(got, p.RegisterEngine)

@@ -43,6 +43,7 @@ from tiercache.errors import (
 )
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
+from tiercache.wire.codec import Codec
 from tiercache.wire.frames import request_frames
 
 T = TypeVar("T")
@@ -144,7 +145,7 @@ class Transport:
         self._curve_server_key = curve_server_key
         self._curve_key_file = curve_client_key_file
         self._name = client_name
-        self._codec = p.Codec()
+        self._codec = Codec()
         self._ids = itertools.count(1)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # libzmq starts its I/O thread (which moves every message of the socket, both ways) with

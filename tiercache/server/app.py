@@ -54,6 +54,7 @@ from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups, with_tenants
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import TAG_BYTES
+from tiercache.wire.codec import Codec
 from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_of
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class Server:
         self._lifecycle = threading.Lock()  # guards start/stop transitions
         self._started = False
         # Loop-thread state (no lock: only the loop thread reads or writes it).
-        self._codec = p.Codec()
+        self._codec = Codec()
         self._sessions = Sessions(engine, self._l1, self.options)
         self._inflight = 0
         self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0, "stranger_frames": 0}
