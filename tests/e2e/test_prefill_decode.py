@@ -68,10 +68,11 @@ def engine_argv(model: Path, role: str, endpoint: str, tails: bool = False) -> l
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         # Two engines and a server on this machine's two cores, where vLLM's workers spin between
-        # steps: a round trip can take longer than the default 2 s; the claims do not depend on it.
+        # steps: a round trip can take longer than the default 2 s, and the gated stores longer
+        # than 30 s (a CI run missed 5 waits); the claims do not depend on either.
         "kv_connector_extra_config": {
             "server": endpoint,
-            "inflight_wait_s": 30,
+            "inflight_wait_s": 60,
             "timeout_s": 5,
             "tails": tails,
         },
@@ -112,15 +113,16 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     model = tmp / "model"
     write_served_tiny_llama(model, seed=1234)
     # The gate holds the prefill engine's first stores until a decode lookup waits, which on CI's
-    # two busy cores took over 15 s: the heartbeat timeout, and so the window a reservation is
-    # surely held for. What this test claims does not depend on those timeouts; the defaults'
-    # effect on slow stores is tests/e2e/test_load_failure.py's to show.
+    # two busy cores took over 15 s, and then each page copy sleeps: a store must end within half
+    # the window a reservation is surely held for (the heartbeat timeout and reservation TTL), and
+    # with 60 s five stores of one CI run did not. What this test claims does not depend on those
+    # timeouts; the defaults' effect on slow stores is tests/e2e/test_load_failure.py's to show.
     server = ServerProcess(
         ServerSpec(
             listen=f"ipc://{tmp}/server.sock",
             l1_bytes=64 * MiB,
-            options={"chunk_size": CHUNK, "heartbeat_timeout_s": 60.0},
-            l1_options={"reservation_ttl_s": 60.0},
+            options={"chunk_size": CHUNK, "heartbeat_timeout_s": 180.0},
+            l1_options={"reservation_ttl_s": 180.0},
         )
     )
     server.wait_ready()
