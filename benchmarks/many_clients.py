@@ -33,10 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.server.conftest import manifest
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
-from tiercache.keys import Fingerprint, GroupKind, LayoutManifest, ObjectKey, chunk_hashes
+from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire.protocol import GroupRef
 
 MiB = 1 << 20
@@ -44,20 +45,7 @@ CHUNKS = 64
 CHUNK_TOKENS = 256
 #: Prompts stored before the runs; the clients look them up and load them round-robin.
 PROMPTS = 16
-MANIFEST = LayoutManifest(
-    model_id="bench-many-clients",
-    model_revision="r1",
-    kv_dtype="bfloat16",
-    attention_backend="TORCH_SDPA",
-    kv_layout="NHD",
-    kernel_block_size=16,
-    manager_block_size=16,
-    page_bytes=4096,
-    page_bytes_unpadded=4096,
-    group_kind=GroupKind.FULL_ATTENTION,
-    chunk_size=CHUNK_TOKENS,
-    num_layers=2,
-)
+MANIFEST = manifest(model_id="bench-many-clients", chunk_size=CHUNK_TOKENS)
 
 
 def prompt_keys(group: GroupRef, prompt: int) -> tuple[list[bytes], list[ObjectKey]]:

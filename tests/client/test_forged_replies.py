@@ -31,17 +31,7 @@ def _stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
         identity, frame = sock.recv_multipart()
         msg = codec.requests.decode(frame)
         if isinstance(msg, p.Hello):
-            hello = p.HelloReply(
-                req_id=msg.req_id,
-                protocol_version=p.PROTOCOL_VERSION,
-                server_version="stand-in",
-                chunk_size=256,
-                separate_object_groups=True,
-                arena_name="tiercache-none",
-                arena_size=1,
-                heartbeat_timeout_s=15.0,
-                max_message_bytes=1 << 20,
-            )
+            hello = _hello_reply(msg.req_id)
             sock.send_multipart([identity, codec.encode(hello)])
         else:  # {"op": "pong", "req_id": N, "x": [[[...]]]}: the nesting in a field it skips
             head = b"\x83\xa2op\xa4pong\xa6req_id" + msgspec.msgpack.encode(msg.req_id) + b"\xa1x"
@@ -86,17 +76,7 @@ def _signed_stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
             continue
         if isinstance(msg, p.Hello):
             seal = SessionSeal(session_key(SECRET, nonce, msg.client_nonce), to_server=False)
-            reply: p.Message = p.HelloReply(
-                req_id=msg.req_id,
-                protocol_version=p.PROTOCOL_VERSION,
-                server_version="stand-in",
-                chunk_size=256,
-                separate_object_groups=True,
-                arena_name="tiercache-none",
-                arena_size=1,
-                heartbeat_timeout_s=15.0,
-                max_message_bytes=1 << 20,
-            )
+            reply: p.Message = _hello_reply(msg.req_id)
         else:
             forged = b"\x83\xa2op\xa4pong\xa6req_id" + msgspec.msgpack.encode(msg.req_id) + b"\xa1x"
             sock.send_multipart([identity, forged + b"\x91" * 8000 + b"\xc0"])
