@@ -59,6 +59,7 @@ from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT, tenant_label
 from tiercache.l2_disk import records
+from tiercache.l2_disk.eviction import EvictionWalk
 from tiercache.l2_disk.records import (
     DB_NAMES,
     DISK_FORMAT_VERSION,
@@ -857,64 +858,20 @@ class DiskTier(Tier):
         pass is one walk of the recency records, oldest first: a batch evicts down to the low
         watermark, so the walk is paid once per batch, not per put.
         """
-        before = after
-        dbs = self._dbs
         with self._state_lock:
             pinned = set(self._pins)
-        victims: list[tuple[bytes, int, bytes]] = []  # key, stored bytes, tenant
-        chosen: set[bytes] = set()
-        stale: set[bytes] = set()
-        corrupt: list[bytes] = []
-        evicted_of: Counter[bytes] = Counter()
-
-        def walk(may_go: Callable[[bytes, int], bool] | None) -> None:
-            """One pass over the LRU order; ``may_go(tenant, size)`` filters the candidates."""
-            nonlocal after
-            with txn.cursor(db=dbs["recency"]) as cur:
-                found = cur.set_range(REC)
-                while found:
-                    rkey, kb = bytes(cur.key()), bytes(cur.value())
-                    found = cur.next()
-                    if after <= target or not rkey.startswith(REC):
-                        break
-                    seqb = rkey[len(REC) :]
-                    meta = txn.get(kb, db=dbs["meta"])
-                    if stale_recency(meta, seqb):
-                        stale.add(bytes(seqb))  # left behind by a touch or a lost meta: drop it
-                        continue
-                    assert meta is not None  # a missing meta is stale
-                    if kb == keep or kb in pinned or kb in chosen or kb in corrupt:
-                        continue
-                    key = ObjectKey.from_bytes(kb)
-                    try:
-                        if len(meta) != META_BYTES:
-                            raise FrameError(f"meta record of {len(meta)} bytes")
-                        header = FrameHeader.decode(meta[:HEADER_BYTES], key)
-                        size = header.stored_len
-                        tenant = self._tenant_of(txn, kb, meta)
-                        if may_go is not None and not may_go(tenant, size):
-                            continue
-                        if self._on_evict is not None:  # only write-back needs the bytes read back
-                            data = txn.get(kb, db=dbs["data"])
-                            if data is None:
-                                raise FrameError("payload record missing")
-                            size = len(data)
-                            payload = verify_payload(header, data)
-                    except FrameError:
-                        corrupt.append(kb)  # never hand corrupt bytes to the write-back
-                        after -= self._stored_len(txn, kb)
-                        continue
-                    if self._on_evict is not None:
-                        try:
-                            self._on_evict(key, memoryview(payload))
-                        except Exception:
-                            self.stats.add("errors")
-                            log.exception("on_evict failed for %s; keeping it on disk", key)
-                            continue
-                    victims.append((kb, size, tenant))
-                    chosen.add(kb)
-                    after -= size
-
+        walk = EvictionWalk(
+            txn,
+            self._dbs,
+            keep,
+            pinned,
+            after,
+            target,
+            self._tenant_of,
+            self._stored_len,
+            self._on_evict,
+            lambda: self.stats.add("errors"),
+        )
         over_quota = False
         if self._quotas.enforcing:
             held = {t: n for t, (n, _) in self._tenant_totals(txn).items()}
@@ -929,32 +886,38 @@ class DiskTier(Tier):
                     held[tenant] = held.get(tenant, 0) - size
                     return True
 
-                walk(may_go)
-        if not over_quota and after > target:
-            walk(None)
-        for seqb in stale:
-            txn.delete(recency_key(seqb), db=dbs["recency"])
-        for kb, size, tenant in victims:
+                walk.run(may_go)
+        if not over_quota and walk.after > target:
+            walk.run()
+        self._delete_chosen(txn, walk)
+        return after - walk.after, len(walk.victims) + len(walk.corrupt), over_quota
+
+    def _delete_chosen(self, txn: lmdb.Transaction, walk: EvictionWalk) -> None:
+        """Delete in ``txn`` what ``walk`` chose (its stale recency records too) and count it."""
+        for seqb in walk.stale:
+            txn.delete(recency_key(seqb), db=self._dbs["recency"])
+        evicted_of: Counter[bytes] = Counter()
+        for kb, size, tenant in walk.victims:
             evicted_of[tenant] += 1
             self._delete_in(txn, kb, size)
-        for kb in corrupt:
+        for kb in walk.corrupt:
             self._delete_in(txn, kb)
-        if victims:
+        if walk.victims:
             self.stats.evicted(
                 EvictionReason.CAPACITY,
-                len(victims),
-                keys=[ObjectKey.from_bytes(kb) for kb, _, _ in victims] if self.stats.listener else (),
+                len(walk.victims),
+                keys=[ObjectKey.from_bytes(kb) for kb, _, _ in walk.victims] if self.stats.listener else (),
             )
-            if evicted_of:
-                with self._state_lock:
-                    for tenant, n in evicted_of.items():
-                        count_tenant(self._tenant_evictions, tenant, n)
-        if corrupt:
-            self.stats.add("verify_failures", len(corrupt))
+            with self._state_lock:
+                for tenant, n in evicted_of.items():
+                    count_tenant(self._tenant_evictions, tenant, n)
+        if walk.corrupt:
+            self.stats.add("verify_failures", len(walk.corrupt))
             self.stats.evicted(
-                EvictionReason.CORRUPT, len(corrupt), keys=[ObjectKey.from_bytes(kb) for kb in corrupt]
+                EvictionReason.CORRUPT,
+                len(walk.corrupt),
+                keys=[ObjectKey.from_bytes(kb) for kb in walk.corrupt],
             )
-        return before - after, len(victims) + len(corrupt), over_quota
 
     def _tenant_totals(self, txn: lmdb.Transaction) -> dict[bytes, tuple[int, int]]:
         """Stored bytes and objects per tenant in ``txn``: the named tenants' persisted totals, and
