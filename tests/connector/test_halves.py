@@ -1372,7 +1372,7 @@ def test_a_tail_lookup_answered_with_an_object_of_the_wrong_size_is_a_miss() -> 
     client = _SequencedClient(_hit_reply(chunks=2), _tail_reply(b"\x07" * 16, blocks=2, object_blocks=1))
     sched = _four_block_tails_scheduler(client)
     assert sched.get_num_new_matched_tokens(_prompt_request(2000), 0) == (2 * 768, False)  # type: ignore[attr-defined]
-    assert HIT_TICKET + 1 in client.released or sched._reqs["r"].tail_probe.ticket == 0  # type: ignore[attr-defined]
+    assert HIT_TICKET + 1 in client.released or sched._reqs["r"].tail.probe.ticket == 0  # type: ignore[attr-defined]
 
 
 def test_a_tail_is_one_object_of_the_chunks_first_blocks_superseding_the_shorter_one() -> None:

@@ -100,6 +100,22 @@ class _Probe:
 
 
 @dataclass(slots=True)
+class _TailLookup:
+    """A request's tail (:mod:`tiercache.connector.tails`): the lookup of the blocks of the chunk
+    after the full hit, what it found, and what of it was stored."""
+
+    state: LookupState = LookupState.NOT_SENT
+    chunk: int = -1  # the chunk whose blocks were asked for
+    hashes: list[bytes] = field(default_factory=list)  # its blocks' tail hashes, asked for
+    probe: _Probe = field(default_factory=lambda: _Probe())  # the lookup in flight
+    blocks: int = 0  # blocks of ``chunk`` the cache can supply (pinned under the probe's ticket)
+    target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
+    object_blocks: int = 0  # how many blocks that object holds (its first ``blocks`` load)
+    slots: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # object group → pinned slot
+    saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
+
+
+@dataclass(slots=True)
 class _Request:
     """What the scheduler half tracks per request; dropped at ``request_finished``."""
 
@@ -123,18 +139,7 @@ class _Request:
     loading: bool = False  # an asynchronous load was sent; the ticket is kept until it is reported
     loaded_from_slots: bool = False  # that load named the ticket's slots (the workers pin nothing)
     load_failed: bool = False  # the workers reported its asynchronous load failed: compute instead
-    # Tails (tiercache.connector.tails): the lookup of the blocks of the chunk after the full hit.
-    tail_state: LookupState = LookupState.NOT_SENT
-    tail_chunk: int = -1  # the chunk whose blocks were asked for
-    tail_hashes: list[bytes] = field(default_factory=list)  # its blocks' tail hashes, asked for
-    tail_probe: _Probe = field(default_factory=lambda: _Probe())  # the tail's lookup in flight
-    tail_blocks: int = 0  # blocks of ``tail_chunk`` the cache can supply (pinned under tail_ticket)
-    tail_target: bytes = b""  # the prefix hash of the object holding them (a tail, or the chunk)
-    tail_object_blocks: int = 0  # how many blocks that object holds (its first ``tail_blocks`` load)
-    tail_slots: dict[int, tuple[int, int, int]] = field(
-        default_factory=dict
-    )  # object group → its pinned slot
-    tail_saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
+    tail: _TailLookup = field(default_factory=lambda: _TailLookup())
 
     def hashes(self, chunk_size: int) -> list[bytes]:
         if self.hasher is None or self.hasher.chunk_size != chunk_size:
@@ -364,32 +369,32 @@ class SchedulerHalf:
         assert self.layout is not None
         chunk = self.layout.chunk_size
         full = st.hit_chunks * chunk
-        if not st.tail_blocks or st.tail_chunk * chunk > max(full, num_computed_tokens):
+        if not st.tail.blocks or st.tail.chunk * chunk > max(full, num_computed_tokens):
             return full  # (the tail does not join on: vLLM's own hit changed since it was asked)
-        return st.tail_chunk * chunk + st.tail_blocks * self._tail_block
+        return st.tail.chunk * chunk + st.tail.blocks * self._tail_block
 
     def _tail_step(self, client: Client, st: _Request, num_computed_tokens: int) -> bool:
         """Ask for the blocks of the chunk after the full hit (once), or collect the reply; True
-        once ``tail_blocks`` is final."""
-        if st.tail_state is LookupState.DONE:
+        once ``st.tail.blocks`` is final."""
+        if st.tail.state is LookupState.DONE:
             return True
         sent = False
-        if st.tail_state is LookupState.NOT_SENT:
+        if st.tail.state is LookupState.NOT_SENT:
             assert self.layout is not None
             chunk, block = self.layout.chunk_size, self._tail_block
             at = max(st.hit_chunks, num_computed_tokens // chunk)
             asked = askable_blocks(len(st.prompt), at, chunk, block)
             if asked == 0 or at * chunk + asked * block <= num_computed_tokens:
-                st.tail_state = LookupState.DONE
+                st.tail.state = LookupState.DONE
                 return True
             st.hashes(chunk)  # the chain up to ``at`` (the hasher has consumed every full chunk)
             assert st.hasher is not None
-            st.tail_hashes = tail_hashes(
+            st.tail.hashes = tail_hashes(
                 st.hasher.before(at), st.prompt[at * chunk : at * chunk + asked * block], block
             )
             try:
-                st.tail_probe.pending_id = client.lookup_async(
-                    st.tail_hashes,
+                st.tail.probe.pending_id = client.lookup_async(
+                    st.tail.hashes,
                     self._refs,
                     max_chunks=asked,
                     inflight_wait_s=self._settings.inflight_wait_s,
@@ -398,9 +403,9 @@ class SchedulerHalf:
                 )
             except TierCacheError as exc:
                 self.link.failed("lookup", exc)
-                st.tail_state = LookupState.DONE
+                st.tail.state = LookupState.DONE
                 return True
-            st.tail_state, st.tail_chunk, st.tail_probe.sent_at = (
+            st.tail.state, st.tail.chunk, st.tail.probe.sent_at = (
                 LookupState.WAITING_REPLY,
                 at,
                 time.monotonic(),
@@ -451,16 +456,16 @@ class SchedulerHalf:
     def _collect_tail(self, client: Client, st: _Request, wait_s: float) -> bool:
         """Advance the tail lookup as :meth:`_collect` does the chunks'; True once it is settled."""
         try:
-            result = self._advance(client, st.tail_probe, wait_s)
+            result = self._advance(client, st.tail.probe, wait_s)
         except TierCacheError as exc:
             self.link.failed("lookup", exc)
-            st.tail_probe.ticket = 0  # a server that failed us holds no usable pins for us
+            st.tail.probe.ticket = 0  # a server that failed us holds no usable pins for us
             self._drop_tail(st)
-            st.tail_state = LookupState.DONE
+            st.tail.state = LookupState.DONE
             return True
         if result is None:
             return False
-        st.tail_state = LookupState.DONE
+        st.tail.state = LookupState.DONE
         # (Still pending here means too late: given up, as the chunks' lookup does.)
         if result.state is not p.TicketStateName.READY or not result.ready_chunks or self.layout is None:
             self._drop_tail(st)
@@ -469,12 +474,12 @@ class SchedulerHalf:
         # (found through the server's block index). Every group's object of it is pinned (a
         # sliding group's too: the tail is the newest part of its window), all of one size in
         # blocks, holding at least the blocks the reply counts.
-        blocks = min(result.blocks, len(st.tail_hashes))
+        blocks = min(result.blocks, len(st.tail.hashes))
         by_group = {}
         for slot in result.slots:
             group, prefix_hash = ObjectKey.group_and_hash(slot.key)
             by_group[group] = (prefix_hash, slot.nbytes)
-            st.tail_slots[group] = (slot.offset, slot.nbytes, slot.digest)
+            st.tail.slots[group] = (slot.offset, slot.nbytes, slot.digest)
         targets = {h for h, _ in by_group.values()}
         sizes = set()
         for g in self.layout.groups:
@@ -487,22 +492,22 @@ class SchedulerHalf:
         object_blocks = sizes.pop() if len(sizes) == 1 else -1
         if len(targets) != 1 or not blocks <= object_blocks <= self.layout.chunk_size // self._tail_block:
             blocks = 0
-        st.tail_blocks = blocks
-        st.tail_saved = (st.tail_chunk, blocks)  # the server holds these: never stored again
+        st.tail.blocks = blocks
+        st.tail.saved = (st.tail.chunk, blocks)  # the server holds these: never stored again
         if blocks == 0:
             self._drop_tail(st)
         else:
-            st.tail_target, st.tail_object_blocks = targets.pop(), object_blocks
+            st.tail.target, st.tail.object_blocks = targets.pop(), object_blocks
             self.stats.add("hit_tokens", blocks * self._tail_block)
         return True
 
     def _drop_tail(self, st: _Request, read: bool = False) -> None:
         """Release the tail lookup's ticket after the step being built now has run (``read``: the
         step loads from its slots)."""
-        if st.tail_probe.ticket:
-            self._release_at.setdefault(self._step + 1, []).append((st.tail_probe.ticket, read))
-            st.tail_probe.ticket = 0
-        st.tail_blocks, st.tail_slots = 0, {}
+        if st.tail.probe.ticket:
+            self._release_at.setdefault(self._step + 1, []).append((st.tail.probe.ticket, read))
+            st.tail.probe.ticket = 0
+        st.tail.blocks, st.tail.slots = 0, {}
 
     def _settle_miss(self, st: _Request, server_chunks: int = 0) -> None:
         st.state, st.hit_chunks = LookupState.DONE, 0
@@ -615,7 +620,7 @@ class SchedulerHalf:
         # whose blocks are not all allocated ends the list: load less, never garbage.
         chunk = self.layout.chunk_size
         # Whole chunks up to the full hit's end; the tail's blocks (if the hit ends in one) after.
-        full_end = min(end, st.hit_chunks * chunk) if st.tail_blocks else end
+        full_end = min(end, st.hit_chunks * chunk) if st.tail.blocks else end
         planned = (
             blocks_to_load(block_ids, sizes, chunk, start, full_end, skip=recurrent)
             if full_end > start
@@ -632,14 +637,14 @@ class SchedulerHalf:
         ]
         complete = full_end <= start or (bool(planned) and planned[-1].chunk == -(-full_end // chunk) - 1)
         if end > full_end:
-            base = st.tail_chunk * chunk
+            base = st.tail.chunk * chunk
             first, upto = -(-(max(start, base) - base) // self._tail_block), (end - base) // self._tail_block
             tails = tail_blocks(
                 block_ids,
-                st.tail_chunk,
+                st.tail.chunk,
                 chunk,
                 self._tail_block,
-                st.tail_hashes,
+                st.tail.hashes,
                 first,
                 upto,
                 store=False,
@@ -648,11 +653,11 @@ class SchedulerHalf:
             if tails:  # one object holds them all, block j at its position j
                 chunks.append(
                     ChunkLoad(
-                        st.tail_target,
+                        st.tail.target,
                         [[t.j for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
                         [[t.block_ids[g][0] for t in tails if t.block_ids[g]] for g in range(len(block_ids))],
-                        blocks=st.tail_object_blocks,
-                        slots=[(g, *at) for g, at in st.tail_slots.items()],
+                        blocks=st.tail.object_blocks,
+                        slots=[(g, *at) for g, at in st.tail.slots.items()],
                     )
                 )
             complete = complete and len(tails) == upto - first
@@ -667,7 +672,7 @@ class SchedulerHalf:
                 last.positions[kv] = [0]
         # Where the ticket pinned them, so the workers need not pin again: the lookups' send is
         # before any of their leases started (RequestLoad.leased_at).
-        probes = [pr for pr in (st.probe, st.tail_probe) if pr.ticket and pr.sent_at]
+        probes = [pr for pr in (st.probe, st.tail.probe) if pr.ticket and pr.sent_at]
         arenas = {pr.arena for pr in probes}
         arena = arenas.pop() if len(arenas) == 1 else ""  # two servers' slots: the workers pin by key
         named = bool(probes and arena and chunks and all(c.slots for c in chunks))
@@ -708,7 +713,7 @@ class SchedulerHalf:
             if st is not None:  # it will be matched again when it is rescheduled
                 self._drop_ticket(st)
                 st.state, st.hit_chunks, st.load_failed = LookupState.NOT_SENT, 0, False
-                st.tail_state = LookupState.NOT_SENT
+                st.tail.state = LookupState.NOT_SENT
                 st.states.clear()  # its blocks are freed: offers made before are void
         self._take_boundary_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -857,7 +862,7 @@ class SchedulerHalf:
         c = computed // chunk
         if st.saved_upto != c:
             return
-        stored = st.tail_saved[1] if st.tail_saved[0] == c else 0
+        stored = st.tail.saved[1] if st.tail.saved[0] == c else 0
         last = min((computed - c * chunk) // block, chunk // block - 1)
         if last <= stored:
             return
@@ -882,8 +887,8 @@ class SchedulerHalf:
             for kv in range(len(st.block_ids))
         ]
         held = hashes[:k]
-        if st.tail_chunk == c and st.tail_target == held[-1]:
-            st.tail_saved = (c, k)  # the lookup found this very object (a replay): stored already
+        if st.tail.chunk == c and st.tail.target == held[-1]:
+            st.tail.saved = (c, k)  # the lookup found this very object (a replay): stored already
             return
         holds = tail_holds(held, c, chunk, block, windows, gone)
         if not holds:
@@ -894,7 +899,7 @@ class SchedulerHalf:
         )
         self.events.remember_tail(st.request, c, chunk, 0, k * block, held[-1])
         st.saves_scheduled += 1
-        st.tail_saved = (c, k)
+        st.tail.saved = (c, k)
 
     def _collect_orphans(self) -> None:
         client = self.link.client()
@@ -925,10 +930,10 @@ class SchedulerHalf:
             st.loading = False
             read = st.loaded_from_slots and rid not in failed
             tickets.extend(
-                (t, read) for t in (st.probe.ticket, st.tail_probe.ticket) if t
+                (t, read) for t in (st.probe.ticket, st.tail.probe.ticket) if t
             )  # every worker is done copying
             st.probe.ticket, st.slots, st.hit_chunks = 0, {}, 0
-            st.tail_probe.ticket, st.tail_blocks, st.tail_slots = 0, 0, {}
+            st.tail.probe.ticket, st.tail.blocks, st.tail.slots = 0, 0, {}
             # On a failure vLLM frees the blocks and schedules the request again from its first
             # token (Scheduler._handle_failed_recving): that retry computes instead of loading.
             st.load_failed = rid in failed
@@ -957,8 +962,8 @@ class SchedulerHalf:
             return False, None
         if st.state is LookupState.WAITING_REPLY and st.probe.pending_id:
             self._orphans.append(st.probe.pending_id)
-        if st.tail_state is LookupState.WAITING_REPLY and st.tail_probe.pending_id:
-            self._orphans.append(st.tail_probe.pending_id)
+        if st.tail.state is LookupState.WAITING_REPLY and st.tail.probe.pending_id:
+            self._orphans.append(st.tail.probe.pending_id)
         if self._tail_block:
             self._plan_end_saves(st, request)
         # Also while its asynchronous load is in flight (vLLM holds the blocks until the workers
@@ -971,7 +976,7 @@ class SchedulerHalf:
         then the full blocks of the last one), so the next turn of a chat finds its whole history.
         They go out with the next step's metadata; vLLM holds the blocks until they are stored."""
         tokens = getattr(request, "all_token_ids", None)
-        if tokens is None or not st.prompt or st.tail_state is LookupState.WAITING_REPLY:
+        if tokens is None or not st.prompt or st.tail.state is LookupState.WAITING_REPLY:
             return
         # The last sampled token has no KV yet; the KV of every token before it was computed.
         computed = min(int(getattr(request, "num_computed_tokens", 0)), len(tokens) - 1)
