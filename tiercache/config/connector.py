@@ -33,6 +33,13 @@ Keys (all optional)::
                   how many chunks' worth of stored blocks the connector remembers for those events
                   (a tail counts its blocks; their token ids and block hashes, about 14 bytes per
                   token); the oldest beyond it are published as removed and forgotten (default 16384)
+    kv_events_endpoint, kv_events_replay_endpoint
+                  give both to publish those events on a feed of tiercache's own instead of vLLM's
+                  stream (ZMQ addresses to bind, e.g. tcp://*:5560 and tcp://*:5561): vLLM's framing,
+                  plus a snapshot of what the tiers hold for a router that (re)starts
+                  (:mod:`tiercache.connector.feed`); needs no ``--kv-events-config`` (default: none)
+    kv_events_buffer_batches
+                  how many of the feed's latest batches it keeps to replay (default 10000)
     tails         also store what lies past a request's last full chunk (its prompt's and, at its
                   end, its answer's full blocks of the last chunk, as one object) and match block
                   by block, so a hit ends where vLLM's own prefix cache would end (default true;
@@ -66,6 +73,9 @@ _KEYS = (
     "lookup_wait_s",
     "kv_events_interval_s",
     "kv_events_chunks",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_buffer_batches",
     "tails",
 )
 log = logging.getLogger(__name__)
@@ -88,6 +98,9 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.005
     kv_events_interval_s: float = 0.5
     kv_events_chunks: int = 16384
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_batches: int = 10_000
     tails: bool = True
 
     def __post_init__(self) -> None:
@@ -113,6 +126,16 @@ class ConnectorSettings:
         if self.kv_events_chunks < 1:
             raise ConfigError(
                 f"kv_connector_extra_config kv_events_chunks={self.kv_events_chunks!r} must be at least 1"
+            )
+        if (self.kv_events_endpoint is None) != (self.kv_events_replay_endpoint is None):
+            raise ConfigError(
+                "kv_connector_extra_config needs kv_events_endpoint and kv_events_replay_endpoint together "
+                "(the feed's live events, and the replays and snapshots a router catches up with)"
+            )
+        if self.kv_events_buffer_batches < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config kv_events_buffer_batches={self.kv_events_buffer_batches!r} must be "
+                "at least 1"
             )
         if self.server is not None and not self.server.startswith(("ipc://", "tcp://")):
             raise ConfigError(
@@ -142,6 +165,11 @@ class ConnectorSettings:
                 lookup_wait_s=_seconds(raw, "lookup_wait_s", 0.005),
                 kv_events_interval_s=_seconds(raw, "kv_events_interval_s", 0.5),
                 kv_events_chunks=_count(raw, "kv_events_chunks", 16384),
+                kv_events_endpoint=str(raw["kv_events_endpoint"]) if raw.get("kv_events_endpoint") else None,
+                kv_events_replay_endpoint=(
+                    str(raw["kv_events_replay_endpoint"]) if raw.get("kv_events_replay_endpoint") else None
+                ),
+                kv_events_buffer_batches=_count(raw, "kv_events_buffer_batches", 10_000),
                 tails=_flag(raw.get("tails", True)),
             )
         except (TypeError, ValueError) as exc:

@@ -38,9 +38,11 @@ every object. Those removals too spare only blocks another followed object still
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +87,34 @@ class _Object:
         return [(self.offset + i, h) for i, h in enumerate(self.block_hashes)]
 
 
+@dataclass(slots=True)
+class _Holdings:
+    """The objects and media a snapshot names (:meth:`KVEventTracker.holdings`): references copied
+    under the tracker's lock; an object's blocks, hashes and token ids never change once kept."""
+
+    held: list[tuple[_Object, str, str]]  # (object, tier, medium)
+
+    def events(self, per_batch: int) -> Iterator[list[Any]]:
+        """``BlockStored`` for every object and medium held, ``per_batch`` at a time."""
+        for i in range(0, len(self.held), per_batch):
+            yield [
+                KVEventTracker._stored(obj, tier, medium)
+                for obj, tier, medium in self.held[i : i + per_batch]
+            ]
+
+
 class KVEventTracker:
     """See the module docstring. Every method runs on the engine loop thread, except
-    :meth:`on_connect` (the link's), which only hands a position over to the next :meth:`take`."""
+    :meth:`on_connect` (the link's), which only hands a position over to the next :meth:`take`,
+    and :meth:`holdings` (a feed's thread, under :attr:`lock`)."""
 
     def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+        #: Guards every field below against :meth:`holdings`, which a feed's thread calls; the
+        #: engine loop holds it for each :meth:`take` and each object kept (uncontended then).
+        self.lock = threading.Lock()
+        #: Where :meth:`take`'s events go instead of its return value (a feed's ``publish``, called
+        #: under :attr:`lock`); None: they go to vLLM's stream.
+        self._sink: Callable[[list[Any]], None] | None = None
         self._interval = settings.kv_events_interval_s
         self._capacity = settings.kv_events_chunks  # in chunks' worth of blocks (see remember)
         self._block_size = block_size
@@ -120,6 +145,23 @@ class KVEventTracker:
     @property
     def enabled(self) -> bool:
         return self._interval > 0
+
+    def publish_to(self, sink: Callable[[list[Any]], None]) -> None:
+        """Hand each :meth:`take`'s events to ``sink`` (under :attr:`lock`) and return none to vLLM."""
+        self._sink = sink
+
+    def holdings(self) -> _Holdings:
+        """What the events published so far say is held, object by object and medium by medium
+        (the caller holds :attr:`lock`): the media of each followed object, and those of objects
+        dropped whose removal the next :meth:`take` publishes. O(objects), references only."""
+        held = [
+            (obj, tier, medium)
+            for obj in self._objects.values()
+            for tier, medium in TIER_MEDIA.items()
+            if medium in obj.media
+        ]
+        held.extend(self._gone)
+        return _Holdings(held)
 
     def use_anchor(self, fingerprint: Fingerprint, object_group: int) -> None:
         """Follow the objects of this group (the layout's first full-attention group)."""
@@ -166,6 +208,12 @@ class KVEventTracker:
         self._keep(request, prefix_hash, start, start + tail_size, chunk * chunk_size, chunk_size)
 
     def _keep(
+        self, request: Any, prefix_hash: bytes, start: int, end: int, chunk_start: int, chunk_size: int
+    ) -> None:
+        with self.lock:
+            self._keep_locked(request, prefix_hash, start, end, chunk_start, chunk_size)
+
+    def _keep_locked(
         self, request: Any, prefix_hash: bytes, start: int, end: int, chunk_start: int, chunk_size: int
     ) -> None:
         """Keep the events of the object ``prefix_hash`` holding tokens ``start .. end - 1`` of
@@ -242,16 +290,22 @@ class KVEventTracker:
         return bool(self._unconfirmed)
 
     def take(self, client: Client | None) -> list[Any]:
-        """The events gathered since the last call; sends or collects the next request (never waits)."""
-        if self.enabled and client is not None and self._anchor is not None:
-            try:
-                self._follow(client)
-            except TierCacheError as exc:  # the next request retries; the link notices outages
-                log.debug("tiercache: following the server's residency log failed: %s", exc)
-                self._pending = 0
-        self._publish_removals()
-        out, self._out = self._out, []
-        return out
+        """The events gathered since the last call; sends or collects the next request (never waits).
+        With a sink (:meth:`publish_to`) they go there and none are returned."""
+        with self.lock:
+            if self.enabled and client is not None and self._anchor is not None:
+                try:
+                    self._follow(client)
+                except TierCacheError as exc:  # the next request retries; the link notices outages
+                    log.debug("tiercache: following the server's residency log failed: %s", exc)
+                    self._pending = 0
+            self._publish_removals()
+            out, self._out = self._out, []
+            if self._sink is None:
+                return out
+            if out:
+                self._sink(out)
+            return []
 
     def _follow(self, client: Client) -> None:
         connected, self._connected = self._connected, None

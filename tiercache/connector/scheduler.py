@@ -46,6 +46,7 @@ from tiercache.client.link import LinkFactory, ServerLink
 from tiercache.config.connector import ConnectorSettings
 from tiercache.connector.blockmap import blocks_to_load, blocks_to_save, freed_blocks
 from tiercache.connector.events import KVEventTracker
+from tiercache.connector.feed import open_feed
 from tiercache.connector.layout import (
     EngineLayout,
     check_recurrent_config,
@@ -198,16 +199,19 @@ class SchedulerHalf:
         self._end_saves: list[ChunkSave] = []  # stores planned when a request ended, sent next meta
         self.stats = StatsRecorder()
         self._outages_counted = 0
-        # KV events for routers, only when vLLM publishes them (--kv-events-config).
+        # KV events for routers, when vLLM publishes them (--kv-events-config) or on a feed of our own.
         events_config = getattr(vllm_config, "kv_events_config", None)
         publishing = bool(getattr(events_config, "enable_kv_cache_events", False))
         block_size = getattr(kv_cache_config, "hash_block_size", None) or getattr(
             getattr(vllm_config, "cache_config", None), "block_size", 0
         )
         self.events = KVEventTracker(
-            settings if publishing else dataclasses.replace(settings, kv_events_interval_s=0.0),
+            settings
+            if publishing or settings.kv_events_endpoint
+            else dataclasses.replace(settings, kv_events_interval_s=0.0),
             int(block_size or 0),
         )
+        self.feed = open_feed(settings, vllm_config, self.events) if self.events.enabled else None
         self.link = link(settings, "vllm-scheduler", self._on_connect)
         self.link.start()
 
@@ -997,3 +1001,5 @@ class SchedulerHalf:
 
     def shutdown(self) -> None:
         self.link.close()
+        if self.feed is not None:
+            self.feed.close()
