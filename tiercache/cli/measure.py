@@ -23,11 +23,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -35,10 +36,15 @@ from tiercache.config.parts import DiskConfig, L1Config, S3Config
 from tiercache.config.units import KiB, MiB, format_size
 from tiercache.keys import Fingerprint, ObjectKey
 
+if TYPE_CHECKING:  # imported where used: `tiercache bench` loads a tier only when it measures it
+    from tiercache.l1.tier import L1Tier
+
 DEFAULT_SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
 #: Told about each (tier, chunk size) case as it runs: ``progress(tier, chunk_bytes, phase)`` with
 #: ``phase`` ``"start"`` or ``"done"``. Called on the caller's thread; the CLI draws a progress bar.
 ProgressFn = Callable[[str, int, str], None]
+#: One case's medians, GB/s: the tier's, then the raw baseline's.
+_Pair = tuple[float, float]
 
 
 def _no_progress(tier: str, chunk_bytes: int, phase: str) -> None:
@@ -125,72 +131,119 @@ def bench_l1(
     ratio shows is the tier's own overhead, not which pages the VM handed out: measured against a
     second /dev/shm mapping, the same code gave anywhere from 0.70x to 1.28x from run to run.
     """
-    from tiercache.l1.tier import L1Tier
-
     rows: list[BenchRow] = []
     for size in sizes:
         progress("l1", size, "start")
-        n = max(1, total_bytes // size)
-        keys = _keys(n, size)
-        src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-        dst = _page_aligned(size)
-        tier = L1Tier(L1Config(size_bytes=n * size + 64 * MiB, name=f"tc-bench-{uuid.uuid4().hex[:8]}"))
-        try:
-            batches = [keys[i : i + BATCH] for i in range(0, n, BATCH)]
-            offsets: list[int] = []
-
-            def tier_put() -> None:
-                for batch in batches:
-                    handles = tier.reserve_many([(key, size) for key in batch])
-                    for handle in handles:
-                        np.copyto(np.frombuffer(handle.buffer, np.uint8), src)
-                    tier.commit_many(handles)
-
-            def tier_get() -> None:
-                for batch in batches:
-                    pinned = [h for h in tier.pin_many(batch) if h is not None]
-                    if len(pinned) != len(batch):
-                        raise RuntimeError("the L1 bench lost objects it had stored")
-                    for handle in pinned:
-                        np.copyto(dst, np.frombuffer(handle.buffer, np.uint8))
-                    tier.release_many(pinned)
-
-            def empty() -> None:
-                for key in keys:
-                    tier.delete(key)
-
-            tier_put()  # places every slot; emptying and refilling reuses the same offsets
-            for key in keys:
-                handle = tier.pin(key)
-                if handle is None:
-                    raise RuntimeError("the L1 bench lost an object it had stored")
-                offsets.append(tier.slot_of(handle).offset)
-                tier.release(handle)
-            arena = np.frombuffer(tier.arena.view(0, tier.config.size_bytes), np.uint8)
-            slots = [arena[off : off + size] for off in offsets]
-
-            def raw_put() -> None:
-                for slot in slots:
-                    np.copyto(slot, src)
-
-            def raw_get() -> None:
-                for slot in slots:
-                    np.copyto(dst, slot)
-
-            put = _median_pair(tier_put, raw_put, n * size, rounds, reset=empty)
-            tier_put()
-            get = _median_pair(tier_get, raw_get, n * size, rounds)
-        finally:
-            tier.close()
+        put, get = _bench_l1_size(size, total_bytes, rounds)
         rows.append(BenchRow("l1", f"put x{BATCH}", size, *put, "memcpy, same arena pages"))
         rows.append(BenchRow("l1", f"get x{BATCH}", size, *get, "memcpy, same arena pages"))
         progress("l1", size, "done")
     return rows
 
 
+def _bench_l1_size(size: int, total_bytes: int, rounds: int) -> tuple[_Pair, _Pair]:
+    """One chunk size of :func:`bench_l1`: the (tier, raw) GB/s of puts, then of gets."""
+    from tiercache.l1.tier import L1Tier
+
+    n = max(1, total_bytes // size)
+    keys = _keys(n, size)
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dst = _page_aligned(size)
+    tier = L1Tier(L1Config(size_bytes=n * size + 64 * MiB, name=f"tc-bench-{uuid.uuid4().hex[:8]}"))
+    try:
+        batches = [keys[i : i + BATCH] for i in range(0, n, BATCH)]
+
+        def tier_put() -> None:
+            for batch in batches:
+                handles = tier.reserve_many([(key, size) for key in batch])
+                for handle in handles:
+                    np.copyto(np.frombuffer(handle.buffer, np.uint8), src)
+                tier.commit_many(handles)
+
+        def tier_get() -> None:
+            for batch in batches:
+                pinned = [h for h in tier.pin_many(batch) if h is not None]
+                if len(pinned) != len(batch):
+                    raise RuntimeError("the L1 bench lost objects it had stored")
+                for handle in pinned:
+                    np.copyto(dst, np.frombuffer(handle.buffer, np.uint8))
+                tier.release_many(pinned)
+
+        def empty() -> None:
+            for key in keys:
+                tier.delete(key)
+
+        tier_put()  # places every slot; emptying and refilling reuses the same offsets
+        slots = _arena_slots(tier, keys, size)
+
+        def raw_put() -> None:
+            for slot in slots:
+                np.copyto(slot, src)
+
+        def raw_get() -> None:
+            for slot in slots:
+                np.copyto(dst, slot)
+
+        put = _median_pair(tier_put, raw_put, n * size, rounds, reset=empty)
+        tier_put()
+        get = _median_pair(tier_get, raw_get, n * size, rounds)
+    finally:
+        tier.close()
+    return put, get
+
+
+def _arena_slots(tier: L1Tier, keys: Sequence[ObjectKey], size: int) -> list[np.ndarray]:
+    """Views of the arena pages that hold ``keys`` now: where the raw baseline copies to and from."""
+    offsets: list[int] = []
+    for key in keys:
+        handle = tier.pin(key)
+        if handle is None:
+            raise RuntimeError("the L1 bench lost an object it had stored")
+        offsets.append(tier.slot_of(handle).offset)
+        tier.release(handle)
+    arena = np.frombuffer(tier.arena.view(0, tier.config.size_bytes), np.uint8)
+    return [arena[off : off + size] for off in offsets]
+
+
 def _sync_every(env: object, interval: float, stop: threading.Event) -> None:
     while not stop.wait(interval):
         env.sync(True)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _synced(env: object, interval: float) -> Iterator[None]:
+    """Sync ``env`` every ``interval`` seconds in the background while the block runs.
+
+    Same durability on both sides: the tier syncs LMDB every sync_interval_s in the background, so
+    the raw baseline does too (unsynced, it would only fill the page cache).
+    """
+    stop = threading.Event()
+    syncer = threading.Thread(
+        target=_sync_every, args=(env, interval, stop), name="tiercache-bench-raw-sync", daemon=True
+    )
+    syncer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        syncer.join()
+
+
+def _open_raw_lmdb(path: Path, budget: int) -> Any:
+    """The raw baseline's LMDB environment (``lmdb`` ships no types, hence ``Any``)."""
+    import lmdb
+
+    # The tier's own environment flags (DiskTier._open), so the ratio is the tier's work and not a
+    # setting: meminit=False skips zeroing the unused tail of each value's pages.
+    return lmdb.open(
+        str(path),
+        map_size=int(budget * 1.5) + 64 * MiB,
+        sync=False,
+        metasync=False,
+        writemap=False,
+        readahead=True,
+        meminit=False,
+    )
 
 
 def bench_disk(
@@ -202,84 +255,67 @@ def bench_disk(
 ) -> list[BenchRow]:
     """L2 put/get vs raw lmdb on the same filesystem with the same environment settings, one value
     per transaction on both sides."""
-    import lmdb
-
-    from tiercache.l2_disk import DiskTier
-
     rows: list[BenchRow] = []
     base = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=path))
     try:
         for size in sizes:
             progress("disk", size, "start")
-            n = max(1, total_bytes // size)
-            keys = _keys(n, size)
-            raw_keys = [k.to_bytes() for k in keys]
-            src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
-            # The array itself goes to both puts, as a buffer (numpy's stubs declare the buffer
-            # protocol only for Python >= 3.12); a cast, so that nothing is added to the timed loops.
-            src_buf = cast(memoryview, src)
-            dst = _page_aligned(size)
-            budget = 4 * n * size
-            tier = DiskTier(DiskConfig(path=base / f"tier-{size}", budget_bytes=budget))
-            # The tier's own environment flags (DiskTier._open), so the ratio is the tier's work
-            # and not a setting: meminit=False skips zeroing the unused tail of each value's pages.
-            env = lmdb.open(
-                str(base / f"raw-{size}"),
-                map_size=int(budget * 1.5) + 64 * MiB,
-                sync=False,
-                metasync=False,
-                writemap=False,
-                readahead=True,
-                meminit=False,
-            )
-            # Same durability on both sides: the tier syncs LMDB every sync_interval_s in the
-            # background, so the raw baseline does too (unsynced, it would only fill the page cache).
-            stop_sync = threading.Event()
-            syncer = threading.Thread(
-                target=_sync_every,
-                args=(env, tier.config.sync_interval_s, stop_sync),
-                name="tiercache-bench-raw-sync",
-                daemon=True,
-            )
-            syncer.start()
-            try:
-
-                def tier_put() -> None:
-                    for key in keys:
-                        tier.put(key, src_buf)
-
-                def raw_put() -> None:
-                    for k in raw_keys:
-                        with env.begin(write=True) as txn:
-                            txn.put(k, src_buf)
-
-                dst_view = dst.data  # memoryview(dst), typed as one
-
-                def tier_get() -> None:
-                    # read_into: what promotion into an L1 slot does (copy, verify in cache).
-                    for key in keys:
-                        # Never inside an assert: ``python -O`` would strip the read being timed.
-                        if tier.read_into(key, lambda n: dst_view[:n]) is None:
-                            raise RuntimeError(f"the disk bench lost {key}")
-
-                def raw_get() -> None:
-                    for k in raw_keys:
-                        with env.begin(buffers=True) as txn:
-                            np.copyto(dst, np.frombuffer(cast(memoryview, txn.get(k)), np.uint8))
-
-                put = _median_pair(tier_put, raw_put, n * size, rounds)
-                get = _median_pair(tier_get, raw_get, n * size, rounds)
-            finally:
-                stop_sync.set()
-                syncer.join()
-                tier.close()
-                env.close()
+            put, get = _bench_disk_size(base, size, total_bytes, rounds)
             rows.append(BenchRow("disk", "put", size, *put, "raw lmdb"))
             rows.append(BenchRow("disk", "get", size, *get, "raw lmdb"))
             progress("disk", size, "done")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows
+
+
+def _bench_disk_size(base: Path, size: int, total_bytes: int, rounds: int) -> tuple[_Pair, _Pair]:
+    """One chunk size of :func:`bench_disk`, under ``base``: the (tier, raw) GB/s of puts, then gets."""
+    from tiercache.l2_disk import DiskTier
+
+    n = max(1, total_bytes // size)
+    keys = _keys(n, size)
+    raw_keys = [k.to_bytes() for k in keys]
+    src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    # The array itself goes to both puts, as a buffer (numpy's stubs declare the buffer
+    # protocol only for Python >= 3.12); a cast, so that nothing is added to the timed loops.
+    src_buf = cast(memoryview, src)
+    dst = _page_aligned(size)
+    budget = 4 * n * size
+    tier = DiskTier(DiskConfig(path=base / f"tier-{size}", budget_bytes=budget))
+    env = _open_raw_lmdb(base / f"raw-{size}", budget)
+    try:
+        with _synced(env, tier.config.sync_interval_s):
+
+            def tier_put() -> None:
+                for key in keys:
+                    tier.put(key, src_buf)
+
+            def raw_put() -> None:
+                for k in raw_keys:
+                    with env.begin(write=True) as txn:
+                        txn.put(k, src_buf)
+
+            dst_view = dst.data  # memoryview(dst), typed as one
+
+            def tier_get() -> None:
+                # read_into: what promotion into an L1 slot does (copy, verify in cache).
+                for key in keys:
+                    # Never inside an assert: ``python -O`` would strip the read being timed.
+                    if tier.read_into(key, lambda n: dst_view[:n]) is None:
+                        raise RuntimeError(f"the disk bench lost {key}")
+
+            def raw_get() -> None:
+                for k in raw_keys:
+                    with env.begin(buffers=True) as txn:
+                        np.copyto(dst, np.frombuffer(cast(memoryview, txn.get(k)), np.uint8))
+
+            put = _median_pair(tier_put, raw_put, n * size, rounds)
+            get = _median_pair(tier_get, raw_get, n * size, rounds)
+    finally:
+        tier.close()
+        env.close()
+    return put, get
 
 
 def bench_s3(
