@@ -13,7 +13,12 @@ second turn that fills the chunk supersedes it (the server drops them from L1 an
 router folding the stream still holds every block of both chunks in ``CPU`` and ``DISK``, never
 having been told a ``CPU`` block went.
 
-Two vLLM server starts (~40 s each). vLLM blocks 32; chunk 64 tokens (one object of 64 KiB), then 128.
+With a feed of tiercache's own (``kv_events_endpoint``, a third engine and server): vLLM's stream
+carries only vLLM's ``GPU`` blocks; a router that starts after a prompt was served learns its chunks
+from the feed's snapshot, then follows L1's evictions live; a router started later gets in its
+snapshot exactly what the first one folded.
+
+Three vLLM server starts (~40 s each). vLLM blocks 32; chunk 64 tokens (one object of 64 KiB), then 128.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tests.e2e.openai_server import OpenAIServer, api_server_argv, tiny_model_fl
 from tests.e2e.setup import engine_stats
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.testing.checkpoints import token_text
+from tiercache.testing.feed_follower import FeedFollower
 from tiercache.testing.poll import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -308,3 +314,81 @@ def test_tails_are_announced_and_a_router_still_holds_every_block_once_their_chu
     )
     assert not removed["CPU"]  # the chunk was in L1 before its tails left it
     assert None not in wanted and wanted <= fold(events)
+
+
+# -- the feed of tiercache's own ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def feed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, dict[str, str]]]:
+    tmp = tmp_path_factory.mktemp("kv-feed")
+    # As the first stack: L1 only, room for 15 objects, so later prompts evict the first one's chunks.
+    server = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=1 * MiB, options={"chunk_size": CHUNK})
+    feed = {
+        "kv_events_endpoint": f"ipc://{tmp}/feed.sock",
+        "kv_events_replay_endpoint": f"ipc://{tmp}/feed-replay.sock",
+    }
+    # Whole chunks only (no tails): the fold then holds 2 blocks per object in L1.
+    with serving(tmp, server, make_prompts([FIRST] + [190] * 8, seed=37), tails=False, **feed) as s:
+        yield s, feed
+
+
+def test_with_a_feed_a_router_started_late_gets_the_tiers_holdings_in_a_snapshot_then_the_removals(
+    feed_stack: tuple[Stack, dict[str, str]],
+) -> None:
+    stack, feed = feed_stack
+    first = stack.prompts[0]
+    stack.engine.complete(token_text(first), 2)
+    full_blocks = FIRST // CHUNK * CHUNK // BLOCK
+    wait_until(lambda: len(stack.events.of(BlockStored, "GPU")) > 0, timeout=60, what="vLLM's own events")
+
+    def l1_chunks() -> int:
+        with stack.server.client() as client:
+            return len(client.list_keys(tier="l1")[0])
+
+    wait_until(lambda: l1_chunks() == FIRST // CHUNK, timeout=60, what="the first prompt's chunks in L1")
+    # A router that starts now, after the prompt was served, learns the chunks from the snapshot.
+    router = FeedFollower(feed["kv_events_endpoint"], feed["kv_events_replay_endpoint"])
+    try:
+        gpu = blocks_of(stack.events.of(BlockStored, "GPU"))[:full_blocks]
+
+        def announced() -> bool:
+            if router.fold.snapshots == 0:
+                router.start()
+            else:
+                router.pump(0.2)
+            return router.fold.held.get("CPU", set()) == set(gpu)
+
+        wait_until(
+            announced, timeout=60, what="the snapshot and live batches to name the first prompt's blocks"
+        )
+        # Into the feed, not into vLLM's stream: that carries vLLM's own GPU blocks only.
+        assert {e.medium for e in stack.events.all()} == {"GPU"}
+
+        # 8 more prompts through an L1 of 15 objects: the first prompt's chunks are evicted, and the
+        # router's fold follows L1 block for block (a chunk is 2 blocks).
+        for prompt in stack.prompts[1:]:
+            stack.engine.complete(token_text(prompt), 2)
+
+        def follows() -> bool:
+            router.pump(0.2)
+            held = router.fold.held.get("CPU", set())
+            if set(gpu) & held or len(held) != 2 * l1_chunks():
+                stack.engine.complete(token_text(first[:8]), 4)  # keeps the engine stepping
+                return False
+            return True
+
+        wait_until(follows, timeout=90, interval=0.1, what="the router's fold to follow L1's evictions")
+        applied = router.fold.applied
+        assert applied == list(range(applied[0], router.fold.next_seq))  # no gap, no duplicate
+
+        # A router restarted now gets, in its snapshot, what the first one folded.
+        restarted = FeedFollower(feed["kv_events_endpoint"], feed["kv_events_replay_endpoint"])
+        try:
+            restarted.start()
+            router.pump(0.2)
+            assert restarted.fold.as_pairs() == router.fold.as_pairs()
+        finally:
+            restarted.close()
+    finally:
+        router.close()
