@@ -181,6 +181,106 @@ def _tenants(tenants: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     yield chunks
 
 
+# Engine fields exported as gauges of their own (every other unlabelled field is a counter), with their help.
+_ENGINE_GAUGES = {
+    "tail_index_blocks": (
+        "Block hashes the block index remembers (tails: which stored object holds each "
+        "block; bounded by --tail-index-blocks)."
+    ),
+    "l3_admission_waiting": (
+        "Stored chunks the L3 admission rule still waits to decide (their first read, or "
+        "their eviction from disk under write-back)."
+    ),
+}
+
+
+def _engine_families() -> tuple[
+    GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily, CounterMetricFamily
+]:
+    """The engine's labelled families, empty: queue depth, write-back losses, S3 refusals, integrity failures."""
+    depth = GaugeMetricFamily(
+        "tiercache_engine_queue_depth", "Writes waiting in a write-through queue.", labels=["queue"]
+    )
+    lost = CounterMetricFamily(
+        "tiercache_engine_writeback_lost",
+        "Chunks the disk evicted for write-back that never reached S3 (so in no tier), by reason: "
+        "the S3 queue was full, the S3 write failed, or the engine closed first.",
+        labels=["reason"],
+    )
+    refused = CounterMetricFamily(
+        "tiercache_engine_l3_refused",
+        "Chunks the L3 admission rule (--l3-admission read) kept from S3, by reason: never read "
+        "since stored (unread), or no mark of it (untracked: stored before start-up, or forgotten "
+        "past --l3-admission-window).",
+        labels=["reason"],
+    )
+    integrity = CounterMetricFamily(
+        "tiercache_engine_integrity_failures",
+        "Copies out of the shared L1 arena that did not match the digest their object's writer "
+        "committed (another process wrote into the slot: late, outside its own slots, or torn), by "
+        "where they were caught: a client's load (l1_read), the server's get (server_read), a "
+        "promotion's copy (promotion), the copy to the first lower tier (write_through). Each was a "
+        "miss, never served.",
+        labels=["path"],
+    )
+    return depth, lost, refused, integrity
+
+
+def _engine(engine: Mapping[str, Any]) -> Iterator[Metric]:
+    """The engine's counters: each unlabelled field as it comes (in name order), then the labelled families."""
+    depth, lost, refused, integrity = _engine_families()
+    refusals = {reason: 0 for reason in _L3_REFUSAL_REASONS}
+    for name, value in sorted(engine.items()):
+        if name.endswith("_queue_depth"):
+            depth.add_metric([name.removesuffix("_queue_depth")], value)
+        elif name.startswith(_WRITEBACK_LOST):
+            lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
+        elif name.startswith(_INTEGRITY):
+            integrity.add_metric([name.removeprefix(_INTEGRITY)], value)
+        elif name.startswith(_L3_REFUSED):
+            refusals[name.removeprefix(_L3_REFUSED)] = value
+        elif name in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(f"tiercache_engine_{name}", _ENGINE_GAUGES[name], value=value)
+        else:
+            yield CounterMetricFamily(f"tiercache_engine_{name}", f"Engine counter {name}.", value=value)
+    for reason, value in refusals.items():
+        refused.add_metric([reason], value)
+    yield depth
+    yield lost
+    yield refused
+    yield integrity
+
+
+def _tiers(tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    """Per tier: usage as gauges, evictions by reason, and every other number as a counter."""
+    gauges = {
+        field: GaugeMetricFamily(f"tiercache_{name}", help_text, labels=["tier"])
+        for field, (name, help_text) in _TIER_GAUGES.items()
+    }
+    counters: dict[str, CounterMetricFamily] = {}
+    evictions = CounterMetricFamily(
+        "tiercache_tier_evictions", "Objects evicted, by reason.", labels=["tier", "reason"]
+    )
+    for tier, values in tiers.items():
+        for field, value in values.items():
+            if field in gauges:
+                gauges[field].add_metric([tier], value)
+            elif field == "evictions":
+                for reason, n in sorted(value.items()):
+                    evictions.add_metric([tier, reason], n)
+            elif isinstance(value, int | float):
+                name = _TIER_RENAMES.get(field, field)
+                family = counters.get(name)
+                if family is None:
+                    family = counters[name] = CounterMetricFamily(
+                        f"tiercache_tier_{name}", f"Tier counter {field}.", labels=["tier"]
+                    )
+                family.add_metric([tier], value)
+    yield from gauges.values()
+    yield from counters.values()
+    yield evictions
+
+
 class EngineCollector(Collector):
     """Turns ``stats()`` (the shape of :meth:`TieredEngine.stats`) into Prometheus metrics.
 
@@ -193,93 +293,10 @@ class EngineCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
+        """One snapshot of ``stats()`` as metric families: engine, tiers, tenants, then latency."""
         stats = self._stats()
-        engine: Mapping[str, Any] = stats.get("engine", {})
-        depth = GaugeMetricFamily(
-            "tiercache_engine_queue_depth", "Writes waiting in a write-through queue.", labels=["queue"]
-        )
-        lost = CounterMetricFamily(
-            "tiercache_engine_writeback_lost",
-            "Chunks the disk evicted for write-back that never reached S3 (so in no tier), by reason: "
-            "the S3 queue was full, the S3 write failed, or the engine closed first.",
-            labels=["reason"],
-        )
-        refused = CounterMetricFamily(
-            "tiercache_engine_l3_refused",
-            "Chunks the L3 admission rule (--l3-admission read) kept from S3, by reason: never read "
-            "since stored (unread), or no mark of it (untracked: stored before start-up, or forgotten "
-            "past --l3-admission-window).",
-            labels=["reason"],
-        )
-        integrity = CounterMetricFamily(
-            "tiercache_engine_integrity_failures",
-            "Copies out of the shared L1 arena that did not match the digest their object's writer "
-            "committed (another process wrote into the slot: late, outside its own slots, or torn), by "
-            "where they were caught: a client's load (l1_read), the server's get (server_read), a "
-            "promotion's copy (promotion), the copy to the first lower tier (write_through). Each was a "
-            "miss, never served.",
-            labels=["path"],
-        )
-        refusals = {reason: 0 for reason in _L3_REFUSAL_REASONS}
-        for name, value in sorted(engine.items()):
-            if name.endswith("_queue_depth"):
-                depth.add_metric([name.removesuffix("_queue_depth")], value)
-            elif name.startswith(_WRITEBACK_LOST):
-                lost.add_metric([name.removeprefix(_WRITEBACK_LOST)], value)
-            elif name.startswith(_INTEGRITY):
-                integrity.add_metric([name.removeprefix(_INTEGRITY)], value)
-            elif name.startswith(_L3_REFUSED):
-                refusals[name.removeprefix(_L3_REFUSED)] = value
-            elif name == "tail_index_blocks":
-                yield GaugeMetricFamily(
-                    "tiercache_engine_tail_index_blocks",
-                    "Block hashes the block index remembers (tails: which stored object holds each "
-                    "block; bounded by --tail-index-blocks).",
-                    value=value,
-                )
-            elif name == "l3_admission_waiting":
-                yield GaugeMetricFamily(
-                    "tiercache_engine_l3_admission_waiting",
-                    "Stored chunks the L3 admission rule still waits to decide (their first read, or "
-                    "their eviction from disk under write-back).",
-                    value=value,
-                )
-            else:
-                yield CounterMetricFamily(f"tiercache_engine_{name}", f"Engine counter {name}.", value=value)
-        for reason, value in refusals.items():
-            refused.add_metric([reason], value)
-        yield depth
-        yield lost
-        yield refused
-        yield integrity
-
-        tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
-        gauges = {
-            field: GaugeMetricFamily(f"tiercache_{name}", help_text, labels=["tier"])
-            for field, (name, help_text) in _TIER_GAUGES.items()
-        }
-        counters: dict[str, CounterMetricFamily] = {}
-        evictions = CounterMetricFamily(
-            "tiercache_tier_evictions", "Objects evicted, by reason.", labels=["tier", "reason"]
-        )
-        for tier, values in tiers.items():
-            for field, value in values.items():
-                if field in gauges:
-                    gauges[field].add_metric([tier], value)
-                elif field == "evictions":
-                    for reason, n in sorted(value.items()):
-                        evictions.add_metric([tier, reason], n)
-                elif isinstance(value, int | float):
-                    name = _TIER_RENAMES.get(field, field)
-                    family = counters.get(name)
-                    if family is None:
-                        family = counters[name] = CounterMetricFamily(
-                            f"tiercache_tier_{name}", f"Tier counter {field}.", labels=["tier"]
-                        )
-                    family.add_metric([tier], value)
-        yield from gauges.values()
-        yield from counters.values()
-        yield evictions
+        yield from _engine(stats.get("engine", {}))
+        yield from _tiers(stats.get("tiers", {}))
         yield from _tenants(stats.get("tenants", {}))
         latency = stats.get("latency")
         if latency is not None:
