@@ -145,15 +145,34 @@ class Server:
         #: What each tier gained and lost, for clients that follow it (KV events for routers).
         # A committed object lands in L1, then by write-behind in the first lower tier (if local).
         self.residency = ResidencyLog(local_tiers=[t.name for t in engine.tiers[:2] if not t.remote])
-        for tier in engine.tiers:
+        self._follow_tiers()
+        #: Lookups per tenant (what each tenant holds, the tiers count).
+        self.tenant_lookups = TenantLookups()
+        self._metric_tenants: set[str] = set()  # tenants metrics name (metrics thread only)
+        data, management = self._request_ops()
+        #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
+        self.lookup_latency = data.lookup_latency
+        self._handlers: dict[type, Handler] = {
+            p.Ping: lambda session, msg: p.Pong(),
+            p.Events: lambda session, msg: self.residency.read(msg),
+            **data.handlers(),
+            **management.handlers(),
+        }
+
+    def _follow_tiers(self) -> None:
+        """Hook every tier's removals and arrivals into the eviction record and the residency log
+        (called under the tiers' own locks: each records under a private lock, never calling a tier)."""
+        for tier in self.engine.tiers:
             tier.stats.listener = chain_removals(
                 self.evictions.listener(tier.name), self.residency.removed(tier.name)
             )
             tier.stats.arrival = self.residency.stored(tier.name)
+
+    def _request_ops(self) -> tuple[DataOps, ManagementOps]:
+        """The data-path and management handlers, sharing one layout registry (explain resolves
+        the groups that the data path registered)."""
+        engine = self.engine
         layouts = Layouts(engine, self.options)
-        #: Lookups per tenant (what each tenant holds, the tiers count).
-        self.tenant_lookups = TenantLookups()
-        self._metric_tenants: set[str] = set()  # tenants metrics name (metrics thread only)
         data = DataOps(
             engine,
             self._l1,
@@ -168,14 +187,7 @@ class Server:
         management = ManagementOps(
             engine, layouts, self.evictions, self._offload, self._server_stats, self.tenant_lookups
         )
-        #: Seconds from a lookup's arrival to its reply's send, by outcome (observed on the loop).
-        self.lookup_latency = data.lookup_latency
-        self._handlers: dict[type, Handler] = {
-            p.Ping: lambda session, msg: p.Pong(),
-            p.Events: lambda session, msg: self.residency.read(msg),
-            **data.handlers(),
-            **management.handlers(),
-        }
+        return data, management
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
