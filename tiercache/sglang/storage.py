@@ -121,6 +121,61 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _view_page(pool: Any) -> Any:
+    """Page 0 of ``pool`` as a view of the pool's own ``kv_buffer``, or ``None`` when the pool has
+    no such buffer or its pages are not views of it."""
+    buffer = getattr(pool, "kv_buffer", None)
+    page: Any = None
+    if isinstance(buffer, torch.Tensor):
+        page = pool.get_data_page(0, flat=False)
+        # The zero-copy path writes loaded pages through this view: it must be the pool's own memory.
+        if page.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            page = None
+    return page
+
+
+def _state_layouts(pool: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """The shapes and dtypes of a multi-state page's states (Mamba: temporal, then each conv), as
+    the pool names them; empty for a pool that names none."""
+    # They are part of what the bytes mean, so they go into the fingerprint.
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    temporal = getattr(pool, "temporal_state_shape", None)
+    if temporal is not None:
+        shapes.append(tuple(int(d) for d in temporal))
+        dtypes.append(_dtype_name(getattr(pool, "temporal_dtype", "")))
+    for conv in getattr(pool, "conv_state_shapes", None) or ():
+        shapes.append(tuple(int(d) for d in conv))
+        dtypes.append(_dtype_name(getattr(pool, "conv_dtype", "")))
+    return tuple(shapes), tuple(dtypes)
+
+
+def _flat_geometry(pool: Any, name: str, kind: str) -> PageGeometry:
+    """The geometry of an extra pool copied through SGLang's flat-page calls (a multi-state page,
+    Mamba), or an :class:`UnsupportedPoolError` when the pool has no such calls."""
+    flat_calls = all(callable(getattr(pool, f, None)) for f in ("get_data_page", "set_from_flat_data_page"))
+    flat = pool.get_data_page(0, flat=True) if flat_calls else None
+    if not isinstance(flat, torch.Tensor):
+        raise UnsupportedPoolError(
+            f"tiercache: SGLang host pool {name!r} ({kind}) has neither page views of one tensor nor "
+            "SGLang's flat-page calls (get_data_page / set_from_flat_data_page); the tiercache backend "
+            "cannot store it. Use another --hicache-storage-backend for this model"
+        )
+    shapes, dtypes = _state_layouts(pool)
+    layers: Any = getattr(pool, "num_mamba_layers", None) or getattr(pool, "layer_num", 0)
+    return PageGeometry(
+        pool_class=kind,
+        layout=str(pool.layout),
+        dtype=_dtype_name(flat.dtype),
+        page_size=int(pool.page_size),
+        num_layers=int(layers),
+        page_shape=(flat.numel(),),
+        page_bytes=flat.numel() * flat.element_size(),
+        state_shapes=shapes,
+        state_dtypes=dtypes,
+    )
+
+
 def _geometry(pool: Any, name: str = KV_POOL) -> tuple[PageGeometry, bool]:
     """A host pool's page geometry, and whether its pages are views of its own buffer (copied in
     place) rather than flat copies (SGLang's ``get_data_page`` / ``set_from_flat_data_page``).
@@ -129,13 +184,7 @@ def _geometry(pool: Any, name: str = KV_POOL) -> tuple[PageGeometry, bool]:
     pool may be either. Anything else is an :class:`UnsupportedPoolError`.
     """
     kind = type(pool).__name__
-    buffer = getattr(pool, "kv_buffer", None)
-    page: Any = None
-    if isinstance(buffer, torch.Tensor):
-        page = pool.get_data_page(0, flat=False)
-        # The zero-copy path writes loaded pages through this view: it must be the pool's own memory.
-        if page.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
-            page = None
+    page = _view_page(pool)
     if page is not None:
         return (
             PageGeometry(
@@ -155,40 +204,7 @@ def _geometry(pool: Any, name: str = KV_POOL) -> tuple[PageGeometry, bool]:
             "pages as views of one tensor, so pages could not be loaded in place; this pool kind is not "
             "supported by the tiercache backend (use an MHA or MLA model, layer_first or page_first)"
         )
-    flat_calls = all(callable(getattr(pool, f, None)) for f in ("get_data_page", "set_from_flat_data_page"))
-    flat = pool.get_data_page(0, flat=True) if flat_calls else None
-    if not isinstance(flat, torch.Tensor):
-        raise UnsupportedPoolError(
-            f"tiercache: SGLang host pool {name!r} ({kind}) has neither page views of one tensor nor "
-            "SGLang's flat-page calls (get_data_page / set_from_flat_data_page); the tiercache backend "
-            "cannot store it. Use another --hicache-storage-backend for this model"
-        )
-    # A multi-state page (Mamba): the pool names its states' shapes and dtypes; they are part of
-    # what the bytes mean, so they go into the fingerprint.
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[str] = []
-    temporal = getattr(pool, "temporal_state_shape", None)
-    if temporal is not None:
-        shapes.append(tuple(int(d) for d in temporal))
-        dtypes.append(_dtype_name(getattr(pool, "temporal_dtype", "")))
-    for conv in getattr(pool, "conv_state_shapes", None) or ():
-        shapes.append(tuple(int(d) for d in conv))
-        dtypes.append(_dtype_name(getattr(pool, "conv_dtype", "")))
-    layers: Any = getattr(pool, "num_mamba_layers", None) or getattr(pool, "layer_num", 0)
-    return (
-        PageGeometry(
-            pool_class=kind,
-            layout=str(pool.layout),
-            dtype=_dtype_name(flat.dtype),
-            page_size=int(pool.page_size),
-            num_layers=int(layers),
-            page_shape=(flat.numel(),),
-            page_bytes=flat.numel() * flat.element_size(),
-            state_shapes=tuple(shapes),
-            state_dtypes=tuple(dtypes),
-        ),
-        False,
-    )
+    return _flat_geometry(pool, name, kind), False
 
 
 @dataclass(frozen=True, slots=True)
