@@ -1,0 +1,303 @@
+"""The batch operations on L1's slots that the server's request loop uses (:class:`L1Slots`).
+
+Reservations (:meth:`~L1Slots.reserve_many`, :meth:`~L1Slots.commit_many`, and for writers that
+went silent :meth:`~L1Slots.abandon_many` and :meth:`~L1Slots.release_quarantined`), read leases
+(:meth:`~L1Slots.pin_many`, :meth:`~L1Slots.release_many`) and where their bytes lie in the arena
+(:meth:`~L1Slots.slot_of`, :meth:`~L1Slots.lease_slots`): each a batch under one acquisition of
+the lock of :class:`~tiercache.l1.core.L1Core`, since a long prompt is hundreds of chunks.
+:class:`~tiercache.l1.tier.L1Tier` adds the single-object forms of the tier contract.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from tiercache.errors import LeaseError, ReservationError, TierFullError
+from tiercache.keys.digest import digest as digest_of
+from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.tenant import DEFAULT_TENANT
+from tiercache.l1.arena import ArenaSlot
+from tiercache.l1.core import L1Core, Slot, Ticket
+from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.tier.stats import EvictionReason
+
+T = TypeVar("T")
+
+#: Builds a NamedTuple handle as its generated ``__new__`` does, minus that Python call (a ticket's
+#: holds build one per object of a long prompt).
+_new_tuple = tuple.__new__
+
+
+class L1Slots(L1Core):
+    """Reservations and read leases in batches, and where their bytes lie (module docstring);
+    abstract: :class:`~tiercache.l1.tier.L1Tier` is the tier to build."""
+
+    def slot_of(self, handle: WriteHandle | ReadHandle) -> ArenaSlot:
+        """Where an open reservation's or lease's bytes live, for a worker to copy. O(1), server side.
+
+        Raises :class:`ReservationError` / :class:`LeaseError` if the handle is no longer open.
+        """
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            if isinstance(handle, WriteHandle):
+                ticket = self._reservations.get(handle.token)
+                if ticket is None or ticket.slot.key != handle.key:
+                    raise ReservationError(self._reservation_gone(handle))
+                slot = ticket.slot
+            else:
+                leased = self._leases.get(handle.token)
+                if leased is None or leased.key != handle.key:
+                    raise LeaseError(
+                        f"read lease {handle.token} for {handle.key} is not open (released or expired "
+                        f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
+                    )
+                slot = leased
+            return ArenaSlot(slot.offset, slot.nbytes)
+
+    def lease_slots(
+        self, handles: Sequence[ReadHandle], build: Callable[[bytes, int, int, int, int], T]
+    ) -> list[T]:
+        """``build(key bytes, offset, nbytes, token, digest)`` of each lease, where :meth:`slot_of`
+        says it lies, under one lock acquisition (a lookup's reply names one slot per pinned object:
+        512 for a 128k-token prompt; ``build`` is the reply's slot type). Raises :class:`LeaseError`
+        if any lease is no longer open."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            leases = self._leases
+            out = []
+            for handle in handles:
+                slot = leases.get(handle.token)
+                if slot is None or (slot.key is not handle.key and slot.key != handle.key):
+                    raise LeaseError(
+                        f"read lease {handle.token} for {handle.key} is not open (released or expired "
+                        f"after lease_ttl_s={self._config.lease_ttl_s}s); pin the key again"
+                    )
+                out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token, slot.digest))
+            return out
+
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
+        """Reserve a slot for each ``(key, nbytes)`` under one lock acquisition, all or nothing.
+
+        ``tenants`` names each item's tenant (empty: all the default tenant). What a store request
+        of many chunks uses; raises :class:`TierFullError` (reserving none) if any does not fit.
+        """
+        if tenants and len(tenants) != len(items):
+            raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
+        handles: list[WriteHandle] = []
+        evicted: list[ObjectKey] = []  # told to the stats once, for the whole batch
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._sweep(now)
+            try:
+                for i, (key, nbytes) in enumerate(items):
+                    tenant = tenants[i] if tenants else DEFAULT_TENANT
+                    handles.append(self._reserve_locked(key, nbytes, now, tenant, evicted))
+            except BaseException:
+                for handle in handles:
+                    ticket = self._end_reservation(handle.token)
+                    if ticket is not None:
+                        self._free(ticket.slot)
+                raise
+            finally:
+                if evicted:
+                    self.stats.evicted(EvictionReason.CAPACITY, len(evicted), evicted)
+        return handles
+
+    def _reserve_locked(
+        self, key: ObjectKey, nbytes: int, now: float, tenant: bytes, evicted: list[ObjectKey]
+    ) -> WriteHandle:
+        """Reserve ``key``'s slot, evicting for room; appends the evicted keys to ``evicted``."""
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+        capacity = self._allocator.capacity
+        if self._allocator.slot_size(nbytes) > capacity:
+            self.stats.add("skipped")
+            raise TierFullError(
+                f"object {key} of {nbytes} bytes is larger than the L1 arena ({capacity} usable "
+                "bytes); raise --l1-size-gb or use a smaller --chunk-size"
+            )
+        extent = self._allocator.allocate(nbytes)
+        while extent is None:
+            victim = self._tenants.choose_victim(
+                tenant, nbytes, self._policy, self._can_evict, self._tenant_of
+            )
+            if victim is None:
+                self.stats.add("skipped")
+                raise TierFullError(self._full_message(key, nbytes, tenant))
+            self._evict(victim)
+            evicted.append(victim)
+            extent = self._allocator.allocate(nbytes)
+        slot = Slot(key, extent.offset, nbytes, tenant)
+        self._bytes_held += nbytes
+        self._tenants.charge(tenant, nbytes)
+        token = next(self._tokens)
+        expires_at = now + self._config.reservation_ttl_s
+        self._reservations[token] = Ticket(slot, expires_at)
+        self._writing[key] = self._writing.get(key, 0) + 1
+        heapq.heappush(self._reservation_deadlines, (expires_at, token))
+        buffer = self._arena.view(slot.offset, nbytes)
+        return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
+
+    def commit_many(
+        self,
+        handles: Sequence[WriteHandle],
+        *,
+        owed: bool = False,
+        digests: Sequence[int | None] | None = None,
+    ) -> None:
+        """Commit several reservations under one lock acquisition, each with its digest
+        (``digests`` in order; ``None`` as in :meth:`commit`).
+
+        Raises :class:`ReservationError` at the first one that is not open; those before it are
+        committed. A reservation that ended without its writer's word and is quarantined is
+        released by this (its writer is done writing), then refused like any other.
+        """
+        if digests is None:
+            digests = [None] * len(handles)
+        if len(digests) != len(handles):
+            raise ValueError(f"{len(handles)} reservations but {len(digests)} digests")
+        known = [digest_of(h.buffer) if d is None else d for h, d in zip(handles, digests)]
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            for handle in handles:
+                self._writer_done(handle.token)
+            done = nbytes = 0
+            try:
+                for handle, digest in zip(handles, known):
+                    nbytes += self._commit_locked(handle, owed, digest)
+                    done += 1
+            finally:
+                if done:  # one stats update per batch, also when a later handle was refused
+                    self.stats.put(
+                        nbytes, done, [h.key for h in handles[:done]] if self.stats.arrival else ()
+                    )
+
+    def _commit_locked(self, handle: WriteHandle, owed: bool, digest: int) -> int:
+        ticket = self._reservations.get(handle.token)
+        if ticket is None or ticket.slot.key != handle.key:
+            raise ReservationError(self._reservation_gone(handle))
+        self._end_reservation(handle.token)
+        slot = ticket.slot
+        slot.owed = owed
+        slot.visible = True
+        slot.digest = digest
+        old = self._objects.get(slot.key.raw)
+        if old is not None:
+            self._policy.on_remove(slot.key)
+            self._tenants.on_remove(slot.key, old.tenant)
+            self._hide(old)
+        self._objects[slot.key.raw] = slot
+        self._policy.on_insert(slot.key)
+        self._tenants.on_insert(slot.key, slot.tenant)
+        return slot.nbytes
+
+    def abandon_many(self, handles: Sequence[WriteHandle]) -> None:
+        """End open reservations whose writer may still be writing (the server dropped its
+        session): their slots are quarantined (see the module docstring), not freed. O(k log n)."""
+        with self._lock:
+            if self._closed:
+                return
+            now = self._clock()
+            self._sweep(now)
+            for handle in handles:
+                ticket = self._reservations.get(handle.token)
+                if ticket is not None and ticket.slot.key == handle.key:
+                    self._end_reservation(handle.token)
+                    self._quarantine_slot(ticket.slot, handle.token, now, "dropped")
+
+    def release_quarantined(self, tokens: Sequence[int]) -> int:
+        """The writer of these reservations, abandoned when its session was dropped, says it is
+        done with them (its late commit or abort came): free their quarantined slots. How many."""
+        with self._lock:
+            if self._closed:
+                return 0
+            return sum(1 for token in tokens if self._writer_done(token))
+
+    def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
+        """Pin several keys under one lock acquisition (what a load request of many chunks uses)."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._sweep(now)
+            handles = self._hold_locked(keys, now)
+            if count:
+                self._count_reads([self._leases[h.token] for h in handles if h is not None])
+                misses = sum(1 for h in handles if h is None)
+                if misses:
+                    self.stats.add("misses", misses)
+            return handles
+
+    def _count_reads(self, slots: Sequence[Slot]) -> None:
+        """Count a read of each of ``slots`` (held under the lock): the hits and bytes read, and an
+        access for the eviction policy and the tenants' order."""
+        if not slots:
+            return
+        on_access, tenant_access = self._policy.on_access, self._tenants.on_access
+        for slot in slots:
+            on_access(slot.key)
+            tenant_access(slot.key, slot.tenant)
+        self.stats.hit(sum(slot.nbytes for slot in slots), len(slots))
+
+    def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
+        """Pin ``keys`` (under the lock; :meth:`pin_many` counts the reads when asked): one lease
+        per object found and one heap entry for all (a ticket pins every object of a long prompt:
+        512 for 128k tokens), with the loop's lookups hoisted out of it. Each handle
+        names its slot's own key object (equal to the one asked for), so that the checks of a
+        later release or :meth:`lease_slots` find it by identity."""
+        objects, leases, deadlines, tokens = self._objects, self._leases, self._lease_deadlines, self._tokens
+        whole: memoryview | None = None
+        expires_at = now + self._config.lease_ttl_s
+        out: list[ReadHandle | None] = []
+        first = token = 0
+        for key in keys:
+            slot = objects.get(key.raw)
+            if slot is None:
+                out.append(None)
+                continue
+            slot.pins += 1
+            token = next(tokens)
+            first = first or token
+            leases[token] = slot
+            view = slot.view
+            if view is None:
+                if whole is None:  # one bounds check and one read-only view: slots lie in the arena
+                    whole = self._arena.view(0, self._arena.size).toreadonly()
+                view = slot.view = whole[slot.offset : slot.offset + slot.nbytes]
+            out.append(_new_tuple(ReadHandle, (slot.key, view, token, expires_at, slot.digest)))
+        if first:  # the tokens first..token were drawn in a row, under the lock: one heap entry
+            heapq.heappush(deadlines, (expires_at, first, token))
+        return out
+
+    def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]:
+        """End several leases under one lock acquisition. Says, per handle, whether its lease was
+        still held: ``False`` means it expired first, so its bytes may have been reused while the
+        holder read them (a reader must not trust what it copied). ``read``: the leases were the
+        engine's own holds (``pin(count=False)``) and a client copied from their slots meanwhile;
+        each one still held then counts as the hit (and eviction-policy access) that a pin of its
+        own would have counted."""
+        held: list[bool] = []
+        with self._lock:
+            if self._closed:
+                return [False] * len(handles)
+            self._sweep(self._clock())
+            reads: list[Slot] = []
+            for handle in handles:
+                slot = self._leases.get(handle.token)
+                if slot is not None and (slot.key is handle.key or slot.key == handle.key):
+                    del self._leases[handle.token]
+                    if read:
+                        reads.append(slot)
+                    self._unpin(slot)
+                    held.append(True)
+                else:
+                    held.append(False)
+            self._count_reads(reads)
+        return held
