@@ -275,6 +275,14 @@ def check_recurrent_config(
       ``max_num_batched_tokens`` must be exactly one block, else vLLM itself fails on the first
       prefill step that crosses a block boundary (its CPU scan cannot export the mid-step state).
     """
+    _check_recurrent_mode(mamba_cache_mode, enable_prefix_caching)
+    step = _recurrent_step(max_num_batched_tokens, block_size, in_step_checkpoints_on_cpu)
+    return _check_step_alignment(step, max_num_batched_tokens, block_size, chunk_size, separate_object_groups)
+
+
+def _check_recurrent_mode(mamba_cache_mode: str | None, enable_prefix_caching: bool) -> None:
+    """Raise :class:`ConfigError` unless vLLM keeps recurrent state at block boundaries (align mode,
+    prefix caching on); :func:`check_recurrent_config`'s first two rules."""
     if mamba_cache_mode != "align":
         raise ConfigError(
             f"this model has recurrent (Mamba/GDN/KDA) layers and mamba_cache_mode={mamba_cache_mode!r}: "
@@ -288,6 +296,11 @@ def check_recurrent_config(
             "this model has recurrent (Mamba/GDN/KDA) layers: the tiercache connector needs prefix caching "
             "on (--enable-prefix-caching) so vLLM keeps the recurrent state at block boundaries"
         )
+
+
+def _recurrent_step(max_num_batched_tokens: int, block_size: int, in_step_checkpoints_on_cpu: bool) -> int:
+    """Tokens per align-mode prefill step (whole blocks), or :class:`ConfigError` when a step cannot
+    progress or (vLLM's CPU build) would cross a block boundary; see :func:`check_recurrent_config`."""
     step = max_num_batched_tokens // block_size * block_size
     if step < block_size:
         raise ConfigError(
@@ -303,6 +316,14 @@ def check_recurrent_config(
             f"the first prefill step that crosses a block boundary); on the CPU build set --max-num-batched-tokens "
             f"{block_size}"
         )
+    return step
+
+
+def _check_step_alignment(
+    step: int, max_num_batched_tokens: int, block_size: int, chunk_size: int, separate_object_groups: bool
+) -> list[str]:
+    """Raise :class:`ConfigError` unless prefill steps of ``step`` tokens end on the chunk boundaries
+    the object grouping needs; return warnings for coarser hits (see :func:`check_recurrent_config`)."""
     warnings: list[str] = []
     if separate_object_groups:
         if step % chunk_size and chunk_size % step:
@@ -381,12 +402,45 @@ def cpu_in_step_checkpoints(specs: list[Any]) -> bool:
     return dict(_platform_extras()).get("device") == "cpu"
 
 
-def derive_layout(
-    vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None
-) -> EngineLayout:
-    """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
+@dataclass(frozen=True, slots=True)
+class _EngineFacts:
+    """What every manifest of one engine shares, gathered once by :func:`derive_layout`."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    model: Any  # model_config.model, as vLLM gives it (the manifest holds its str)
+    revision: str
+    layout_name: str
+    cache_dtype: str
+    extras: tuple[tuple[str, str], ...]
+    tp: int
+    pp: int
+    dcp: int
+    chunk_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupFacts:
+    """What one vLLM KV-cache group's manifests and objects share (the same for every rank)."""
+
+    spec: Any
+    layers: tuple[str, ...]
+    block: int
+    page: int
+    unpadded: int
+    window: int
+    recurrent: bool
+    backend: str
+    kind: GroupKind
+    kernel: int
+    stored_page: int
+    state_shapes: tuple[tuple[int, ...], ...]
+    state_dtypes: tuple[str, ...]
+    spec_extra: tuple[tuple[str, str], ...]
+
+
+def _parallel_sizes(parallel: Any) -> tuple[int, int, int]:
+    """``(tp, pp, dcp)`` of ``parallel_config``, or :class:`ConfigError` for prefill context parallelism."""
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
@@ -398,6 +452,128 @@ def derive_layout(
             f"tiercache: prefill context parallelism (prefill_context_parallel_size={pcp}) is not supported "
             "by the tiercache connector yet; run without it or remove the tiercache kv-transfer-config"
         )
+    return tp, pp, dcp
+
+
+def _model_revision(model_config: Any, weights_id: str | None) -> str:
+    """The weights identity manifests carry; warns when there is none (KV shared by model name only)."""
+    revision = weights_identity(str(model_config.model), getattr(model_config, "revision", None), weights_id)
+    if revision == "unknown":
+        log.warning(
+            "tiercache: no weights identity for model %s (no --revision and no local checkpoint files); "
+            "KV is shared by model name only. Set kv_connector_extra_config weights_id to be safe.",
+            model_config.model,
+        )
+    return revision
+
+
+def _group_facts(engine: _EngineFacts, group_spec: Any) -> _GroupFacts:
+    """One KV-cache group's facts: a recurrent group's state kernels and state layout, an attention
+    group's backend, kernel block size and heads."""
+    spec = group_spec.kv_cache_spec
+    page = int(spec.page_size_bytes)
+    unpadded = int(getattr(spec, "real_page_size_bytes", page))
+    block = int(spec.block_size)
+    layers = tuple(group_spec.layer_names)
+    window = int(getattr(spec, "sliding_window", 0) or 0)
+    recurrent = _spec_kind(spec) == "recurrent"
+    if recurrent:
+        # The state kernels (mamba_type) and the conv-state layout decide what the bytes mean.
+        mamba_type = getattr(spec, "mamba_type", "?")
+        backend = f"mamba:{getattr(mamba_type, 'value', mamba_type)}"
+        kind, stored_page = GroupKind.RECURRENT, unpadded
+        kernel = block  # state pages are never split into kernel blocks
+        state_shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
+        state_dtypes = tuple(_dtype_name(d) for d in spec.dtypes)
+        spec_extra: tuple[tuple[str, str], ...] = (
+            ("conv_state_layout", os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "default")),
+            ("mamba_cache_mode", str(getattr(spec, "mamba_cache_mode", "?"))),
+        )
+    else:
+        backend = resolve_backend_name(engine.vllm_config, spec)
+        kernel = derive_kernel_block_size(engine.vllm_config, engine.kv_cache_config, layers, spec)
+        kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION
+        stored_page, state_shapes, state_dtypes = page, (), ()
+        spec_extra = (("num_kv_heads", str(spec.num_kv_heads)), ("head_size", str(spec.head_size)))
+    return _GroupFacts(
+        spec=spec,
+        layers=layers,
+        block=block,
+        page=page,
+        unpadded=unpadded,
+        window=window,
+        recurrent=recurrent,
+        backend=backend,
+        kind=kind,
+        kernel=kernel,
+        stored_page=stored_page,
+        state_shapes=state_shapes,
+        state_dtypes=state_dtypes,
+        spec_extra=spec_extra,
+    )
+
+
+def _manifest(engine: _EngineFacts, group: _GroupFacts, rank: int) -> LayoutManifest:
+    """The manifest of ``group`` on parallel rank ``rank`` (``pp_rank * tp + tp_rank``)."""
+    spec, layers, tp = group.spec, group.layers, engine.tp
+    return LayoutManifest(
+        model_id=str(engine.model),
+        model_revision=engine.revision,
+        kv_dtype=_dtype_name(spec.dtypes[0] if group.recurrent else spec.dtype),
+        attention_backend=group.backend,
+        kv_layout=engine.layout_name,
+        kernel_block_size=group.kernel,
+        manager_block_size=group.block,
+        page_bytes=group.page,
+        page_bytes_unpadded=group.unpadded,
+        group_kind=group.kind,
+        sliding_window=group.window or None,
+        state_shapes=group.state_shapes,
+        state_dtypes=group.state_dtypes,
+        chunk_size=engine.chunk_size,
+        num_layers=len(layers),
+        kv_quantization="none" if engine.cache_dtype == "auto" else engine.cache_dtype,
+        tp_size=tp,
+        tp_rank=rank % tp,
+        pp_size=engine.pp,
+        pp_rank=rank // tp,
+        dcp_size=engine.dcp,
+        extra=(
+            *engine.extras,
+            ("spec", type(spec).__name__),
+            ("layers", ",".join(layers)),
+            *group.spec_extra,
+        ),
+    )
+
+
+def _group_layouts(engine: _EngineFacts, kv_group: int, group_spec: Any) -> list[GroupLayout]:
+    """The object groups of one vLLM KV-cache group, one per parallel rank, in rank order."""
+    group = _group_facts(engine, group_spec)
+    world = engine.tp * engine.pp
+    return [
+        GroupLayout(
+            object_group=kv_group * world + rank,
+            kv_group=kv_group,
+            rank=rank,
+            layer_names=group.layers,
+            block_size=group.block,
+            blocks_per_chunk=1 if group.recurrent else engine.chunk_size // group.block,
+            page_bytes=group.stored_page,
+            manifest=_manifest(engine, group, rank),
+            window_tokens=group.window,
+            recurrent=group.recurrent,
+        )
+        for rank in range(world)
+    ]
+
+
+def derive_layout(
+    vllm_config: Any, kv_cache_config: Any, chunk_size: int, weights_id: str | None = None
+) -> EngineLayout:
+    """Object groups and manifests of this engine, from its config alone (no tensors needed)."""
+    model_config = vllm_config.model_config
+    tp, pp, dcp = _parallel_sizes(vllm_config.parallel_config)
     world = tp * pp
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     check_group_specs(specs)
@@ -406,83 +582,23 @@ def derive_layout(
     # cache_config.block_size as the user's value); with one size both agree.
     scheduler_block = math.lcm(int(vllm_config.cache_config.block_size), *group_blocks)
     check_block_sizes(chunk_size, scheduler_block, group_blocks)
-
-    revision = weights_identity(str(model_config.model), getattr(model_config, "revision", None), weights_id)
-    if revision == "unknown":
-        log.warning(
-            "tiercache: no weights identity for model %s (no --revision and no local checkpoint files); "
-            "KV is shared by model name only. Set kv_connector_extra_config weights_id to be safe.",
-            model_config.model,
-        )
-    layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unknown")
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    extras = _platform_extras()
+    # Evaluated in keyword order: the weights identity (and its warning) before the platform facts.
+    engine = _EngineFacts(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        model=model_config.model,
+        revision=_model_revision(model_config, weights_id),
+        layout_name=str(getattr(kv_cache_config, "kv_cache_layout", None) or "unknown"),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        extras=_platform_extras(),
+        tp=tp,
+        pp=pp,
+        dcp=dcp,
+        chunk_size=chunk_size,
+    )
     groups: list[GroupLayout] = []
     for kv_group, group_spec in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group_spec.kv_cache_spec
-        page = int(spec.page_size_bytes)
-        unpadded = int(getattr(spec, "real_page_size_bytes", page))
-        block = int(spec.block_size)
-        layers = tuple(group_spec.layer_names)
-        window = int(getattr(spec, "sliding_window", 0) or 0)
-        recurrent = _spec_kind(spec) == "recurrent"
-        if recurrent:
-            # The state kernels (mamba_type) and the conv-state layout decide what the bytes mean.
-            mamba_type = getattr(spec, "mamba_type", "?")
-            backend = f"mamba:{getattr(mamba_type, 'value', mamba_type)}"
-            kind, stored_page = GroupKind.RECURRENT, unpadded
-            kernel = block  # state pages are never split into kernel blocks
-            state_shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
-            state_dtypes = tuple(_dtype_name(d) for d in spec.dtypes)
-            spec_extra: tuple[tuple[str, str], ...] = (
-                ("conv_state_layout", os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "default")),
-                ("mamba_cache_mode", str(getattr(spec, "mamba_cache_mode", "?"))),
-            )
-        else:
-            backend = resolve_backend_name(vllm_config, spec)
-            kernel = derive_kernel_block_size(vllm_config, kv_cache_config, layers, spec)
-            kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL_ATTENTION
-            stored_page, state_shapes, state_dtypes = page, (), ()
-            spec_extra = (("num_kv_heads", str(spec.num_kv_heads)), ("head_size", str(spec.head_size)))
-        for rank in range(world):
-            manifest = LayoutManifest(
-                model_id=str(model_config.model),
-                model_revision=revision,
-                kv_dtype=_dtype_name(spec.dtypes[0] if recurrent else spec.dtype),
-                attention_backend=backend,
-                kv_layout=layout_name,
-                kernel_block_size=kernel,
-                manager_block_size=block,
-                page_bytes=page,
-                page_bytes_unpadded=unpadded,
-                group_kind=kind,
-                sliding_window=window or None,
-                state_shapes=state_shapes,
-                state_dtypes=state_dtypes,
-                chunk_size=chunk_size,
-                num_layers=len(layers),
-                kv_quantization="none" if cache_dtype == "auto" else cache_dtype,
-                tp_size=tp,
-                tp_rank=rank % tp,
-                pp_size=pp,
-                pp_rank=rank // tp,
-                dcp_size=dcp,
-                extra=(*extras, ("spec", type(spec).__name__), ("layers", ",".join(layers)), *spec_extra),
-            )
-            groups.append(
-                GroupLayout(
-                    object_group=kv_group * world + rank,
-                    kv_group=kv_group,
-                    rank=rank,
-                    layer_names=layers,
-                    block_size=block,
-                    blocks_per_chunk=1 if recurrent else chunk_size // block,
-                    page_bytes=stored_page,
-                    manifest=manifest,
-                    window_tokens=window,
-                    recurrent=recurrent,
-                )
-            )
+        groups.extend(_group_layouts(engine, kv_group, group_spec))
     return EngineLayout(tuple(groups), world, scheduler_block, chunk_size)
 
 
