@@ -18,9 +18,9 @@ import lmdb
 
 from tiercache.errors import FrameError
 from tiercache.keys.object_key import ObjectKey
-from tiercache.l2_disk.records import META_BYTES, REC, stale_recency
+from tiercache.l2_disk.records import META_BYTES, REC, meta_header, recency_seq, stale_recency
 from tiercache.tier.contract import EvictionListener
-from tiercache.tier.frames import HEADER_BYTES, FrameHeader, verify_payload
+from tiercache.tier.frames import FrameHeader, verify_payload
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ class EvictionWalk:
     """The victims chosen in ``txn`` to bring usage from ``after`` down to ``target``.
 
     ``keep`` (the object being put) and ``pinned`` objects are never chosen. ``tenant_of`` and
-    ``stored_len`` read a candidate's tenant and stored size (the tier's record codec);
+    ``stored_len`` read a candidate's tenant and stored size (the tier's
+    :class:`~tiercache.l2_disk.store.RecordStore`);
     ``on_evict`` (write-back) is handed each victim's verified payload, and a victim it fails on
     stays (``on_evict_failed`` counts it). A candidate whose records do not verify is ``corrupt``:
     it goes too, and nobody is handed its bytes.
@@ -66,7 +67,7 @@ class EvictionWalk:
                 found = cur.next()
                 if self.after <= self.target or not rkey.startswith(REC):
                     break
-                seqb = rkey[len(REC) :]
+                seqb = recency_seq(rkey)
                 meta = txn.get(kb, db=dbs["meta"])
                 if stale_recency(meta, seqb):
                     self.stale.add(bytes(seqb))
@@ -82,7 +83,7 @@ class EvictionWalk:
         try:
             if len(meta) != META_BYTES:
                 raise FrameError(f"meta record of {len(meta)} bytes")
-            header = FrameHeader.decode(meta[:HEADER_BYTES], key)
+            header = FrameHeader.decode(meta_header(meta), key)
             size = header.stored_len
             tenant = self.tenant_of(self.txn, kb, meta)
             if may_go is not None and not may_go(tenant, size):

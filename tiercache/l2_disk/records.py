@@ -24,8 +24,9 @@ marked objects owed to a lower tier there; layout 2 wrote 0, no tenant record, s
 read right in layout 3). ``bytes_used`` counts the *stored* bytes in ``data``; the object count is the entry count
 of ``data``.
 
-Shared by the tier (:mod:`tiercache.l2_disk.tier`), which writes this format, and the read-only
-reader (:mod:`tiercache.l2_disk.reader`) of ``tiercache inspect``.
+Shared by the tier (its :mod:`~tiercache.l2_disk.store` writes this format; its read path and eviction
+walk read it) and the read-only reader (:mod:`tiercache.l2_disk.reader`) of ``tiercache inspect``.
+Records are built and taken apart by the codec functions below, not sliced by hand elsewhere.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ MAX_READERS = 512
 
 _HEADER_BODY = HEADER_BYTES - 8
 _STORED_LEN_AT = _HEADER_BODY - 16  # the stored-length field: ... | stored len u64 | checksum u64
+_SEQ_END = HEADER_BYTES + SEQ_BYTES
+_NAMED_FLAGS = bytes((META_FLAGS[0] | TENANT_FLAG,))
 
 
 def u64(raw: bytes | memoryview | None) -> int:
@@ -85,6 +88,69 @@ def b64(value: int) -> bytes:
 def recency_key(seqb: bytes) -> bytes:
     """The recency record's key for a sequence number (u64 BE)."""
     return REC + seqb
+
+
+def recency_seq(rkey: bytes) -> bytes:
+    """The sequence number (u64 BE) of the recency record keyed ``rkey``."""
+    return rkey[len(REC) :]
+
+
+def tenant_key(kb: bytes) -> bytes:
+    """The key of the tenant record of object ``kb``."""
+    return TEN + kb
+
+
+def totals_key(tenant: bytes) -> bytes:
+    """The key of a named tenant's totals record."""
+    return INFO_TENANT + tenant
+
+
+def state_key(name: str) -> bytes:
+    """The key of the engine state record ``name``."""
+    return INFO_STATE + name.encode()
+
+
+def pack_totals(nbytes: int, objects: int) -> bytes:
+    """A tenant's totals record: stored bytes | objects."""
+    return b64(nbytes) + b64(objects)
+
+
+def unpack_totals(raw: bytes | memoryview) -> tuple[int, int]:
+    """(stored bytes, objects) of a tenant's totals record."""
+    return u64(raw[:8]), u64(raw[8:16])
+
+
+def meta_record(head: bytes, seqb: bytes, tenant: bytes) -> bytes:
+    """The meta record of an object with frame header ``head`` at recency seq ``seqb``, its flags
+    saying whether it has a tenant record (an object of a named ``tenant``)."""
+    return head + seqb + (_NAMED_FLAGS if tenant else META_FLAGS)
+
+
+def meta_header(meta: bytes | memoryview) -> bytes | memoryview:
+    """The frame header a meta record begins with (a view when ``meta`` is one)."""
+    return meta[:HEADER_BYTES]
+
+
+def meta_seq(meta: bytes | memoryview | None) -> bytes | None:
+    """The recency seq of a well-formed meta record; ``None`` when absent or malformed."""
+    return None if meta is None or len(meta) != META_BYTES else bytes(meta[HEADER_BYTES:_SEQ_END])
+
+
+def named_seq(meta: bytes | memoryview) -> bytes | None:
+    """The recency seq a meta record names, even a malformed one long enough to name one (deleting
+    an object deletes that recency record only if it points back at the object)."""
+    return bytes(meta[HEADER_BYTES:_SEQ_END]) if len(meta) >= _SEQ_END else None
+
+
+def with_seq(meta: bytes, seqb: bytes) -> bytes:
+    """A well-formed meta record moved to recency seq ``seqb`` (header and flags unchanged)."""
+    return meta[:HEADER_BYTES] + seqb + meta[_SEQ_END:]
+
+
+def may_have_tenant(meta: bytes | memoryview | None) -> bool:
+    """Whether the object whose meta record is ``meta`` may have a tenant record: its flags say so,
+    or the record is malformed (then only the tenant record itself can tell)."""
+    return meta is not None and (len(meta) != META_BYTES or bool(meta[-1] & TENANT_FLAG))
 
 
 def stale_recency(meta: Any, seqb: bytes) -> bool:
@@ -134,7 +200,7 @@ def scan_records(env: lmdb.Environment, db: Any, *, objects_only: bool) -> Itera
         start = batch[-1][0]
 
 
-def tenant_totals(txn: Any, db: Any) -> dict[bytes, tuple[int, int]]:
+def named_tenant_totals(txn: Any, db: Any) -> dict[bytes, tuple[int, int]]:
     """Bytes and objects of every named tenant, from its ``INFO_TENANT`` record, in ``txn``."""
     out: dict[bytes, tuple[int, int]] = {}
     with txn.cursor(db=db) as cur:
@@ -143,7 +209,37 @@ def tenant_totals(txn: Any, db: Any) -> dict[bytes, tuple[int, int]]:
             k = bytes(cur.key())
             if not k.startswith(INFO_TENANT):
                 break
-            v = bytes(cur.value())
-            out[k[len(INFO_TENANT) :]] = (u64(v[:8]), u64(v[8:16]))
+            out[k[len(INFO_TENANT) :]] = unpack_totals(bytes(cur.value()))
             found = cur.next()
     return out
+
+
+def scan_by_use(env: lmdb.Environment, meta_db: Any) -> Iterator[bytes]:
+    """Object keys along the recency records from the young end (most recently used first), in
+    batches of :data:`ITER_BATCH` records, each batch in its own short read txn like
+    :func:`scan_records`. Records a touch left stale are skipped, so each key comes once. Raises
+    ``lmdb.Error``; callers translate it.
+    """
+    below: bytes | None = None  # continue with the recency records below this one
+    while True:
+        batch: list[bytes] = []
+        with env.begin(db=meta_db) as txn, txn.cursor(db=meta_db) as cur:
+            # Recency records sort after every other record of the meta database.
+            if below is None:
+                found = cur.last()
+            else:
+                found = cur.prev() if cur.set_range(below) else cur.last()
+            scanned = 0
+            while found and scanned < ITER_BATCH:
+                rkey = bytes(cur.key())
+                if not rkey.startswith(REC):
+                    found = False
+                    break
+                below, scanned = rkey, scanned + 1
+                kb = bytes(cur.value())
+                if not stale_recency(txn.get(kb, db=meta_db), recency_seq(rkey)):
+                    batch.append(kb)
+                found = cur.prev()
+        yield from batch
+        if not found:
+            return

@@ -13,7 +13,7 @@ queued). Reads therefore never open a write transaction, and an overwrite writes
 A crash forgets at most the last interval's touches: those objects keep their older place in the LRU
 order. A new object gets its place in its own put's transaction, as before.
 
-LMDB facts this module is built around (each measured on this code; see docs/storage.md):
+LMDB facts this tier is built around (each measured on this code; see docs/storage.md):
 
 * pages freed by a write transaction can be reused only by a *later* one (in practice two later), so
   eviction commits in its own transaction, followed by a tiny "nudge" commit, before the insert;
@@ -23,6 +23,8 @@ LMDB facts this module is built around (each measured on this code; see docs/sto
   iterator keeps a transaction open between yields;
 * ``sync=False`` plus a background ``env.sync()`` every ``sync_interval_s`` is the practical
   setting: LMDB stays consistent after a crash and only the last interval's writes may be lost.
+
+Records are read and written through :class:`~tiercache.l2_disk.store.RecordStore`.
 
 Locks (all per instance, none module-level):
 
@@ -49,50 +51,26 @@ import lmdb
 
 from tiercache.config.parts import DiskConfig
 from tiercache.config.units import MiB
-from tiercache.errors import (
-    DiskTierError,
-    FrameError,
-    IntegrityError,
-    TierFullError,
-)
+from tiercache.errors import DiskTierError, FrameError, IntegrityError, TierFullError
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT, tenant_label
-from tiercache.l2_disk import records
+from tiercache.l2_disk.environment import file_system_room, free_bytes, open_environment
 from tiercache.l2_disk.eviction import EvictionWalk
 from tiercache.l2_disk.records import (
-    DB_NAMES,
     DISK_FORMAT_VERSION,
-    INFO_FORMAT,
     INFO_SEQ,
-    INFO_STATE,
-    INFO_TENANT,
-    INFO_USED,
-    MAX_READERS,
     META_BYTES,
-    META_FLAGS,
-    REC,
-    SEQ_BYTES,
-    TEN,
-    TENANT_FLAG,
-    UPGRADABLE_FORMATS,
     b64,
-    meta_stored_len,
+    meta_header,
     recency_key,
+    scan_by_use,
     scan_records,
-    stale_recency,
-    tenant_totals,
-    u64,
+    state_key,
 )
-from tiercache.tier.contract import (
-    EvictionListener,
-    ReadHandle,
-    Tier,
-    TierUsage,
-    WriteHandle,
-)
+from tiercache.l2_disk.store import KEPT_SEQ, OVER_LIMIT, RecordStore
+from tiercache.tier.contract import EvictionListener, ReadHandle, Tier, TierUsage, WriteHandle
 from tiercache.tier.frames import (
-    HEADER_BYTES,
     ZSTD_FLAG,
     FrameHeader,
     check_copy,
@@ -111,12 +89,34 @@ log = logging.getLogger(__name__)
 #: The share of the file system's room (free space plus this tier's file) a budget may take at
 #: start: LMDB's file holds more than the stored bytes (pages, the B-tree, the free list).
 _FS_SHARE = 0.8
+
+
+_SWEEP_EVERY_S = 0.05
+
+
 #: A write finds at least this many times its size free on the file system, plus the slack, or
 #: the budget shrinks (:meth:`DiskTier._keep_file_system_room`).
 _FS_RESERVE_WRITES = 4
+
+
 _FS_SLACK = 1 << 20
+
+
 #: When the file system runs low, the budget shrinks to this share of what the tier holds.
 _SHRINK = 0.8
+
+
+#: Pending recency touches (reads, overwrites) are applied by the background thread every
+#: ``sync_interval_s``; past this many distinct keys the next put applies them in its own txn, so
+#: the table stays bounded however fast reads come.
+_TOUCH_BACKLOG = 4096
+
+
+_MAP_FULL_RETRIES = 2
+
+
+#: An open read: (txn, header, stored bytes, meta record seen, stored size, problem found).
+_Found = tuple[lmdb.Transaction, FrameHeader | None, Any, bytes | None, int, str | None]
 
 
 def _scribbled(key: ObjectKey) -> IntegrityError:
@@ -125,14 +125,6 @@ def _scribbled(key: ObjectKey) -> IntegrityError:
         "intact): another process wrote into that slot",
         "promotion",
     )
-
-
-#: Pending recency touches (reads, overwrites) are applied by the background thread every
-#: ``sync_interval_s``; past this many distinct keys the next put applies them in its own txn, so
-#: the table stays bounded however fast reads come.
-_TOUCH_BACKLOG = 4096
-_MAP_FULL_RETRIES = 2
-_SWEEP_EVERY_S = 0.05
 
 
 @dataclass(slots=True)
@@ -175,7 +167,7 @@ class DiskTier(Tier):
         self._state_lock = threading.Lock()  # guards: the three tables below and _next_token
         self._staged = StagedWrites(config.reservation_ttl_s, clock, self.stats)
         self._quotas = TenantQuotas(config.budget_bytes, config.tenant_share, config.tenant_overrides())
-        # Per tenant, counters of this process (what each holds is persisted: tenant_totals).
+        # Per tenant, counters of this process (what each holds is persisted: RecordStore.tenant_totals).
         self._tenant_puts: Counter[bytes] = Counter()  # guarded by _state_lock
         self._tenant_evictions: Counter[bytes] = Counter()  # guarded by _state_lock
         self._leases: dict[int, _Lease] = {}
@@ -190,9 +182,8 @@ class DiskTier(Tier):
         self._pid = os.getpid()
         self._held_at_shrink: int | None = None  # stored bytes when the file system ran low
         self._unchecked = 0  # bytes to write before the file system's free space is asked again
-        self._env, self._dbs = self._open()
-        self._data_db, self._meta_db = self._dbs["data"], self._dbs["meta"]  # hot-path lookups
-        room = self._file_system_room()
+        self._open()
+        room = file_system_room(config.path)
         if room is not None and self._budget > int(_FS_SHARE * room):
             self._set_budget(
                 int(_FS_SHARE * room),
@@ -202,78 +193,12 @@ class DiskTier(Tier):
         self._start_sync_thread()
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
-        path = self.config.path
-        try:
-            if not path.exists():
-                # Ours: owner-only. An existing directory keeps its mode (a shared one, 1777, made
-                # 0700 would lock its other users out); its LMDB files are created owner-only below.
-                path.mkdir(mode=0o700, parents=True, exist_ok=True)
-                os.chmod(path, 0o700)
-        except OSError as exc:
-            raise DiskTierError(
-                f"cannot create the disk tier directory {path}: {exc}; check the path and its permissions"
-            ) from exc
-        old_umask = os.umask(0o077)  # data.mdb and lock.mdb are created owner-only
-        try:
-            env = lmdb.open(
-                str(path),
-                map_size=self._map_size,
-                max_dbs=8,
-                max_readers=MAX_READERS,
-                sync=False,
-                metasync=False,
-                writemap=False,
-                readahead=True,
-                meminit=False,
-                mode=0o600,
-            )
-        except lmdb.Error as exc:
-            raise DiskTierError(
-                f"cannot open the LMDB environment at {path}: {exc}; is it open in another "
-                "tiercache server, or on a file system without mmap/locking support?"
-            ) from exc
-        finally:
-            os.umask(old_umask)
-        try:
-            with env.begin() as txn:
-                legacy = txn.get(b"recency") is not None  # layout 1 kept a "recency" sub-database
-            if legacy:
-                raise DiskTierError(
-                    f"the disk tier at {path} was written by layout version 1, this build reads "
-                    f"{DISK_FORMAT_VERSION}; delete the directory (it is a cache) or point "
-                    "--disk-path elsewhere"
-                )
-            dbs = {name: env.open_db(name.encode()) for name in DB_NAMES}
-            dbs["recency"] = dbs["info"] = dbs["meta"]  # prefixed records, see records.REC and records.INFO
-            with env.begin(write=True, db=dbs["info"]) as txn:
-                found = txn.get(INFO_FORMAT, db=dbs["info"])
-                if found is None or u64(found) in UPGRADABLE_FORMATS:
-                    if found is not None:
-                        log.info(
-                            "disk tier at %s: layout %d upgraded to %d in place (its objects are the "
-                            "default tenant's)",
-                            path,
-                            u64(found),
-                            DISK_FORMAT_VERSION,
-                        )
-                    txn.put(INFO_FORMAT, b64(DISK_FORMAT_VERSION), db=dbs["info"])
-                elif u64(found) != DISK_FORMAT_VERSION:
-                    raise DiskTierError(
-                        f"the disk tier at {path} was written by layout version {u64(found)}, "
-                        f"this build reads {DISK_FORMAT_VERSION}; delete the directory (it is a "
-                        "cache) or point --disk-path elsewhere"
-                    )
-        except lmdb.Error as exc:
-            env.close()
-            raise DiskTierError(
-                f"cannot initialise the LMDB environment at {path}: {exc}; check free space and permissions there, "
-                "or point --disk-path elsewhere"
-            ) from exc
-        except DiskTierError:
-            env.close()
-            raise
-        return env, dbs
+    def _open(self) -> None:
+        """Open the environment (:func:`~tiercache.l2_disk.environment.open_environment`) and the
+        handles every path uses."""
+        self._env, self._dbs = open_environment(self.config.path, self._map_size)
+        self._data_db, self._meta_db = self._dbs["data"], self._dbs["meta"]  # hot-path lookups
+        self._records = RecordStore(self._dbs)
 
     def _start_sync_thread(self) -> None:
         self._stop = threading.Event()
@@ -328,8 +253,7 @@ class DiskTier(Tier):
         except lmdb.Error:
             log.debug("closing the inherited LMDB handle failed", exc_info=True)
         self._pid = os.getpid()
-        self._env, self._dbs = self._open()
-        self._data_db, self._meta_db = self._dbs["data"], self._dbs["meta"]  # hot-path lookups
+        self._open()
         self._start_sync_thread()
 
     def flush(self, timeout: float | None = None) -> None:
@@ -390,26 +314,7 @@ class DiskTier(Tier):
             finally:
                 self._env.close()
 
-    # -- the file system under the budget -------------------------------------------------------
-    def _free_bytes(self) -> int | None:
-        """The file system's free space for this tier (``None`` when it does not say)."""
-        try:
-            fs = os.statvfs(self.config.path)
-        except OSError:
-            return None
-        return fs.f_bavail * fs.f_frsize
-
-    def _file_system_room(self) -> int | None:
-        """Bytes this tier's file could grow to: its size now plus the file system's free space
-        (``None`` when the file system does not say)."""
-        free = self._free_bytes()
-        data = self.config.path / "data.mdb"
-        try:
-            held = data.stat().st_blocks * 512 if data.exists() else 0
-        except OSError:
-            return None
-        return None if free is None else held + free
-
+    # -- the budget ----------------------------------------------------------------------------
     def _set_budget(self, budget: int, why: str) -> None:
         """Keep at most ``budget`` bytes from now on (eviction brings the tier under it), saying
         ``why`` in a warning."""
@@ -472,85 +377,30 @@ class DiskTier(Tier):
             touched, self._touched = self._touched, {}
         if not touched:
             return False
-        meta_db, rec_db, info_db = self._dbs["meta"], self._dbs["recency"], self._dbs["info"]
-        seq = u64(txn.get(INFO_SEQ, db=info_db))
-        for kb in touched:
-            meta = txn.get(kb, db=meta_db)
-            if meta is None or len(meta) != META_BYTES:
-                continue
-            meta = bytes(meta)
-            old_seq = meta[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES]
-            if txn.get(recency_key(old_seq), db=rec_db) == kb:
-                txn.delete(recency_key(old_seq), db=rec_db)
-            txn.put(kb, meta[:HEADER_BYTES] + b64(seq) + meta[-1:], db=meta_db)
-            txn.put(recency_key(b64(seq)), kb, db=rec_db)
-            seq += 1
-        txn.put(INFO_SEQ, b64(seq), db=info_db)
+        self._records.touch(txn, touched)
         return True
 
-    def _stored_len(self, txn: lmdb.Transaction, kb: bytes) -> int:
-        """Stored bytes of ``kb`` (0 if absent), from its header when that is intact.
+    def _drop_corrupt(
+        self, key: ObjectKey, kb: bytes, seen_meta: bytes | None, size: int, why: str, *, counted: bool = True
+    ) -> None:
+        """Delete ``kb`` if its meta record is still ``seen_meta``; ``counted``: it failed a read's
+        verification (a verify failure and a miss), not a write's read-back."""
+        if counted:
+            log.warning("disk tier object %s failed verification (%s); deleting it", key, why)
+            self.stats.add("verify_failures")
+            self.stats.add("misses")
+        try:
+            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
+                current = txn.get(kb, db=self._meta_db)
+                if (None if current is None else bytes(current)) != seen_meta:
+                    return  # replaced by a new write since we looked: not ours to delete
+                records = self._records
+                records.set_used(txn, records.used(txn) - records.delete(txn, kb, size))
+        except lmdb.Error as exc:
+            raise self._translate(exc, "delete of a corrupt object") from exc
+        self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
 
-        Reading the header avoids ``get()`` on the payload, which faults in every page of a value
-        that may be cold on disk (measured: py-lmdb touches them all, even with buffers=True).
-        """
-        meta = txn.get(kb, db=self._dbs["meta"])
-        if meta is None:
-            return 0
-        size = meta_stored_len(meta)
-        if size is not None:
-            return size
-        data = txn.get(kb, db=self._dbs["data"])  # damaged header: measure the payload itself
-        return 0 if data is None else len(data)
-
-    def _delete_in(self, txn: lmdb.Transaction, kb: bytes, size: int | None = None) -> int:
-        """Delete ``kb``'s records in ``txn``; return the stored bytes freed (``size`` if given)."""
-        data_db, meta_db, rec_db = self._dbs["data"], self._dbs["meta"], self._dbs["recency"]
-        freed = self._stored_len(txn, kb) if size is None else size
-        meta = txn.get(kb, db=meta_db)
-        tenant = self._tenant_of(txn, kb, meta)  # before any write: meta may be a buffers=True view
-        if meta is not None and len(meta) >= HEADER_BYTES + SEQ_BYTES:
-            seqb = bytes(meta[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES])
-            # A corrupt meta record may name another key's seq: only delete our own.
-            if txn.get(recency_key(seqb), db=rec_db) == kb:
-                txn.delete(recency_key(seqb), db=rec_db)
-        txn.delete(kb, db=data_db)
-        txn.delete(kb, db=meta_db)
-        if tenant:
-            txn.delete(TEN + kb, db=meta_db)
-            self._add_tenant(txn, tenant, -freed, -1)
-        return freed
-
-    def _add_tenant(self, txn: lmdb.Transaction, tenant: bytes, nbytes: int, objects: int) -> None:
-        """Change a named tenant's persisted totals in ``txn`` (the default tenant's are derived)."""
-        if not tenant:
-            return
-        meta_db = self._meta_db
-        rkey = INFO_TENANT + tenant
-        found = txn.get(rkey, db=meta_db)
-        held = u64(bytes(found[:8])) if found is not None else 0
-        count = u64(bytes(found[8:16])) if found is not None else 0
-        held, count = max(0, held + nbytes), max(0, count + objects)
-        if count == 0:
-            txn.delete(rkey, db=meta_db)
-        else:
-            txn.put(rkey, b64(held) + b64(count), db=meta_db)
-
-    def _tenant_of(self, txn: lmdb.Transaction, kb: bytes, meta: Any) -> bytes:
-        """The tenant of ``kb`` whose meta record is ``meta``: its flags say whether to look, unless
-        the record is damaged (then the tenant record itself is asked)."""
-        if meta is None or (len(meta) == META_BYTES and not meta[-1] & TENANT_FLAG):
-            return DEFAULT_TENANT
-        found = txn.get(TEN + kb, db=self._meta_db)
-        return DEFAULT_TENANT if found is None else bytes(found)
-
-    def _set_used(self, txn: lmdb.Transaction, used: int) -> None:
-        txn.put(INFO_USED, b64(max(0, used)), db=self._dbs["info"])
-
-    def _used_in(self, txn: lmdb.Transaction) -> int:
-        return u64(txn.get(INFO_USED, db=self._dbs["info"]))
-
-    # -- writes --------------------------------------------------------------------------------
+    # -- writes ------------------------------------------------------------------------------------
     def reserve(self, key: ObjectKey, nbytes: int) -> WriteHandle:
         """A writable ``nbytes`` buffer in process memory; nothing touches LMDB until commit.
 
@@ -621,7 +471,7 @@ class DiskTier(Tier):
                 f"{self._budget} bytes; raise --disk-size-gb or use smaller chunks"
             )
         self._sweep()
-        self._store(key, kb, head, stored, META_FLAGS, tenant)
+        self._store(key, kb, head, stored, tenant)
         if digest is not None:
             self._check_stored(key, kb, head, digest)
 
@@ -632,7 +482,7 @@ class DiskTier(Tier):
             with self._env.begin(buffers=True) as txn:
                 meta = txn.get(kb, db=self._meta_db)
                 data = txn.get(kb, db=self._data_db)
-                if meta is None or bytes(meta[:HEADER_BYTES]) != head:
+                if meta is None or bytes(meta_header(meta)) != head:
                     return  # replaced by another write since: not ours to judge
                 if data is not None and checksum(data) == digest:
                     return
@@ -647,7 +497,7 @@ class DiskTier(Tier):
         )
 
     def _store(
-        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes = DEFAULT_TENANT
+        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tenant: bytes = DEFAULT_TENANT
     ) -> None:
         """:meth:`_store_in_map`, keeping the file system under the tier from filling up: LMDB
         needs free pages even to evict (a full file system fails every write transaction, the
@@ -655,7 +505,7 @@ class DiskTier(Tier):
         budget larger than the file system allows), the budget shrinks below what the tier holds,
         so eviction frees pages inside its file for the writes that follow."""
         self._keep_file_system_room(len(stored))
-        self._store_in_map(key, kb, head, stored, tail, tenant)
+        self._store_in_map(key, kb, head, stored, tenant)
 
     def _keep_file_system_room(self, nbytes: int) -> None:
         # The file system is asked again once this process has written half of what was free
@@ -663,7 +513,7 @@ class DiskTier(Tier):
         self._unchecked -= nbytes
         if self._unchecked > 0:
             return
-        free = self._free_bytes()
+        free = free_bytes(self.config.path)
         if free is None:
             return
         reserve = _FS_RESERVE_WRITES * nbytes + _FS_SLACK
@@ -682,7 +532,7 @@ class DiskTier(Tier):
             )
 
     def _store_in_map(
-        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes = DEFAULT_TENANT
+        self, key: ObjectKey, kb: bytes, head: bytes, stored: Any, tenant: bytes = DEFAULT_TENANT
     ) -> None:
         nbytes = len(stored)
         extra = 0
@@ -691,9 +541,9 @@ class DiskTier(Tier):
                 for attempt in range(_MAP_FULL_RETRIES + 1):
                     try:
                         # Most puts fit below the high watermark: one transaction, no eviction.
-                        if extra or not self._insert(kb, head, stored, tail, tenant, limit=self._high):
+                        if extra or not self._insert(kb, head, stored, tenant, limit=self._high):
                             self._make_room(kb, nbytes, extra, tenant)
-                            self._insert(kb, head, stored, tail, tenant, limit=None)
+                            self._insert(kb, head, stored, tenant, limit=None)
                     except lmdb.MapFullError:
                         # The txn is dead and already aborted. Free another 10% of the budget in
                         # its own committed txn (pages are reusable only after that).
@@ -723,80 +573,28 @@ class DiskTier(Tier):
             f"{extra} extra bytes; raise the disk map headroom (fragmentation of mixed value sizes)"
         )
 
-    def _insert(
-        self, kb: bytes, head: bytes, stored: Any, tail: bytes, tenant: bytes, *, limit: int | None
-    ) -> bool:
-        """Write ``kb``'s data and meta (``head`` + recency seq + ``tail``), its recency record, the
-        usage total and (for a named tenant) its tenant record and totals in one transaction.
+    def _insert(self, kb: bytes, head: bytes, stored: Any, tenant: bytes, *, limit: int | None) -> bool:
+        """Write ``kb``'s records in one transaction (:meth:`RecordStore.insert
+        <tiercache.l2_disk.store.RecordStore.insert>`) and queue its touch if it kept its place.
 
         With ``limit`` set, writes nothing and returns ``False`` if usage afterwards would exceed
         it (the caller then evicts first). Caller holds ``_write_lock``.
-
-        A new object takes the next recency seq. An existing one is replaced in place (LMDB frees
-        the old payload's pages) and *keeps* its seq and recency record: its move to the young end
-        is queued as a touch, like a read's, instead of deleting and inserting a recency record in
-        this transaction (that dirtied one more leaf page per overwrite, measured ~10% of a 256 KiB
-        put). A meta record whose recency record is missing or not its own gets a new seq.
         """
-        meta_db = self._meta_db
         if len(self._touched) >= _TOUCH_BACKLOG:
-            # Before reading the old meta below: applying touches moves seqs.
+            # Before reading the old meta: applying touches moves seqs.
             with self._env.begin(write=True, buffers=True) as ttxn:
                 self._apply_touches(ttxn)
         txn = self._env.begin(write=True)  # small gets as bytes: cheaper than tracked buffers
         try:
-            get, put = txn.get, txn.put
-            used = u64(get(INFO_USED, db=meta_db))
-            after = used + len(stored)
-            found = get(kb, db=meta_db)
-            old: bytes | None = None
-            seqb: bytes | None = None
-            old_len = 0
-            old_tenant = DEFAULT_TENANT
-            if found is not None:
-                old = bytes(found)
-                old_tenant = self._tenant_of(txn, kb, old)
-                # The same header again (a re-put of the same bytes) needs no re-verification.
-                claimed = len(stored) if old[:HEADER_BYTES] == head else meta_stored_len(old)
-                if claimed is None:  # damaged header: measure the payload itself
-                    data = get(kb, db=self._data_db)
-                    claimed = 0 if data is None else len(data)
-                old_len = claimed
-                after -= old_len
-                if len(old) == META_BYTES:
-                    old_seqb = old[HEADER_BYTES : HEADER_BYTES + SEQ_BYTES]
-                    if get(REC + old_seqb, db=meta_db) == kb:
-                        seqb = old_seqb
-            if limit is not None and after > limit:
+            placed = self._records.insert(txn, kb, head, stored, tenant, limit)
+            if placed == OVER_LIMIT:
                 txn.abort()
                 return False
-            touch = seqb is not None
-            if seqb is None:
-                seq = u64(get(INFO_SEQ, db=meta_db))
-                seqb = b64(seq)
-                put(REC + seqb, kb, db=meta_db)
-                put(INFO_SEQ, b64(seq + 1), db=meta_db)
-            put(kb, stored, db=self._data_db)
-            meta = head + seqb + (bytes((tail[0] | TENANT_FLAG,)) if tenant else tail)
-            if meta != old:  # rewriting identical index bytes would only dirty pages
-                put(kb, meta, db=meta_db)
-            if after != used:
-                put(INFO_USED, b64(max(0, after)), db=meta_db)
-            if tenant != old_tenant or old is None:
-                if old is not None:
-                    self._add_tenant(txn, old_tenant, -old_len, -1)
-                self._add_tenant(txn, tenant, len(stored), 1)
-                if tenant:
-                    put(TEN + kb, tenant, db=meta_db)
-                elif old_tenant:
-                    txn.delete(TEN + kb, db=meta_db)
-            elif tenant and len(stored) != old_len:
-                self._add_tenant(txn, tenant, len(stored) - old_len, 0)
             txn.commit()
         except BaseException:
             txn.abort()
             raise
-        if touch:
+        if placed == KEPT_SEQ:
             with self._state_lock:
                 self._touched[kb] = None
         return True
@@ -811,11 +609,12 @@ class DiskTier(Tier):
         """
         high = int(self.config.high_watermark * self._budget)
         low = int(self.config.low_watermark * self._budget)
+        records = self._records
         evicted = 0
         with self._env.begin(write=True, buffers=True) as txn:
             self._apply_touches(txn)  # so the LRU order below is current
-            used = self._used_in(txn)
-            after = used - self._stored_len(txn, kb) + nbytes
+            used = records.used(txn)
+            after = used - records.stored_len(txn, kb) + nbytes
             if after <= high and extra == 0:
                 return  # commits the touches, if any
             freed, evicted, over_quota = self._evict_in(txn, kb, after, max(0, low - extra), tenant, nbytes)
@@ -833,7 +632,7 @@ class DiskTier(Tier):
                     f"{after - freed - nbytes} bytes are pinned (budget {self._budget}); release "
                     "pins or raise --disk-size-gb"
                 )
-            self._set_used(txn, used - freed)
+            records.set_used(txn, used - freed)
         if evicted:
             self._nudge()
 
@@ -867,14 +666,14 @@ class DiskTier(Tier):
             pinned,
             after,
             target,
-            self._tenant_of,
-            self._stored_len,
+            self._records.tenant_of,
+            self._records.stored_len,
             self._on_evict,
             lambda: self.stats.add("errors"),
         )
         over_quota = False
         if self._quotas.enforcing:
-            held = {t: n for t, (n, _) in self._tenant_totals(txn).items()}
+            held = {t: n for t, (n, _) in self._records.tenant_totals(txn).items()}
             quota = self._quotas.quota
             over_quota = held.get(requester, 0) + nbytes > quota(requester)
             over = {t for t, n in held.items() if n > quota(t)}
@@ -895,13 +694,13 @@ class DiskTier(Tier):
     def _delete_chosen(self, txn: lmdb.Transaction, walk: EvictionWalk) -> None:
         """Delete in ``txn`` what ``walk`` chose (its stale recency records too) and count it."""
         for seqb in walk.stale:
-            txn.delete(recency_key(seqb), db=self._dbs["recency"])
+            txn.delete(recency_key(seqb), db=self._meta_db)
         evicted_of: Counter[bytes] = Counter()
         for kb, size, tenant in walk.victims:
             evicted_of[tenant] += 1
-            self._delete_in(txn, kb, size)
+            self._records.delete(txn, kb, size)
         for kb in walk.corrupt:
-            self._delete_in(txn, kb)
+            self._records.delete(txn, kb)
         if walk.victims:
             self.stats.evicted(
                 EvictionReason.CAPACITY,
@@ -919,23 +718,12 @@ class DiskTier(Tier):
                 keys=[ObjectKey.from_bytes(kb) for kb in walk.corrupt],
             )
 
-    def _tenant_totals(self, txn: lmdb.Transaction) -> dict[bytes, tuple[int, int]]:
-        """Stored bytes and objects per tenant in ``txn``: the named tenants' persisted totals, and
-        the default tenant's, what they leave of the usage total and the object count."""
-        totals = tenant_totals(txn, self._meta_db)
-        totals[DEFAULT_TENANT] = (
-            max(0, self._used_in(txn) - sum(n for n, _ in totals.values())),
-            max(0, txn.stat(self._dbs["data"])["entries"] - sum(c for _, c in totals.values())),
-        )
-        return totals
-
     def _nudge(self) -> None:
         """Commit one tiny write so that pages freed by the previous txn become reusable."""
-        info = self._dbs["info"]
         with self._env.begin(write=True) as txn:
-            txn.put(INFO_SEQ, txn.get(INFO_SEQ, db=info) or b64(0), db=info)
+            txn.put(INFO_SEQ, txn.get(INFO_SEQ, db=self._meta_db) or b64(0), db=self._meta_db)
 
-    # -- reads ---------------------------------------------------------------------------------
+    # -- reads -------------------------------------------------------------------------------------
     def contains(self, key: ObjectKey) -> bool:
         """Whether ``key`` has a meta record. One short read txn; does not verify the payload."""
         env = self._env_here()
@@ -968,9 +756,7 @@ class DiskTier(Tier):
             raise self._translate(exc, "lookup") from exc
         return len(keys)
 
-    def _read(
-        self, key: ObjectKey, kb: bytes, count: bool = True
-    ) -> tuple[lmdb.Transaction, FrameHeader | None, Any, bytes | None, int, str | None] | None:
+    def _read(self, key: ObjectKey, kb: bytes, count: bool = True) -> _Found | None:
         """Open a read txn and fetch ``kb``'s header and stored bytes; ``None`` (txn closed, a
         miss counted if ``count``) if absent. Returns ``(txn, header, data, meta seen, data size,
         problem)``; the caller verifies the payload and ends the txn."""
@@ -1002,7 +788,7 @@ class DiskTier(Tier):
             problem = f"meta record of {len(meta)} bytes"
         else:
             try:
-                header = FrameHeader.decode(meta[:HEADER_BYTES], key)
+                header = FrameHeader.decode(meta_header(meta), key)
             except FrameError as exc:
                 problem = str(exc)
         return txn, header, data, seen_meta, size, problem
@@ -1141,26 +927,6 @@ class DiskTier(Tier):
         self._hit(kb, header.payload_len)
         return digest
 
-    def _drop_corrupt(
-        self, key: ObjectKey, kb: bytes, seen_meta: bytes | None, size: int, why: str, *, counted: bool = True
-    ) -> None:
-        """Delete ``kb`` if its meta record is still ``seen_meta``; ``counted``: it failed a read's
-        verification (a verify failure and a miss), not a write's read-back."""
-        if counted:
-            log.warning("disk tier object %s failed verification (%s); deleting it", key, why)
-            self.stats.add("verify_failures")
-            self.stats.add("misses")
-        try:
-            with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
-                current = txn.get(kb, db=self._dbs["meta"])
-                if (None if current is None else bytes(current)) != seen_meta:
-                    return  # replaced by a new write since we looked: not ours to delete
-                used = self._used_in(txn) - self._delete_in(txn, kb, size)
-                self._set_used(txn, used)
-        except lmdb.Error as exc:
-            raise self._translate(exc, "delete of a corrupt object") from exc
-        self.stats.evicted(EvictionReason.CORRUPT, keys=(key,))
-
     def release(self, handle: ReadHandle) -> None:
         """End a pin and its read txn. Harmless twice or after expiry. Cheap."""
         with self._state_lock:
@@ -1177,9 +943,10 @@ class DiskTier(Tier):
         kb = key.to_bytes()
         try:
             with self._write_lock, self._env.begin(write=True, buffers=True) as txn:
-                present = txn.get(kb, db=self._dbs["meta"]) is not None
-                if present or txn.get(kb, db=self._dbs["data"]) is not None:
-                    self._set_used(txn, self._used_in(txn) - self._delete_in(txn, kb))
+                present = txn.get(kb, db=self._meta_db) is not None
+                if present or txn.get(kb, db=self._data_db) is not None:
+                    records = self._records
+                    records.set_used(txn, records.used(txn) - records.delete(txn, kb))
         except lmdb.Error as exc:
             raise self._translate(exc, "delete") from exc
         if present:
@@ -1191,7 +958,7 @@ class DiskTier(Tier):
         env = self._env_here()
         try:
             with env.begin() as txn:
-                used = self._used_in(txn)
+                used = self._records.used(txn)
                 # The data sub-database holds exactly one record per object (meta also holds the
                 # recency and info records).
                 objects = txn.stat(self._dbs["data"])["entries"]
@@ -1205,7 +972,7 @@ class DiskTier(Tier):
         env = self._env_here()
         try:
             with env.begin() as txn:
-                totals = self._tenant_totals(txn)
+                totals = self._records.tenant_totals(txn)
         except lmdb.Error as exc:
             raise self._translate(exc, "stat") from exc
         with self._state_lock:
@@ -1241,32 +1008,9 @@ class DiskTier(Tier):
         in batches of short read txns like :meth:`iter_keys`. Touches not yet applied (at most one
         ``sync_interval_s`` old) still count at their older place; records a touch left stale are
         skipped, so each key comes once."""
-        env, meta_db = self._env_here(), self._dbs["meta"]
-        below: bytes | None = None  # continue with the recency records below this one
         try:
-            while True:
-                batch: list[bytes] = []
-                with env.begin(db=meta_db) as txn, txn.cursor(db=meta_db) as cur:
-                    # Recency records sort after every other record of the meta database.
-                    if below is None:
-                        found = cur.last()
-                    else:
-                        found = cur.prev() if cur.set_range(below) else cur.last()
-                    scanned = 0
-                    while found and scanned < records.ITER_BATCH:
-                        rkey = bytes(cur.key())
-                        if not rkey.startswith(REC):
-                            found = False
-                            break
-                        below, scanned = rkey, scanned + 1
-                        kb = bytes(cur.value())
-                        meta = txn.get(kb, db=meta_db)
-                        if not stale_recency(meta, rkey[len(REC) :]):
-                            batch.append(kb)
-                        found = cur.prev()
-                yield from (ObjectKey.from_bytes(kb) for kb in batch)
-                if not found:
-                    return
+            for kb in scan_by_use(self._env_here(), self._meta_db):
+                yield ObjectKey.from_bytes(kb)
         except lmdb.Error as exc:
             raise self._translate(exc, "scan") from exc
 
@@ -1310,7 +1054,7 @@ class DiskTier(Tier):
         self._env_here()
         try:
             with self._write_lock, self._env.begin(write=True) as txn:
-                txn.put(INFO_STATE + name.encode(), bytes(data), db=self._dbs["info"])
+                txn.put(state_key(name), bytes(data), db=self._meta_db)
         except lmdb.Error as exc:
             log.warning(
                 "disk tier at %s could not keep the %s state (%d bytes): %s",
@@ -1327,7 +1071,7 @@ class DiskTier(Tier):
         env = self._env_here()
         try:
             with env.begin() as txn:
-                return txn.get(INFO_STATE + name.encode(), db=self._dbs["info"])
+                return txn.get(state_key(name), db=self._meta_db)
         except lmdb.Error as exc:
             raise self._translate(exc, "state read") from exc
 
