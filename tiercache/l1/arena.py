@@ -154,69 +154,10 @@ class SharedArena:
         _check_name(name)
         if size <= 0:
             raise ArenaError(f"L1 arena size must be > 0 bytes, got {size}")
-        if not SHM_DIR.is_dir():
-            raise ArenaError(
-                f"{SHM_DIR} does not exist on this host; the L1 arena needs Linux POSIX shared memory"
-            )
+        _check_room(size)
         path = SHM_DIR / name
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = st.f_bavail * st.f_frsize
-        except OSError:  # cannot tell; fallocate below still catches a real shortage
-            free = size
-        if free < size:
-            raise ArenaError(
-                f"{SHM_DIR} has {format_bytes(free)} free but the L1 arena needs {format_bytes(size)}; "
-                "lower --l1-size-gb or enlarge /dev/shm (Docker: --shm-size, Kubernetes: an "
-                "emptyDir with medium: Memory)"
-            )
-        try:
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                if not _reclaim_abandoned(path):
-                    raise
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError as exc:
-            raise ArenaError(
-                f"an L1 arena named {name!r} already exists ({path}) and its server is running (it holds the "
-                f"arena's lock): pick another --l1-name, or stop that server"
-            ) from exc
-        except OSError as exc:
-            raise ArenaError(
-                f"cannot create L1 arena {path}: {exc.strerror}; check that {SHM_DIR} is mounted and writable by "
-                "this user"
-            ) from exc
-        try:
-            # The owner's mark, held for as long as the arena is open: a server killed with SIGKILL
-            # drops it with its process, so the next one may take the name over.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # The umask may have removed bits; the owner must be able to read and write.
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, size)
-            if prefault:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _advise_huge_pages(mapping)
-        except OSError as exc:
-            os.close(fd)
-            _unlink_quietly(path)
-            if exc.errno == errno.ENOSPC:
-                raise ArenaError(
-                    f"{SHM_DIR} ran out of space allocating the {format_bytes(size)} L1 arena; lower "
-                    "--l1-size-gb or enlarge /dev/shm"
-                ) from exc
-            raise ArenaError(
-                f"cannot size or map L1 arena {path}: {exc.strerror or exc}; lower --l1-size-gb or enlarge {SHM_DIR}"
-            ) from exc
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(path)
-            raise
+        fd = _create_file(path, name)
+        mapping = _size_and_map(fd, path, size, prefault)
         arena = cls(name, mapping, size, owner=True)
         arena._lock_fd = fd  # kept open: it holds the owner's lock
         return arena
@@ -431,6 +372,84 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _check_room(size: int) -> None:
+    """Refuse an arena of ``size`` bytes now where ``/dev/shm`` is missing or has less free."""
+    if not SHM_DIR.is_dir():
+        raise ArenaError(
+            f"{SHM_DIR} does not exist on this host; the L1 arena needs Linux POSIX shared memory"
+        )
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError:  # cannot tell; _size_and_map's fallocate still catches a real shortage
+        free = size
+    if free < size:
+        raise ArenaError(
+            f"{SHM_DIR} has {format_bytes(free)} free but the L1 arena needs {format_bytes(size)}; "
+            "lower --l1-size-gb or enlarge /dev/shm (Docker: --shm-size, Kubernetes: an "
+            "emptyDir with medium: Memory)"
+        )
+
+
+def _create_file(path: Path, name: str) -> int:
+    """Create the arena's file exclusively, owner-only, taking over the name of an arena whose
+    server died (:func:`_reclaim_abandoned`); its open descriptor."""
+    try:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            if not _reclaim_abandoned(path):
+                raise
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError as exc:
+        raise ArenaError(
+            f"an L1 arena named {name!r} already exists ({path}) and its server is running (it holds the "
+            f"arena's lock): pick another --l1-name, or stop that server"
+        ) from exc
+    except OSError as exc:
+        raise ArenaError(
+            f"cannot create L1 arena {path}: {exc.strerror}; check that {SHM_DIR} is mounted and writable by "
+            "this user"
+        ) from exc
+    return fd
+
+
+def _size_and_map(fd: int, path: Path, size: int, prefault: bool) -> mmap.mmap:
+    """Take the owner's lock on the new file ``fd``, size it (allocating its pages with
+    ``prefault``) and map it; on any failure close ``fd`` and remove the file."""
+    try:
+        # The owner's mark, held for as long as the arena is open: a server killed with SIGKILL
+        # drops it with its process, so the next one may take the name over.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # The umask may have removed bits; the owner must be able to read and write.
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        if prefault:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        _advise_huge_pages(mapping)
+    except OSError as exc:
+        os.close(fd)
+        _unlink_quietly(path)
+        if exc.errno == errno.ENOSPC:
+            raise ArenaError(
+                f"{SHM_DIR} ran out of space allocating the {format_bytes(size)} L1 arena; lower "
+                "--l1-size-gb or enlarge /dev/shm"
+            ) from exc
+        raise ArenaError(
+            f"cannot size or map L1 arena {path}: {exc.strerror or exc}; lower --l1-size-gb or enlarge {SHM_DIR}"
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    return mapping
 
 
 @dataclass(frozen=True, slots=True)
