@@ -1,7 +1,7 @@
 """What the disk tier evicts: walks of its recency records, oldest first, choosing victims.
 
 :class:`EvictionWalk` chooses inside one write transaction and deletes nothing: the tier deletes
-what it chose (:meth:`DiskTier._evict_in <tiercache.l2_disk.tier.DiskTier>`), so a walk that
+what it chose (:meth:`DiskWrites._evict_in <tiercache.l2_disk.writes.DiskWrites>`), so a walk that
 cannot make room leaves the transaction to be aborted with nothing evicted. A walk pass may filter
 the candidates (tenant quotas: only tenants over theirs first); each pass reads the recency records
 once, from the oldest, and stops once usage is down to the target.
