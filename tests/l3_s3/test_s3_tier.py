@@ -1,13 +1,14 @@
 """What the S3 tier does beyond the common contract, against moto's S3 server over real HTTP.
 
-Nothing here patches boto3: faults are made with a raw client (bit rot, foreign writers) or a TCP proxy
-that the test stops (an outage). Tests count requests and outcomes; they never assert timings.
+Nothing here patches boto3: faults are made with a raw client (bit rot, foreign writers), a TCP proxy
+that the test stops (an outage), or, for a listing that takes long, moto's own server holding it. Tests count requests and outcomes; they never assert timings.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import pytest
 
@@ -253,6 +254,45 @@ def test_a_restarted_tier_rebuilds_its_index_by_listing(s3: S3Endpoint, clock: F
         assert third.stats.snapshot()["evictions"][EvictionReason.CAPACITY.value] == 4
         assert len(list(third.iter_keys())) == 2
         assert list(third.iter_manifests()) == [(keys[0].fingerprint, b'{"model_id": "m"}')]
+
+
+def test_a_tier_reads_and_writes_before_its_start_up_listing_completes(
+    s3: S3Endpoint, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket of a fleet may take minutes to list: nothing but ``usage`` waits for it. The
+    listing is held in moto's server (its ListObjectsV2 waits on the test) while the tier serves."""
+    if s3.kind != "moto":
+        pytest.skip("the listing is held inside moto's server")
+    from moto.s3.models import S3Backend
+
+    keys = [make_key(i) for i in range(4)]
+    with make_s3_tier(s3, clock) as first:
+        for key in keys[:3]:
+            first.put(key, payload_for(key, CHUNK))
+    gate = threading.Event()
+    listing = S3Backend.list_objects_v2
+
+    def held(self: S3Backend, *args: object, **kwargs: object) -> object:
+        gate.wait(30)
+        return listing(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "list_objects_v2", held)
+    tier = S3Tier(s3_config(s3.url), clock=clock)
+    try:
+        assert not tier.wait_indexed(0.2)  # the listing is still held
+        handle = tier.pin(keys[1])  # a read of an object from before the start
+        assert handle is not None and bytes(handle.buffer) == payload_for(keys[1], CHUNK)
+        tier.release(handle)
+        tier.put(keys[3], payload_for(keys[3], CHUNK))
+        assert tier.lookup_prefix(keys) == 4
+        assert not tier.wait_indexed(0)
+    finally:
+        gate.set()
+    try:
+        assert tier.wait_indexed(30)
+        assert tier.usage().objects == 4  # the listing and the write while it ran, once each
+    finally:
+        tier.close()
 
 
 def test_an_object_larger_than_the_capacity_is_refused_without_a_request(

@@ -42,6 +42,7 @@ from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.l3_s3.breaker import BreakerState, CircuitBreaker
+from tiercache.l3_s3.capacity import CapacityIndex, Listing, rebuild
 from tiercache.l3_s3.client import (
     NO_BUCKET_CODES,
     NOT_FOUND_CODES,
@@ -51,7 +52,7 @@ from tiercache.l3_s3.client import (
     request_failure,
     where,
 )
-from tiercache.l3_s3.index import CapacityIndex, ExistenceCache
+from tiercache.l3_s3.index import ExistenceCache
 from tiercache.l3_s3.names import ObjectNames
 from tiercache.tier.contract import ReadHandle, Tier, TierUsage, WriteHandle
 from tiercache.tier.frames import HEADER_BYTES, decode_frame, encode_frame
@@ -64,6 +65,8 @@ T = TypeVar("T")
 
 #: DeleteObjects accepts at most this many keys per request.
 DELETE_BATCH = 1000
+#: How often the index thread checks whether this process's writes and reads need merging, seconds.
+MERGE_CHECK_S = 1.0
 #: What the tier's credentials need (docs/s3.md).
 _PERMISSIONS = "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject"
 
@@ -582,9 +585,11 @@ class S3Tier(Tier):
             token = page.get("NextContinuationToken")
 
     def _scan_prefix(self) -> None:
-        """Background thread: list the prefix once and merge it into the index, oldest first."""
+        """Background thread: list the prefix once and merge it into the index, oldest first; then
+        relist every ``relist_interval_s`` and merge what this process wrote and read whenever it
+        grows past the index's limit (:mod:`tiercache.l3_s3.capacity`)."""
         try:
-            listed: list[tuple[float, ObjectKey, int]] = []
+            listed = Listing()
             try:
                 listed = self._list_chunks()
             except _Closed:
@@ -596,8 +601,7 @@ class S3Tier(Tier):
                     self._where,
                     exc,
                 )
-                listed = []
-            self._merge_listing(listed)
+            self._merge(listed, drop_unlisted=False)
             if not self._closed.is_set():
                 # Objects from earlier runs (or other nodes) may already exceed the capacity.
                 self._enforce_capacity(keep=None)
@@ -606,15 +610,23 @@ class S3Tier(Tier):
         finally:
             self._indexed.set()
         interval = self.config.relist_interval_s
-        while interval > 0 and not self._closed.wait(interval):
-            self._relist()
+        next_relist = time.monotonic() + interval if interval > 0 else float("inf")
+        while not self._closed.wait(min(interval, MERGE_CHECK_S) if interval > 0 else MERGE_CHECK_S):
+            try:
+                if time.monotonic() >= next_relist:
+                    self._relist()
+                    next_relist = time.monotonic() + interval
+                else:
+                    self._merge_young()
+            except Exception:  # keep the thread (and the bound) alive; the next pass retries
+                log.exception("maintaining the S3 capacity index failed")
 
     def _relist(self) -> None:
         """List the prefix again and reconcile the index with it, so the capacity bound holds for
         the prefix as a whole: other nodes' writes count (and are evicted, oldest first) and their
         deletions are forgotten. A failed listing keeps the index as it is."""
         with self._lock:
-            self._index.begin_relisting()
+            self._index.begin_rebuild()
         try:
             listed = self._list_chunks()
         except _Closed:
@@ -624,41 +636,52 @@ class S3Tier(Tier):
                 "could not list S3 %s to count other nodes' objects (%s); retrying later", self._where, exc
             )
             with self._lock:
-                self._index.abandon_relisting()
+                self._index.abandon_rebuild()
             return
-        with self._lock:
-            added, dropped = self._index.reconcile(listed)
-            used = self._index.bytes_used
+        added, dropped = self._merge(listed, drop_unlisted=True)
         log.debug(
             "relisted S3 %s: %d objects, %d new from other writers, %d deleted by them; %d bytes",
             self._where,
             len(listed),
             added,
             dropped,
-            used,
+            self._index.bytes_used,
         )
         self._enforce_capacity(keep=None)
 
-    def _list_chunks(self) -> list[tuple[float, ObjectKey, int]]:
-        """Every chunk object under the prefix as ``(last modified, key, size)``; raises
+    def _merge_young(self) -> None:
+        """Merge what this process wrote and read into the index's columns once it outgrew its limit."""
+        with self._lock:
+            if not self._index.wants_merge():
+                return
+            self._index.begin_rebuild()
+        self._merge(None, drop_unlisted=False)
+
+    def _merge(self, listed: Listing | None, *, drop_unlisted: bool) -> tuple[int, int]:
+        """Merge (the O(n log n) part outside the lock); ``(added, dropped)`` by the listing."""
+        with self._lock:
+            frozen = self._index.freeze()
+        rebuilt = rebuild(frozen, listed, drop_unlisted=drop_unlisted)
+        with self._lock:
+            self._index.install(rebuilt)
+        return rebuilt.added, rebuilt.dropped
+
+    def _list_chunks(self) -> Listing:
+        """Every chunk object under the prefix, packed (no object per entry); raises
         :class:`_Closed` if the tier closes meanwhile (a partial listing must not be merged)."""
-        listed: list[tuple[float, ObjectKey, int]] = []
+        listed = Listing()
         try:
             for name, size, mtime in self._list():
                 if self._closed.is_set():
                     raise _Closed
                 key = self._names.key_of(name)
                 if key is not None:
-                    listed.append((mtime, key, size))
+                    listed.add(key, mtime, size)
         except S3TierError:
             if self._closed.is_set():  # the next page was refused because the tier closed
                 raise _Closed from None
             raise
         return listed
-
-    def _merge_listing(self, listed: list[tuple[float, ObjectKey, int]]) -> None:
-        with self._lock:
-            self._index.merge_listing(listed)
 
     def _forget(self, key: ObjectKey) -> None:
         with self._lock:
