@@ -157,7 +157,7 @@ def test_a_budget_larger_than_the_file_system_shrinks_to_fit_and_writes_go_on(
 ) -> None:
     # A 1 GiB budget on a 24 MiB file system: every write failed once the file system was full,
     # with a warning each, and the tier never evicted to recover (issue 30, point 10).
-    caplog.set_level(logging.WARNING, logger="tiercache.l2_disk.tier")
+    caplog.set_level(logging.WARNING, logger="tiercache.l2_disk")  # the tier's modules log under it
     disk = DiskTier(DiskConfig(path=small_file_system / "l2", budget_bytes=1 << 30, sync_interval_s=0.2))
     try:
         assert disk.usage().bytes_budget < 24 * MiB  # fitted to the file system at start

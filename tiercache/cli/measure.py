@@ -233,7 +233,7 @@ def _open_raw_lmdb(path: Path, budget: int) -> Any:
     """The raw baseline's LMDB environment (``lmdb`` ships no types, hence ``Any``)."""
     import lmdb
 
-    # The tier's own environment flags (DiskTier._open), so the ratio is the tier's work and not a
+    # The tier's own environment flags (tiercache/l2_disk/environment.py), so the ratio is the tier's work and not a
     # setting: meminit=False skips zeroing the unused tail of each value's pages.
     return lmdb.open(
         str(path),
