@@ -219,19 +219,10 @@ class CapacityIndex:
 
     def touch(self, key: ObjectKey) -> None:
         """``key`` was read: it becomes the youngest (LRU-ish)."""
-        raw = key.raw
-        if raw in self._young:
-            size = self._young.pop(raw)[1]
-        elif raw in self._front:
-            size = self._front.pop(raw)
-        else:
-            i = self._columns.find(raw)
-            if i < 0 or self._columns.flags[i] & DEAD:
-                return
-            self._columns.flags[i] |= DEAD  # shadowed by the young entry
-            size = int(self._columns.sizes[i])
-        self._young[raw] = (self._clock(), size, True)
-        self._touch(raw)
+        size = self._pop(key.raw)
+        if size is not None:
+            self._young[key.raw] = (self._clock(), size, True)
+            self._touch(key.raw)
 
     def forget(self, key: ObjectKey) -> None:
         """``key`` is gone from the bucket."""
@@ -296,18 +287,23 @@ class CapacityIndex:
         return excess
 
     def _remove(self, raw: bytes) -> None:
+        size = self._pop(raw)
+        if size is not None:
+            self._bytes -= size
+            self._count -= 1
+
+    def _pop(self, raw: bytes) -> int | None:
+        """Take ``raw``'s entry out of wherever it is (a column entry is marked dead); its size, or
+        None if the index does not hold it."""
         if raw in self._young:
-            size = self._young.pop(raw)[1]
-        elif raw in self._front:
-            size = self._front.pop(raw)
-        else:
-            i = self._columns.find(raw)
-            if i < 0 or self._columns.flags[i] & DEAD:
-                return
-            self._columns.flags[i] |= DEAD
-            size = int(self._columns.sizes[i])
-        self._bytes -= size
-        self._count -= 1
+            return self._young.pop(raw)[1]
+        if raw in self._front:
+            return self._front.pop(raw)
+        i = self._columns.find(raw)
+        if i < 0 or self._columns.flags[i] & DEAD:
+            return None
+        self._columns.flags[i] |= DEAD
+        return int(self._columns.sizes[i])
 
     def _touch(self, raw: bytes) -> None:
         if self._touched is not None:
