@@ -31,7 +31,7 @@ from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
 from tiercache.engine.remote import RemoteAsker
 from tiercache.engine.writes import WriteBehind
-from tiercache.errors import TierCacheError, TierError
+from tiercache.errors import TierCacheError, TierError, TierFullError
 from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
@@ -163,6 +163,18 @@ class TieredEngine:
             self.counters.add("stores_dropped")
             log.debug("store of %s dropped: %s", key, exc)
             return None
+
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
+        """Reserve L1 slots for a store of several chunks (of ``tenants``), all or nothing; when L1
+        has no room every item is counted in ``stores_dropped`` and the
+        :class:`~tiercache.errors.TierFullError` raised. Non-blocking."""
+        try:
+            return self.l1.reserve_many(items, tenants=tenants)
+        except TierFullError:
+            self.counters.add("stores_dropped", len(items))
+            raise
 
     def commit(self, handle: WriteHandle, digest: int | None = None) -> None:
         """Publish a filled reservation in L1 (with its payload's ``digest``, as its writer computed

@@ -41,6 +41,7 @@ from tiercache.config.parts import ServerOptions
 from tiercache.engine import TieredEngine
 from tiercache.errors import ConfigError, ServerError
 from tiercache.l1.arena import SharedArena
+from tiercache.l1.front import ArenaFront
 from tiercache.l1.tier import L1Tier
 from tiercache.server.data_ops import DataOps
 from tiercache.server.events import ResidencyLog, chain_removals
@@ -117,7 +118,7 @@ class Server:
             )
         self.engine = engine
         self.options = options or ServerOptions()
-        self._l1: L1Tier = engine.l1
+        self._l1: ArenaFront = engine.l1
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._auth: Any = None

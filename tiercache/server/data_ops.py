@@ -25,9 +25,9 @@ from tiercache.engine import (
     TieredEngine,
 )
 from tiercache.engine.counters import Throttle
-from tiercache.errors import ReservationError, TierFullError
+from tiercache.errors import ReservationError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
-from tiercache.l1.tier import L1Tier
+from tiercache.l1.front import ArenaFront
 from tiercache.server.layouts import Layouts, check_hashes
 from tiercache.server.replies import (
     Complete,
@@ -77,7 +77,7 @@ class DataOps:
     def __init__(
         self,
         engine: TieredEngine,
-        l1: L1Tier,
+        l1: ArenaFront,
         options: ServerOptions,
         sessions: Sessions,
         layouts: Layouts,
@@ -286,11 +286,7 @@ class DataOps:
         items = [(key, nbytes) for key, (_, nbytes) in zip(keys, msg.items)]
         for target, blocks in msg.holds:
             check_hashes([target, *blocks])
-        try:
-            handles = self._l1.reserve_many(items, tenants=tenants)
-        except TierFullError:
-            self._engine.counters.add("stores_dropped", len(items))
-            raise
+        handles = self._engine.reserve_many(items, tenants=tenants)  # counts a batch L1 has no room for
         for target, blocks in msg.holds:
             self._engine.index_blocks(target, blocks)
         slots: list[p.Slot | None] = []

@@ -23,7 +23,8 @@ from typing import Any
 from tiercache import __version__ as SERVER_VERSION
 from tiercache.config.parts import ServerOptions
 from tiercache.engine import PrefetchTicket, TieredEngine
-from tiercache.l1.tier import Abandoned, L1Tier
+from tiercache.l1.core import Abandoned
+from tiercache.l1.front import ArenaFront
 from tiercache.server.replies import Refused
 from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.wire import protocol as p
@@ -60,7 +61,7 @@ class Session:
 class Sessions:
     """Every session, the owner of every open token, and the handshake that opens a session."""
 
-    def __init__(self, engine: TieredEngine, l1: L1Tier, options: ServerOptions) -> None:
+    def __init__(self, engine: TieredEngine, l1: ArenaFront, options: ServerOptions) -> None:
         self._engine = engine
         self._l1 = l1
         self._options = options

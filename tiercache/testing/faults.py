@@ -105,6 +105,12 @@ class FaultInjectingTier(WrapperTier):
         self._write_fault()
         return super().reserve(key, nbytes, tenant=tenant)
 
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
+        self._write_fault()  # one fault for the batch, as the inner tier reserves it whole
+        return super().reserve_many(items, tenants=tenants)
+
     def put(
         self,
         key: ObjectKey,

@@ -462,3 +462,19 @@ class FrontTierSuite(TierSuite):
         tier.commit(tier.reserve(make_key(99), CHUNK))  # settling made room: the settled one went
         assert not tier.contains(make_key(3))
         assert all(tier.contains(make_key(i)) for i in range(BUDGET // CHUNK) if i != 3)
+
+    def test_a_batch_reservation_is_all_or_nothing(self, tier: FrontTier) -> None:
+        batch = [make_key(i) for i in range(3)]
+        for key, handle in zip(batch, tier.reserve_many([(k, CHUNK) for k in batch]), strict=True):
+            handle.buffer[:] = payload_for(key, CHUNK)
+            tier.commit(handle)
+        assert all(tier.contains(k) for k in batch)
+        owed = [make_key(10 + i) for i in range(BUDGET // CHUNK)]
+        for key in owed:  # every byte owed to a lower tier: nothing may be evicted
+            tier.put(key, payload_for(key, CHUNK), owed=True)
+        tier.settle(owed[0])  # room for one more object, not two
+        wanted = [make_key(90), make_key(91)]
+        with pytest.raises(TierFullError):
+            tier.reserve_many([(k, CHUNK) for k in wanted])
+        assert tier.writing_many(wanted) == [False, False]  # the one that fitted was given back
+        assert not any(tier.contains(k) for k in wanted)

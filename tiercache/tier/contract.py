@@ -325,6 +325,26 @@ class FrontTier(Tier):
         """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
         whose quota decides what may be evicted to make room."""
 
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
+        """Reserve each ``(key, nbytes)``, of ``tenants[i]`` (empty: all the default tenant), all or
+        nothing: if one cannot be reserved, those made are given back and the error is raised
+        (:class:`~tiercache.errors.TierFullError` when it does not fit). A store request of many
+        chunks. Default: one :meth:`reserve` after another; tiers override it to reserve under one
+        lock (L1)."""
+        if tenants and len(tenants) != len(items):
+            raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
+        handles: list[WriteHandle] = []
+        try:
+            for i, (key, nbytes) in enumerate(items):
+                handles.append(self.reserve(key, nbytes, tenant=tenants[i] if tenants else DEFAULT_TENANT))
+        except BaseException:
+            for handle in handles:
+                self.abort(handle)
+            raise
+        return handles
+
     def put(
         self,
         key: ObjectKey,

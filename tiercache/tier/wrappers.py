@@ -50,6 +50,13 @@ class WrapperTier(FrontTier):
             return self.inner.reserve(key, nbytes, tenant=tenant)
         return self.inner.reserve(key, nbytes)  # only a front tier keeps tenant quotas
 
+    def reserve_many(
+        self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()
+    ) -> list[WriteHandle]:
+        if isinstance(self.inner, FrontTier):
+            return self.inner.reserve_many(items, tenants=tenants)
+        return super().reserve_many(items, tenants=tenants)  # one reserve after another, as for any tier
+
     def commit(self, handle: WriteHandle, *, owed: bool = False, digest: int | None = None) -> None:
         if isinstance(self.inner, FrontTier):
             self.inner.commit(handle, owed=owed, digest=digest)
