@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +63,21 @@ class ScriptedLog:
             instance=b"bench", next_seq=len(events), events=events, local_tiers=list(tiers)
         )
 
-    def events(self) -> p.EventsReply:
+    def events(
+        self,
+        since: int = -1,
+        fingerprints: Sequence[Fingerprint] = (),
+        limit: int = 10_000,
+        timeout: float | None = None,
+    ) -> p.EventsReply:
         return p.EventsReply(instance=b"bench", next_seq=0)
 
-    def events_async(self, since: int, fingerprints: list[bytes]) -> int:
+    def events_async(
+        self, since: int = -1, fingerprints: Sequence[Fingerprint] = (), limit: int = 10_000
+    ) -> int:
         return 1
 
-    def poll(self, req_id: int) -> p.EventsReply | None:
+    def poll(self, req_id: int, wait_s: float = 0.0) -> p.EventsReply | None:
         reply, self._reply = self._reply, None
         return reply or p.EventsReply(instance=b"bench", next_seq=req_id)
 

@@ -139,7 +139,7 @@ class LookupClient:
         self.hashes: list[bytes] = []
         self.tail = False  # whether the last lookup asked for a tail
 
-    def lookup_async(self, hashes: list[bytes], refs: object, **how: Any) -> int:
+    def lookup_async(self, hashes: list[bytes], groups: object, **how: Any) -> int:
         self.asked.append((len(hashes), how))
         self.hashes = list(hashes)
         self.tail = how.get("kind") is LookupKind.TAIL
@@ -151,7 +151,7 @@ class LookupClient:
             return msgspec.structs.replace(reply, blocks=reply.chunks, chunks=min(reply.chunks, 1))
         return reply
 
-    def release_ticket(self, ticket: int, *, read: bool = False) -> None:
+    def release_ticket(self, ticket: int, timeout: float | None = None, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
 

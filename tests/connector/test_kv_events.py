@@ -11,7 +11,7 @@ server and its ZMQ publisher are ``tests/e2e/test_kv_events.py``."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -382,14 +382,22 @@ class ScriptedLog:
         self._asked = False
 
     # -- what the tracker calls ----------------------------------------------------------------
-    def events(self) -> p.EventsReply:
+    def events(
+        self,
+        since: int = -1,
+        fingerprints: Sequence[Fingerprint] = (),
+        limit: int = 10_000,
+        timeout: float | None = None,
+    ) -> p.EventsReply:
         return p.EventsReply(instance=self.INSTANCE, next_seq=0)
 
-    def events_async(self, since: int, fingerprints: list[bytes]) -> int:
+    def events_async(
+        self, since: int = -1, fingerprints: Sequence[Fingerprint] = (), limit: int = 10_000
+    ) -> int:
         self._asked = True
         return 1
 
-    def poll(self, req_id: int) -> p.EventsReply | None:
+    def poll(self, req_id: int, wait_s: float = 0.0) -> p.EventsReply | None:
         if not self._asked or not self._replies:
             return None
         self._asked = False

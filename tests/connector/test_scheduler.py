@@ -229,9 +229,9 @@ class _LateClient(LookupClient):
         self.delay_s, self.sent = delay_s, 0.0
         self.waits: list[float] = []
 
-    def lookup_async(self, hashes: list[bytes], refs: object, **how: Any) -> int:
+    def lookup_async(self, hashes: list[bytes], groups: object, **how: Any) -> int:
         self.sent = time.monotonic()
-        return super().lookup_async(hashes, refs, **how)
+        return super().lookup_async(hashes, groups, **how)
 
     def poll(self, req_id: int, wait_s: float = 0.0) -> LookupReply | None:
         self.waits.append(wait_s)
@@ -335,7 +335,7 @@ class _TicketClient:
         self.released: list[int] = []
         self.read: list[bool] = []
 
-    def release_ticket(self, ticket: int, *, read: bool = False) -> None:
+    def release_ticket(self, ticket: int, timeout: float | None = None, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
 

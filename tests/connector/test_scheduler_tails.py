@@ -151,9 +151,9 @@ class _SequencedClient(LookupClient):
         super().__init__(None)
         self._replies = list(replies)
 
-    def lookup_async(self, hashes: list[bytes], refs: object, **how: Any) -> int:
+    def lookup_async(self, hashes: list[bytes], groups: object, **how: Any) -> int:
         self.reply = self._replies.pop(0)
-        return super().lookup_async(hashes, refs, **how)
+        return super().lookup_async(hashes, groups, **how)
 
 
 def test_a_tail_lookup_answered_with_the_chunk_holding_the_blocks_loads_its_first_blocks() -> None:
