@@ -1,6 +1,7 @@
 """The engine's layout as the connector reads it at start-up (:mod:`tiercache.connector.layout`):
 block sizes against the chunk size, which KV-cache group kinds it accepts, which chunks of each
-group a hit needs, the start-up rules for recurrent (Mamba/GDN) groups, and the weights identity
+group a hit needs, the start-up rules for recurrent (Mamba/GDN) groups
+(:mod:`tiercache.connector.recurrent`), and the weights identity
 (:mod:`tiercache.keys.weights`) that names the model in the layout's fingerprint.
 
 Plain Python: fake spec objects stand in for vLLM's (only their class names and fields matter)."""
@@ -17,8 +18,8 @@ from tiercache.connector.layout import (
     GroupLayout,
     check_block_sizes,
     check_group_specs,
-    check_recurrent_config,
 )
+from tiercache.connector.recurrent import check_recurrent_config
 from tiercache.errors import ConfigError
 from tiercache.keys.weights import content_fingerprint, weights_identity
 

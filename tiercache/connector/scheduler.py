@@ -49,7 +49,6 @@ from tiercache.connector.events import KVEventTracker
 from tiercache.connector.feed import open_feed
 from tiercache.connector.layout import (
     EngineLayout,
-    check_recurrent_config,
     cpu_in_step_checkpoints,
     derive_layout,
 )
@@ -59,6 +58,7 @@ from tiercache.connector.metadata import (
     RequestLoad,
     TierCacheMetadata,
 )
+from tiercache.connector.recurrent import check_recurrent_config
 from tiercache.connector.stats import StatsRecorder, TierCacheConnectorStats
 from tiercache.connector.tails import (
     askable_blocks,
