@@ -16,9 +16,12 @@ installs tiercache and LMCache side by side if a system cannot import there), th
 rotated across ``--runs``, and every system settles the same way between its phases.
 
 Workloads: ``prefix`` (shared documents: ``vllm.benchmarks.serve`` with ``--dataset-name
-prefix_repetition``, several questions per document, shuffled) and ``chat`` (multi-turn chat: users
+prefix_repetition``, several questions per document, shuffled), ``chat`` (multi-turn chat: users
 whose history grows each turn, round-robin across users so a user's history has left vLLM's capped
-cache by its next turn; a small streaming client on httpx, since the wheel has no such dataset).
+cache by its next turn; a small streaming client on httpx, since the wheel has no such dataset) and
+``miss`` (unique prompts, ``--dataset-name random``: what a cache costs when nothing is reused; cold
+phases only, and best run alone with ``--blocks`` large enough that nothing is preempted, e.g.
+``--workloads miss --systems none,tiercache --budgets full --no-floor --blocks 512``).
 
 Budgets: ``full`` (the cache server's L1 holds the working set) and ``third`` (a third of it: tiercache
 serves the rest from its disk tier, LMCache from ``fs`` when it has it, else recomputes).
@@ -162,6 +165,8 @@ def working_set_tokens(args: argparse.Namespace) -> int:
     if "chat" in args.workloads:
         per_user = 1 + args.first_len + args.turns * args.output_len + (args.turns - 1) * args.turn_len
         total += args.users * per_user
+    if "miss" in args.workloads:
+        total += args.miss_prompts * (args.miss_len + args.output_len)
     return total
 
 
@@ -445,6 +450,51 @@ def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> W
     )
 
 
+def run_miss(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
+    """Unique prompts (``vllm.benchmarks.serve``'s random dataset: random tokens, no shared prefix),
+    so an external cache can only cost: its lookups find nothing and it stores every chunk."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    bench_args = parser.parse_args(
+        [
+            "--backend=vllm",
+            f"--base-url={server.url}",
+            "--endpoint=/v1/completions",
+            f"--model={server.model}",
+            f"--tokenizer={model}",
+            "--dataset-name=random",
+            f"--random-input-len={args.miss_len}",
+            f"--random-output-len={args.output_len}",
+            "--random-range-ratio=0",
+            f"--num-prompts={args.miss_prompts}",
+            f"--max-concurrency={args.concurrency}",
+            "--request-rate=inf",
+            "--ignore-eos",
+            "--temperature=0",
+            f"--seed={args.seed}",
+            "--save-detailed",
+            "--ready-check-timeout-sec=0",
+            "--disable-tqdm",
+            "--percentile-metrics=ttft,e2el",
+            "--metric-percentiles=50,90,99",
+        ]
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        res = main(bench_args)
+    return WorkloadResult(
+        "miss",
+        float(res["duration"]),
+        int(res["completed"]),
+        int(res["failed"]),
+        int(res["total_input_tokens"]) + int(res["total_output_tokens"]),
+        [float(t) for t in res["ttfts"]],
+        [str(t) for t in res["generated_texts"]],
+    )
+
+
 def chat_turn(
     http: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int
 ) -> tuple[float, str, int]:
@@ -611,9 +661,12 @@ def serve_once(
     blocks: int,
     ktc: dict[str, Any] | None,
     passes: int = 1,
+    *,
+    cold: bool = True,
 ) -> tuple[float, list[dict[str, WorkloadResult]]]:
     """Start one vLLM server from ``--python`` (every system's), run every workload ``passes`` times,
-    stop it; (start seconds, results). The environment is the same for every system too."""
+    stop it; (start seconds, results). The environment is the same for every system too. ``miss``
+    runs only on a ``cold`` engine's first pass: anywhere else its prompts were seen before."""
     model = work / "model"
     t0 = time.perf_counter()
     server = OpenAIServer(
@@ -633,8 +686,16 @@ def serve_once(
         for p in range(passes):
             res: dict[str, WorkloadResult] = {}
             for wl in args.workloads:
+                if wl == "miss" and (p > 0 or not cold):
+                    continue
                 before = counters(server)
-                r = run_prefix(args, server, model) if wl == "prefix" else run_chat(args, server)
+                r = (
+                    run_prefix(args, server, model)
+                    if wl == "prefix"
+                    else run_miss(args, server, model)
+                    if wl == "miss"
+                    else run_chat(args, server)
+                )
                 after = counters(server)
                 r.counters = {k: after[k] - before.get(k, 0.0) for k in after}
                 r.external_hits = r.counters[EXTERNAL_HITS]
@@ -688,7 +749,7 @@ def run_all(
         phases.append(Phase("none", "–", "cold", run, start, res[0]))
 
     def floor() -> None:
-        start, res = serve_once(args, work, f"r{run}-floor", floor_blocks(args), None, passes=2)
+        start, res = serve_once(args, work, f"r{run}-floor", floor_blocks(args), None, passes=2, cold=False)
         phases.append(Phase("floor", "–", "pass 1", run, start, res[0]))
         phases.append(Phase("floor", "–", "pass 2", run, start, res[1]))
 
@@ -721,7 +782,7 @@ def run_all(
             for phase in phase_names:
                 name = f"r{run}-{system}-{budget}-{phase.replace(' ', '-')}"
                 blocks = floor_blocks(args) if phase == "floor-sized restart" else args.blocks
-                start, res = serve_once(args, work, name, blocks, ktc)
+                start, res = serve_once(args, work, name, blocks, ktc, cold=phase == "cold")
                 if phase != phase_names[-1]:
                     # The same rule for every system before its next phase looks for what it stored.
                     settled = settle_cache(cache)
@@ -778,8 +839,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     s.add_argument(
         "--workloads",
-        default=",".join(WORKLOADS),
-        help="comma list of: prefix (shared documents), chat (multi-turn)",
+        default="prefix,chat",  # miss is run on its own (module docstring)
+        help="comma list of: prefix (shared documents), chat (multi-turn), miss (unique prompts: cold phases only)",
     )
     s.add_argument(
         "--budgets",
@@ -820,6 +881,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--turns", type=int, default=3, help="chat: turns per user")
     w.add_argument("--first-len", type=int, default=640, help="chat: tokens of each user's first message")
     w.add_argument("--turn-len", type=int, default=96, help="chat: tokens of each follow-up message")
+    w.add_argument("--miss-prompts", type=int, default=48, help="miss: unique prompts (cold phases only)")
+    w.add_argument("--miss-len", type=int, default=1024, help="miss: tokens per unique prompt")
     w.add_argument(
         "--output-len", type=int, default=16, help="generated tokens per request (greedy, ignore_eos)"
     )
