@@ -124,8 +124,8 @@ class CpuPageCopy(PageCopyEngine):
     def start_load(self, plan: LoadPlan, overlap: bool) -> LoadJob:
         """Overlapped: a thread writes layer by layer and hashes each part for its check right
         after copying it (still in cache). Inline: the writes only; the checks hash later, off the
-        forward pass's path (:meth:`WorkerHalf.start_load_kv
-        <tiercache.connector.worker.WorkerHalf.start_load_kv>`)."""
+        forward pass's path (:meth:`WorkerLoads.start_load_kv
+        <tiercache.connector.worker_loads.WorkerLoads.start_load_kv>`)."""
         if overlap:
             return ThreadedLoad(plan, _write_checked)
         failed: set[int] = set()
