@@ -29,9 +29,10 @@ from tests.connector.fakes import (
     step_output,
 )
 from tiercache.config.connector import ConnectorSettings
-from tiercache.connector import scheduler
+from tiercache.connector import scheduler_lookups
 from tiercache.connector.metadata import TierCacheMetadata
-from tiercache.connector.scheduler import LookupState, SchedulerHalf, _Probe, _Request
+from tiercache.connector.scheduler import SchedulerHalf
+from tiercache.connector.scheduler_core import LookupState, _Probe, _Request
 from tiercache.keys import ExtraKeys
 from tiercache.keys.tenant import tenant_id
 from tiercache.wire.protocol import LookupReply, TicketStateName
@@ -171,7 +172,7 @@ class _SteppedClock:
 @pytest.fixture
 def stepped(monkeypatch: pytest.MonkeyPatch) -> _SteppedClock:
     clock = _SteppedClock()
-    monkeypatch.setattr(scheduler, "time", clock)
+    monkeypatch.setattr(scheduler_lookups, "time", clock)  # its polls' clock
     return clock
 
 

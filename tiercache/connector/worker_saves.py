@@ -235,6 +235,6 @@ class WorkerSaves(WorkerLoads):
 
 def _zeros_allowed(save: ChunkSave, g: GroupLayout) -> bool:
     """Whether ``save`` may hold zeros for ``g``'s null blocks: a tail's sliding group, whose first
-    blocks vLLM freed before the store (:meth:`SchedulerHalf._plan_tail_saves
-    <tiercache.connector.scheduler.SchedulerHalf._plan_tail_saves>`)."""
+    blocks vLLM freed before the store (:meth:`SchedulerSaves._plan_tail_saves
+    <tiercache.connector.scheduler_saves.SchedulerSaves._plan_tail_saves>`)."""
     return save.blocks > 0 and g.is_sliding
