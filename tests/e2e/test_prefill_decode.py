@@ -211,7 +211,7 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
 
 def settled_stores(server: ServerProcess) -> int:
     """The server's ``stores`` once no store is in flight. A producer reserves a step's chunks before
-    its response returns (tiercache/connector/worker.py) and commits them after its slowed copy, so
+    its response returns (tiercache/connector/worker_saves.py) and commits them after its slowed copy, so
     once a response is back every store it made is either counted or holds a reservation: wait
     until no reservation is open, then read."""
     with server.client() as c:

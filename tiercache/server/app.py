@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from tiercache.errors import ConfigError, ServerError
 from tiercache.l1.arena import SharedArena
 from tiercache.l1.front import ArenaFront
 from tiercache.l1.tier import L1Tier
+from tiercache.server.connections import peer_of, raise_descriptor_limit
 from tiercache.server.data_ops import DataOps
 from tiercache.server.events import ResidencyLog, chain_removals
 from tiercache.server.hellos import FailedHellos
@@ -87,21 +87,6 @@ class _Completion:
     #: Called on the loop with the reply just sent (``None``: nothing was sent), e.g. to time it.
     sent: Callable[[p.Message | None], None] | None = None
     result: Any = None
-
-
-def raise_descriptor_limit() -> int:
-    """Raise this process's soft limit of open descriptors to its hard limit (each client
-    connection holds one; systemd starts services with a soft limit of 1,024) and return it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft >= hard:
-        return soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:
-        log.warning("could not raise the open-descriptor limit from %d to %d: %s", soft, hard, exc)
-        return soft
-    log.info("open-descriptor limit raised from %d to %d (one per client connection)", soft, hard)
-    return hard
 
 
 class Server:
@@ -379,7 +364,7 @@ class Server:
                 self._send(sock, identity, self._oversized(known, size), False)
                 continue
             body, tag = request_of([part.buffer for part in parts])
-            reply, signed = self._handle(identity, body, tag, partial(_peer_of, head))
+            reply, signed = self._handle(identity, body, tag, partial(peer_of, head))
             if reply is not None:
                 self._send(sock, identity, reply, signed)
 
@@ -591,11 +576,3 @@ class Server:
             **stats,
             "latency": {"lookup": self.lookup_latency.snapshot(), "tiers": self.engine.latency()},
         }
-
-
-def _peer_of(frame: zmq.Frame) -> str:
-    """The address libzmq reports for the connection ``frame`` came on (``unknown`` if none)."""
-    try:
-        return str(frame.get("Peer-Address"))
-    except zmq.ZMQError:
-        return "unknown"
