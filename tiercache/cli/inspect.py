@@ -406,7 +406,7 @@ def _explain(args: argparse.Namespace) -> int:
     def body(source: LiveSource | OfflineSource) -> int:
         from tiercache.keys.hashing import ExtraKeys, chunk_hashes
 
-        chunk = args.chunk_size or source.chunk_size()  # type: ignore[union-attr]
+        chunk = args.chunk_size or (source.chunk_size() if isinstance(source, LiveSource) else 0)
         hashes = chunk_hashes(tokens, chunk, ExtraKeys(cache_salt=args.cache_salt, lora_name=args.lora))
         known = source.known_groups()
         groups: list[tuple[Fingerprint, int]] = []

@@ -106,7 +106,7 @@ class Locator:
         keys = front.committed_keys(list(dict.fromkeys(needed)))
         if not all(keys):  # (a key is always true: no Python call per key, as ``None in`` makes)
             return None
-        return LookupResult(n, {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]
+        return LookupResult(n, {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]  # all() found each
 
     def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> None:
         """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier

@@ -116,7 +116,7 @@ class Promoter:
         elapsed = perf_counter() - t0
         absent: list[ObjectKey] = []
         if all(pinned):  # every object in L1 (a handle, a non-empty tuple, is always true)
-            handles = ticket.handles = dict(zip(needed, pinned))  # type: ignore[arg-type]
+            handles = ticket.handles = dict(zip(needed, pinned))  # type: ignore[arg-type]  # all() says none is None
         else:
             handles = ticket.handles
             for key, handle in zip(needed, pinned, strict=True):

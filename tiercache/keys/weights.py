@@ -51,7 +51,7 @@ def _hf_snapshot(model: str, revision: str | None) -> Path | None:
     """The local Hugging Face cache snapshot of ``model`` (no network), if there is one."""
     try:
         # Optional (vLLM brings it): absent where mypy runs, typed where it is installed.
-        from huggingface_hub import snapshot_download  # type: ignore[import-not-found, unused-ignore]
+        from huggingface_hub import snapshot_download  # type: ignore[import-not-found, unused-ignore]  # optional
     except ImportError:
         return None
     try:

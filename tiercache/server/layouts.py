@@ -88,7 +88,7 @@ class Layouts:
         :meth:`resolve` reads the manifests). No I/O: the request loop may call it."""
         with self._lock:
             specs = [self._specs.get((ref.fingerprint, ref.object_group)) for ref in refs]
-        return None if None in specs else specs  # type: ignore[return-value]
+        return None if None in specs else specs  # type: ignore[return-value]  # no None left: `in` does not narrow
 
     def resolve(self, refs: list[p.GroupRef]) -> list[GroupSpec]:
         """Group specs for ``refs``; I/O executor (may read a manifest from L2/L3)."""
