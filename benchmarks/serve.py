@@ -12,8 +12,10 @@ same prompts and the same seed, with vLLM's own KV cache capped below the workin
 
 Fair to every system (``benchmarks/serve_plan.py``): every server, vLLM's and the cache servers',
 starts from one interpreter (``--python``; checked before anything starts, with the command that
-installs tiercache and LMCache side by side if a system cannot import there), the systems' order is
-rotated across ``--runs``, and every system settles the same way between its phases.
+installs tiercache and LMCache side by side if a system cannot import there), every engine computes
+on the same CPUs (``--engine-cpus``) and, with ``--pin``, every vLLM server runs there and every cache
+server and the load generator on the CPUs left, the systems' order is rotated across ``--runs``, and
+every system settles the same way between its phases.
 
 Workloads: ``prefix`` (shared documents: ``vllm.benchmarks.serve`` with ``--dataset-name
 prefix_repetition``, several questions per document, shuffled), ``chat`` (multi-turn chat: users
@@ -132,6 +134,36 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def cpu_set(spec: str) -> set[int]:
+    """The CPUs of a list such as ``0``, ``0-3`` or ``0,2-3``."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def placement(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(engine CPUs, cache CPUs)`` for ``taskset``: with ``--pin``, every vLLM server (its front-end
+    and engine) on ``--engine-cpus`` and every cache server, and the load generator in this process,
+    on the CPUs left; ``(None, None)`` unpinned. Raises :class:`ValueError` when none is left."""
+    if not args.pin or args.engine_cpus == "auto":
+        return None, None
+    engine = cpu_set(args.engine_cpus)
+    rest = sorted(set(os.sched_getaffinity(0)) - engine)
+    if not rest:
+        raise ValueError(
+            f"--pin needs a CPU besides --engine-cpus {args.engine_cpus} for the cache servers and the "
+            "load generator; give the engines fewer CPUs or pass --no-pin"
+        )
+    return args.engine_cpus, ",".join(map(str, rest))
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on ``cpus`` (``taskset -c``), or as it is when ``cpus`` is None."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
 def log(msg: str) -> None:
     """A progress line on stderr (stdout is kept for the table)."""
     print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -195,6 +227,7 @@ class TierCacheServer:
     l1_gb: float
     proc: subprocess.Popen[bytes] | None = None
     tails: bool = True  # the connector's ``tails`` setting (its default: on)
+    cpus: str | None = None  # taskset's CPU list (placement())
 
     @property
     def endpoint(self) -> str:
@@ -203,26 +236,29 @@ class TierCacheServer:
     def start(self) -> None:
         """Start it on an empty disk directory and wait for a hello round trip."""
         self.root.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            self.python,
-            "-m",
-            "tiercache.cli",
-            "server",
-            "--tiers",
-            "l1,disk",
-            "--listen",
-            self.endpoint,
-            "--chunk-size",
-            str(self.chunk),
-            "--l1-size-gb",
-            str(self.l1_gb),
-            "--disk-path",
-            str(self.root / "disk"),
-            "--disk-size-gb",
-            "4",
-            "--log-level",
-            "warning",
-        ]
+        cmd = pinned(
+            [
+                self.python,
+                "-m",
+                "tiercache.cli",
+                "server",
+                "--tiers",
+                "l1,disk",
+                "--listen",
+                self.endpoint,
+                "--chunk-size",
+                str(self.chunk),
+                "--l1-size-gb",
+                str(self.l1_gb),
+                "--disk-path",
+                str(self.root / "disk"),
+                "--disk-size-gb",
+                "4",
+                "--log-level",
+                "warning",
+            ],
+            self.cpus,
+        )
         with (self.root / "server.log").open("ab") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, **SERVER_ENV)
@@ -300,6 +336,7 @@ class LMCacheServer:
     fs: bool
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    cpus: str | None = None  # taskset's CPU list (placement())
 
     def start(self) -> None:
         """Start it and wait until its port accepts connections."""
@@ -325,7 +362,9 @@ class LMCacheServer:
             cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.root / "fs")})]
         env = dict(os.environ, **SERVER_ENV)
         with (self.root / "server.log").open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+            self.proc = subprocess.Popen(
+                pinned(cmd, self.cpus), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root
+            )
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -670,7 +709,9 @@ def serve_once(
     model = work / "model"
     t0 = time.perf_counter()
     server = OpenAIServer(
-        vllm_argv(args, model, args.python, blocks, ktc), work / "logs" / f"{name}.log", env=engine_env(args)
+        pinned(vllm_argv(args, model, args.python, blocks, ktc), args.engine_pin),
+        work / "logs" / f"{name}.log",
+        env=engine_env(args),
     )
     try:
         server.wait_ready(timeout=args.start_timeout_s)
@@ -764,10 +805,16 @@ def run_all(
                 args.chunk_size,
                 budget_gb(args, budget),
                 tails=system != "tiercache-chunks",
+                cpus=args.cache_pin,
             )
         elif system in LMCACHE_SYSTEMS:
             cache = LMCacheServer(
-                args.python, root, args.chunk_size, budget_gb(args, budget), fs=system == "lmcache-fs"
+                args.python,
+                root,
+                args.chunk_size,
+                budget_gb(args, budget),
+                fs=system == "lmcache-fs",
+                cpus=args.cache_pin,
             )
         else:
             cache = ExampleStore(root)
@@ -917,6 +964,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "list such as 0 or 0-3); 'auto' leaves vLLM to choose, which gives an engine with a connector "
         "more compute threads than one without",
     )
+    m.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every vLLM server (front-end and engine) on --engine-cpus with taskset, and every cache "
+        "server and the load generator on the CPUs left, whatever the system: without it the cache "
+        "server's work (a write to disk for every chunk stored) takes CPU time from the engine",
+    )
     e = ap.add_argument_group("environments and output")
     e.add_argument(
         "--python",
@@ -1035,8 +1090,21 @@ def main(argv: list[str] | None = None) -> int:
         print(install_error(args.python, problems), file=sys.stderr)
         return 2
     log(install.line())
+    try:
+        args.engine_pin, args.cache_pin = placement(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.cache_pin:
+        os.sched_setaffinity(0, cpu_set(args.cache_pin))  # the load generator runs in this process
     log(
         f"every vLLM engine computes on CPUs {args.engine_cpus} (VLLM_CPU_OMP_THREADS_BIND)"
+        + (
+            f"; vLLM servers run on CPUs {args.engine_pin}, cache servers and the load generator on "
+            f"{args.cache_pin} (taskset)"
+            if args.engine_pin
+            else ""
+        )
         if args.engine_cpus != "auto"
         else "vLLM chooses each engine's CPUs (--engine-cpus auto): a connector adds a compute thread"
     )
@@ -1083,7 +1151,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Serving benchmark: {args.runs} run(s), medians; tiny Llama hidden {args.hidden}, {args.layers} layers, "
         f"float32, block {args.block_size}, chunk {args.chunk_size}; vLLM KV capped at {args.blocks} blocks "
         f"(floor: {floor_blocks(args)}); working set {ws} tokens; concurrency {args.concurrency}; "
-        f"every system on {install.vllm_version()}, engine CPUs {args.engine_cpus}; {time.perf_counter() - t0:.0f} s"
+        f"every system on {install.vllm_version()}, engine CPUs {args.engine_cpus}"
+        + (
+            f" (vLLM servers on {args.engine_pin}, cache servers on {args.cache_pin})"
+            if args.engine_pin
+            else ""
+        )
+        + f"; {time.perf_counter() - t0:.0f} s"
     )
     print(title + "\n")
     print(text)
