@@ -319,7 +319,7 @@ TARGETS: tuple[Target, ...] = (
         compare=">=",
     ),
     Target(  # a miss costs nothing: unique prompts, no reuse, the engine's KV never short
-        name="miss: tok/s ÷ none",
+        name="cold tok/s ÷ none",
         metric="tok_per_s",
         num=Side("tiercache", "full", "cold"),
         den=Side("none", "–", "cold"),
@@ -328,7 +328,7 @@ TARGETS: tuple[Target, ...] = (
         workloads=("miss",),
     ),
     Target(
-        name="miss: mean TTFT ÷ none",
+        name="cold mean TTFT ÷ none",
         metric="ttft_mean_ms",
         num=Side("tiercache", "full", "cold"),
         den=Side("none", "–", "cold"),
