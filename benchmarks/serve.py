@@ -444,8 +444,16 @@ def settle_cache(cache: CacheServer) -> Settled:
 # -- workloads -------------------------------------------------------------------------------------
 
 
-def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
-    """Shared documents through ``vllm.benchmarks.serve`` (in this process; its report goes to stderr)."""
+def run_vllm_bench(
+    args: argparse.Namespace,
+    server: OpenAIServer,
+    model: Path,
+    workload: str,
+    dataset: list[str],
+    prompts: int,
+) -> WorkloadResult:
+    """``prompts`` requests of ``dataset`` (``vllm.benchmarks.serve``'s dataset flags) through vLLM's
+    own load generator, in this process (its report goes to stderr)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -458,12 +466,8 @@ def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> W
             "--endpoint=/v1/completions",
             f"--model={server.model}",
             f"--tokenizer={model}",
-            "--dataset-name=prefix_repetition",
-            f"--prefix-repetition-prefix-len={args.doc_len}",
-            f"--prefix-repetition-suffix-len={args.question_len}",
-            f"--prefix-repetition-num-prefixes={args.docs}",
-            f"--prefix-repetition-output-len={args.output_len}",
-            f"--num-prompts={args.docs * args.questions}",
+            *dataset,
+            f"--num-prompts={prompts}",
             f"--max-concurrency={args.concurrency}",
             "--request-rate=inf",
             "--ignore-eos",
@@ -479,7 +483,7 @@ def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> W
     with contextlib.redirect_stdout(sys.stderr):
         res = main(bench_args)
     return WorkloadResult(
-        "prefix",
+        workload,
         float(res["duration"]),
         int(res["completed"]),
         int(res["failed"]),
@@ -487,51 +491,30 @@ def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> W
         [float(t) for t in res["ttfts"]],
         [str(t) for t in res["generated_texts"]],
     )
+
+
+def run_prefix(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
+    """Shared documents: several questions per document, shuffled."""
+    dataset = [
+        "--dataset-name=prefix_repetition",
+        f"--prefix-repetition-prefix-len={args.doc_len}",
+        f"--prefix-repetition-suffix-len={args.question_len}",
+        f"--prefix-repetition-num-prefixes={args.docs}",
+        f"--prefix-repetition-output-len={args.output_len}",
+    ]
+    return run_vllm_bench(args, server, model, "prefix", dataset, args.docs * args.questions)
 
 
 def run_miss(args: argparse.Namespace, server: OpenAIServer, model: Path) -> WorkloadResult:
-    """Unique prompts (``vllm.benchmarks.serve``'s random dataset: random tokens, no shared prefix),
-    so an external cache can only cost: its lookups find nothing and it stores every chunk."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    bench_args = parser.parse_args(
-        [
-            "--backend=vllm",
-            f"--base-url={server.url}",
-            "--endpoint=/v1/completions",
-            f"--model={server.model}",
-            f"--tokenizer={model}",
-            "--dataset-name=random",
-            f"--random-input-len={args.miss_len}",
-            f"--random-output-len={args.output_len}",
-            "--random-range-ratio=0",
-            f"--num-prompts={args.miss_prompts}",
-            f"--max-concurrency={args.concurrency}",
-            "--request-rate=inf",
-            "--ignore-eos",
-            "--temperature=0",
-            f"--seed={args.seed}",
-            "--save-detailed",
-            "--ready-check-timeout-sec=0",
-            "--disable-tqdm",
-            "--percentile-metrics=ttft,e2el",
-            "--metric-percentiles=50,90,99",
-        ]
-    )
-    with contextlib.redirect_stdout(sys.stderr):
-        res = main(bench_args)
-    return WorkloadResult(
-        "miss",
-        float(res["duration"]),
-        int(res["completed"]),
-        int(res["failed"]),
-        int(res["total_input_tokens"]) + int(res["total_output_tokens"]),
-        [float(t) for t in res["ttfts"]],
-        [str(t) for t in res["generated_texts"]],
-    )
+    """Unique prompts (the random dataset: random tokens, no shared prefix), so an external cache can
+    only cost: its lookups find nothing and it stores every chunk."""
+    dataset = [
+        "--dataset-name=random",
+        f"--random-input-len={args.miss_len}",
+        f"--random-output-len={args.output_len}",
+        "--random-range-ratio=0",
+    ]
+    return run_vllm_bench(args, server, model, "miss", dataset, args.miss_prompts)
 
 
 def chat_turn(
