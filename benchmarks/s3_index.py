@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from benchmarks.serve_figure import MISSING
 from tiercache.keys import Fingerprint, ObjectKey
 from tiercache.keys.object_key import KEY_BYTES
 from tiercache.l3_s3.capacity import CapacityIndex, Listing, rebuild
@@ -204,7 +205,11 @@ def on_moto(n: int) -> None:
 
 
 def figure(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(MISSING)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

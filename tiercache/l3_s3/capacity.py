@@ -27,6 +27,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +48,27 @@ MAX_SIZE = (1 << 32) - 1
 U8 = npt.NDArray[np.uint8]
 U32 = npt.NDArray[np.uint32]
 Keys = npt.NDArray[np.void]
+V = TypeVar("V")
+
+
+def _take_entries(
+    entries: dict[bytes, V],
+    size_of: Callable[[V], int],
+    excess: int,
+    skip: Callable[[ObjectKey], bool],
+    victims: list[tuple[ObjectKey, int]],
+) -> int:
+    """Remove ``entries`` (oldest first) not ``skip``\\ ped into ``victims`` until ``excess`` bytes
+    are freed; the bytes still to free."""
+    for raw, entry in list(entries.items()):
+        if excess <= 0:
+            break
+        key = ObjectKey.from_bytes(raw)
+        if not skip(key):
+            del entries[raw]
+            victims.append((key, size_of(entry)))
+            excess -= size_of(entry)
+    return excess
 
 
 def young_limit(entries: int) -> int:
@@ -240,23 +262,9 @@ class CapacityIndex:
     def take_oldest(self, excess: int, skip: Callable[[ObjectKey], bool]) -> list[tuple[ObjectKey, int]]:
         """Remove and return the oldest entries (not ``skip``\\ ped) until ``excess`` bytes are freed."""
         victims: list[tuple[ObjectKey, int]] = []
-        for raw, size in list(self._front.items()):
-            if excess <= 0:
-                break
-            key = ObjectKey.from_bytes(raw)
-            if not skip(key):
-                del self._front[raw]
-                victims.append((key, size))
-                excess -= size
+        excess = _take_entries(self._front, lambda size: size, excess, skip, victims)
         excess = self._take_columns(excess, skip, victims)
-        for raw, (_stamp, size, _read) in list(self._young.items()):
-            if excess <= 0:
-                break
-            key = ObjectKey.from_bytes(raw)
-            if not skip(key):
-                del self._young[raw]
-                victims.append((key, size))
-                excess -= size
+        _take_entries(self._young, lambda entry: entry[1], excess, skip, victims)
         for key, size in victims:
             self._bytes -= size
             self._count -= 1
