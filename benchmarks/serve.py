@@ -36,11 +36,16 @@ runs the prompts twice (the second pass is vLLM's own prefix cache, what any ext
 then an engine of the same size restarts on the ``full`` tiercache server. Those rows compare like
 for like; the capped rows do not compare with them (a capped engine also runs fewer requests at once).
 
+``--capacity`` is the restart's tail under a short cache: long documents, more in flight than vLLM's
+capped cache holds, a third of the working set in L1, so a restart promotes most of what it loads from
+disk; every cached row prints its cache server's CPU per request and per promoted chunk.
+
 Table and targets on stdout, progress on stderr, everything with ``--json FILE``, the figure with
 ``--png FILE`` (needs matplotlib: the ``bench`` extra). Run from the repo root::
 
     .venv-serve/bin/python benchmarks/serve.py --runs 3 --json serve.json --png serve.png
     .venv-vllm/bin/python benchmarks/serve.py --quick          # none and tiercache, a few requests
+    .venv-serve/bin/python benchmarks/serve.py --capacity --runs 3   # tiercache and lmcache-fs
 """
 
 from __future__ import annotations
@@ -297,6 +302,13 @@ class TierCacheServer:
             Probe("tiercache server CPU", lambda: cpu_seconds(pid), IDLE_CPU_SHARE),
         ]
 
+    def meter(self) -> dict[str, float]:
+        """Its process tree's CPU seconds and the chunks it promoted from disk into L1, so far: a
+        workload's cost on the node is the difference across it."""
+        assert self.proc is not None
+        promotions = float(self.stats()["engine"].get("promotions", 0))
+        return {"cpu_s": cpu_seconds(self.proc.pid), "promotions": promotions}
+
     def stop(self) -> None:
         stop_process(self.proc)
         self.proc = None
@@ -390,6 +402,11 @@ class LMCacheServer:
         """No counters of its own to record (see :meth:`probes`)."""
         return None
 
+    def meter(self) -> dict[str, float]:
+        """Its process tree's CPU seconds so far (it counts no promotions we can read)."""
+        assert self.proc is not None
+        return {"cpu_s": cpu_seconds(self.proc.pid)}
+
     def stop(self) -> None:
         stop_process(self.proc)
         self.proc = None
@@ -419,6 +436,10 @@ class ExampleStore:
 
     def stats(self) -> None:
         return None
+
+    def meter(self) -> dict[str, float]:
+        """Nothing: the vLLM worker itself writes the files, there is no server to meter."""
+        return {}
 
     def stop(self) -> None:
         pass
@@ -685,10 +706,13 @@ def serve_once(
     passes: int = 1,
     *,
     cold: bool = True,
+    meter: Callable[[], dict[str, float]] | None = None,
 ) -> tuple[float, list[dict[str, WorkloadResult]]]:
     """Start one vLLM server from ``--python`` (every system's), run every workload ``passes`` times,
     stop it; (start seconds, results). The environment is the same for every system too. ``miss``
-    runs only on a ``cold`` engine's first pass: anywhere else its prompts were seen before."""
+    runs only on a ``cold`` engine's first pass: anywhere else its prompts were seen before.
+    ``meter`` (a cache server's): read before and after each workload, the differences go to its
+    result's ``cache`` (the work a cache server does after the last response is not in them)."""
     model = work / "model"
     t0 = time.perf_counter()
     server = OpenAIServer(
@@ -712,7 +736,7 @@ def serve_once(
             for wl in args.workloads:
                 if wl == "miss" and (p > 0 or not cold):
                     continue
-                before = counters(server)
+                before, metered = counters(server), meter() if meter else {}
                 r = (
                     run_prefix(args, server, model)
                     if wl == "prefix"
@@ -723,12 +747,16 @@ def serve_once(
                 after = counters(server)
                 r.counters = {k: after[k] - before.get(k, 0.0) for k in after}
                 r.external_hits = r.counters[EXTERNAL_HITS]
+                if meter:
+                    r.cache = {k: v - metered.get(k, 0.0) for k, v in meter().items()}
                 s = r.summary()
                 log(
                     f"{name}{f' pass {p + 1}' if passes > 1 else ''} {wl}: {r.requests} requests in "
                     f"{r.duration_s:.1f} s, {s['tok_per_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
                     f"external hits {r.counters[EXTERNAL_HITS]:.0f} / {r.counters[EXTERNAL_QUERIES]:.0f} tokens, "
                     f"computed {r.counters[PROMPT_COMPUTED]:.0f}"
+                    + (f", cache server CPU {r.cache['cpu_s']:.2f} s" if "cpu_s" in r.cache else "")
+                    + (f", promotions {r.cache['promotions']:.0f}" if "promotions" in r.cache else "")
                     + (f", {r.failed} FAILED requests" if r.failed else "")
                 )
                 res[wl] = r
@@ -812,7 +840,9 @@ def run_all(
             for phase in phase_names:
                 name = f"r{run}-{system}-{budget}-{phase.replace(' ', '-')}"
                 blocks = floor_blocks(args) if phase == "floor-sized restart" else args.blocks
-                start, res = serve_once(args, work, name, blocks, ktc, cold=phase == "cold")
+                start, res = serve_once(
+                    args, work, name, blocks, ktc, cold=phase == "cold", meter=cache.meter
+                )
                 if phase != phase_names[-1]:
                     # The same rule for every system before its next phase looks for what it stored.
                     settled = settle_cache(cache)
@@ -897,6 +927,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="a few requests, systems none and tiercache, the prefix workload, the full budget, no floor (CI)",
+    )
+    s.add_argument(
+        "--capacity",
+        action="store_true",
+        help="the restart's tail under a short cache: the prefix workload with 48 documents of 2048 tokens "
+        "and 4 questions of 64 each (192 requests), 4 in flight, vLLM's cache 160 blocks, the third budget, "
+        "no floor; systems tiercache and lmcache-fs unless --systems names others",
     )
     w = ap.add_argument_group("workload sizes (tokens)")
     w.add_argument("--docs", type=int, default=8, help="prefix: shared documents")
@@ -989,6 +1026,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.systems, args.workloads, args.budgets, args.floor = "none,tiercache", "prefix", "full", False
         args.docs, args.questions, args.doc_len, args.question_len, args.output_len = 2, 2, 512, 32, 8
+    if args.capacity:
+        if args.systems == ap.get_default("systems"):
+            args.systems = "tiercache,lmcache-fs"
+        args.workloads, args.budgets, args.floor, args.concurrency = "prefix", "third", False, 4
+        args.docs, args.doc_len, args.questions, args.question_len = 48, 2048, 4, 64
+        args.blocks, args.max_model_len = 160, 2304
     args.systems = [x for x in args.systems.split(",") if x]
     args.workloads = [x for x in args.workloads.split(",") if x]
     args.budgets = [x for x in args.budgets.split(",") if x]

@@ -42,11 +42,16 @@ class WorkloadResult:
     texts: list[str]
     counters: dict[str, float] = field(default_factory=dict)  # vLLM /metrics deltas over the workload
     external_hits: float = 0.0  # prompt tokens a KV connector served (vLLM's external prefix cache hits)
+    #: The cache server's deltas over the workload: ``cpu_s`` (its process tree's CPU seconds) and,
+    #: for tiercache, ``promotions`` (chunks copied up from disk into L1); empty without one.
+    cache: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
-        """Requests/s, total tokens/s, TTFT percentiles in ms and the prompt tokens vLLM computed
-        (NaN when its counters were not read)."""
+        """Requests/s, total tokens/s, TTFT percentiles in ms, the prompt tokens vLLM computed and the
+        cache server's CPU milliseconds per request and per promoted chunk (NaN where not read)."""
         ms = sorted(t * 1e3 for t in self.ttfts)
+        cpu_ms = self.cache.get("cpu_s", math.nan) * 1e3
+        promotions = self.cache.get("promotions", 0.0)
         return {
             "prompt_tokens_computed": self.counters.get(PROMPT_COMPUTED, float("nan")),
             "req_per_s": self.requests / self.duration_s,
@@ -55,6 +60,8 @@ class WorkloadResult:
             "ttft_p90_ms": percentile(ms, 90),
             "ttft_p99_ms": percentile(ms, 99),
             "ttft_mean_ms": statistics.fmean(ms) if ms else float("nan"),
+            "cache_cpu_ms_per_request": cpu_ms / self.requests if self.requests else math.nan,
+            "cache_cpu_ms_per_promotion": cpu_ms / promotions if promotions else math.nan,
         }
 
 
@@ -128,6 +135,7 @@ def rows_of(phases: list[Phase]) -> list[Row]:
                 "failed": p.results[wl].failed,
                 "duration_s": p.results[wl].duration_s,
                 "counters": p.results[wl].counters,
+                "cache_deltas": p.results[wl].cache,
                 "ttfts_s": p.results[wl].ttfts,
                 "texts": p.results[wl].texts,
                 "cache_server_stats": p.cache_stats,
@@ -166,9 +174,9 @@ def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
 
     lines = [
         "| workload | system | budget | phase | req/s | tok/s | TTFT p50 ms | p90 | p99 | mean | "
-        "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | external hit tokens | computed prompt "
-        "tokens | outputs = none | failed requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | p99 ÷ LMCache best | external hit tokens | "
+        "computed prompt tokens | cache CPU ms / request | / promoted chunk | outputs = none | failed requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out = []
     for r in rows:
@@ -183,12 +191,15 @@ def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
         vs_none = ratio(m["tok_per_s"], none.metrics["tok_per_s"]) if none else None
         vs_lmc = ratio(m["tok_per_s"], best.metrics["tok_per_s"]) if best else None
         p50_lmc = ratio(m["ttft_p50_ms"], best.metrics["ttft_p50_ms"]) if best else None
+        p99_lmc = ratio(m["ttft_p99_ms"], best.metrics["ttft_p99_ms"]) if best else None
         lines.append(
             f"| {r.workload} | {r.system} | {r.budget} | {r.phase} | {fmt(m['req_per_s'])} | {fmt(m['tok_per_s'], '.0f')} | "
             f"{fmt(m['ttft_p50_ms'], '.0f')} | {fmt(m['ttft_p90_ms'], '.0f')} | {fmt(m['ttft_p99_ms'], '.0f')} | "
             f"{fmt(m['ttft_mean_ms'], '.0f')} | {fmt(vs_none, '.2f', '×')} | "
             f"{fmt(vs_lmc, '.2f', '×')}{f' ({best.system})' if best else ''} | {fmt(p50_lmc, '.2f', '×')} | "
-            f"{r.ext_hits:.0f} | {fmt(m['prompt_tokens_computed'], '.0f')} | {r.same_as_none} | "
+            f"{fmt(p99_lmc, '.2f', '×')} | {r.ext_hits:.0f} | {fmt(m['prompt_tokens_computed'], '.0f')} | "
+            f"{fmt(m['cache_cpu_ms_per_request'], '.1f')} | {fmt(m['cache_cpu_ms_per_promotion'], '.2f')} | "
+            f"{r.same_as_none} | "
             f"{f'{r.failed} FAILED' if r.failed else '0'} |"
         )
         out.append(
@@ -202,6 +213,7 @@ def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
                 "lmcache_best": best.system if best else None,
                 "tok_per_s_vs_lmcache_best": vs_lmc,
                 "ttft_p50_vs_lmcache_best": p50_lmc,
+                "ttft_p99_vs_lmcache_best": p99_lmc,
                 "external_hit_tokens": r.ext_hits,
                 "outputs_equal_none": r.same_as_none,
                 "failed_requests": r.failed,
@@ -308,6 +320,14 @@ TARGETS: tuple[Target, ...] = (
         num=_TC_THIRD_RESTART,
         den=_LMC_THIRD_RESTART,
         bound=0.80,
+        compare="<=",
+    ),
+    Target(  # the slowest requests of a restart too, not only the typical one
+        name="third: restart TTFT p99 ÷ LMCache best",
+        metric="ttft_p99_ms",
+        num=_TC_THIRD_RESTART,
+        den=_LMC_THIRD_RESTART,
+        bound=1.00,
         compare="<=",
     ),
     Target(  # "no worse than LMCache's (±5%)": faster is no miss

@@ -137,6 +137,13 @@ def test_the_bounds_are_the_documented_ones() -> None:
             "≤ 0.80",
         ),
         (
+            "third: restart TTFT p99 ÷ LMCache best",
+            "ttft_p99_ms",
+            "tiercache third restart",
+            "lmcache best third restart",
+            "≤ 1.00",
+        ),
+        (
             "third: cold tok/s ÷ LMCache best",
             "tok_per_s",
             "tiercache third cold",
@@ -150,6 +157,23 @@ def test_the_bounds_are_the_documented_ones() -> None:
         "cold tok/s ÷ none": ("miss",),
         "cold mean TTFT ÷ none": ("miss",),
     }
+
+
+def test_the_cache_servers_cpu_is_divided_by_requests_and_by_promoted_chunks() -> None:
+    """The restart's cost on the node: the cache server's CPU over the workload per request served and
+    per chunk it promoted from disk; NaN (a dash in the table) where it was not read or nothing was
+    promoted, never a division by zero."""
+    r = result(1000.0)
+    r.cache = {"cpu_s": 0.6, "promotions": 300.0}
+    s = r.summary()
+    assert s["cache_cpu_ms_per_request"] == pytest.approx(150.0)  # 600 ms over 4 requests
+    assert s["cache_cpu_ms_per_promotion"] == pytest.approx(2.0)
+    r.cache = {"cpu_s": 0.6, "promotions": 0.0}
+    assert r.summary()["cache_cpu_ms_per_promotion"] != r.summary()["cache_cpu_ms_per_promotion"]
+    unread = result(1000.0).summary()
+    assert unread["cache_cpu_ms_per_request"] != unread["cache_cpu_ms_per_request"]
+    text, _ = table(rows_of([phase("tiercache", "third", "restart", 0, r)]))
+    assert "| 150.0 | – |" in text
 
 
 def test_the_targets_are_checked_on_both_workloads() -> None:
@@ -285,7 +309,11 @@ def test_a_failed_request_fails_its_row_and_every_target_that_reads_it() -> None
         for t in TARGETS
         if ("tiercache", "third", "restart") in {(s.system, s.budget, s.phase) for s in (t.num, t.den)}
     }
-    assert reads_it == {"third: restart tok/s ÷ LMCache best", "third: restart TTFT p50 ÷ LMCache best"}
+    assert reads_it == {
+        "third: restart tok/s ÷ LMCache best",
+        "third: restart TTFT p50 ÷ LMCache best",
+        "third: restart TTFT p99 ÷ LMCache best",
+    }
     for name, r in got.items():
         if name in reads_it:
             assert r.verdict == "FAILED" and r.median is None, name
