@@ -6,12 +6,13 @@ polls (``lookup_async``, ``events_async``) alike: a restart is not an outage."""
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
 from pathlib import Path
 
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.client.transport import Transport
 from tiercache.errors import ArenaError
 from tiercache.testing.poll import wait_until
 from tiercache.wire.protocol import LookupReply
@@ -38,6 +39,16 @@ def test_async_requests_survive_a_server_restart(start_server: StartServer, tmp_
         client.close()
 
 
+def _waiting_in_hello(thread: threading.Thread) -> bool:
+    """Whether ``thread`` has said its hello (a client that let it in) or waits inside
+    :meth:`Transport.hello` for the client's lock: its innermost Python frame is ``hello`` itself,
+    whose only wait is that lock (the round trip happens in frames below it)."""
+    if not thread.is_alive():
+        return True
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code is Transport.hello.__code__
+
+
 def test_slots_come_with_the_arena_of_the_session_that_gave_them(
     start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -60,7 +71,7 @@ def test_slots_come_with_the_arena_of_the_session_that_gave_them(
             assert first.stop() == 0
             start_server(listen=listen)  # a new arena, and the same endpoint
             hello.start()
-            time.sleep(0.5)  # the other thread's hello is under way
+            wait_until(lambda: _waiting_in_hello(hello), timeout=10, what="the other thread's hello")
             return slots
 
         slots, arena = client.in_session(pin_then_restart)
