@@ -10,6 +10,7 @@ Needs torch and vLLM (the metadata derives from vLLM's); skipped elsewhere."""
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,10 +80,13 @@ class _PinClient:
         pass
 
 
-def _recurrent_worker(slot_bytes: list[int]) -> tuple[WorkerHalf, _FakeArena]:
+def _recurrent_worker(
+    slot_bytes: list[int], *, overlap: bool = True, dense: bool = False
+) -> tuple[WorkerHalf, dict[int, torch.Tensor]]:
     """A WorkerHalf with kv group 0 full attention (2 blocks per chunk, 16-byte pages) and kv group 1
-    recurrent (8-byte state pages), 10 blocks each, all 0xEE; its fake client pins one slot per key
-    with the given sizes, each slot's bytes filled with its index + 1."""
+    recurrent (8-byte state pages; left out if ``dense``), 10 blocks each, all 0xEE; its fake client
+    pins one slot per key with the given sizes, each slot's bytes filled with its index + 1. Returns
+    the worker and the KV cache it writes, by kv group (one layer each, one row per block)."""
     arena = _FakeArena(sum(slot_bytes))
     offsets = [sum(slot_bytes[:i]) for i in range(len(slot_bytes))]
     for i, (off, n) in enumerate(zip(offsets, slot_bytes)):
@@ -91,27 +95,22 @@ def _recurrent_worker(slot_bytes: list[int]) -> tuple[WorkerHalf, _FakeArena]:
         p.Slot(b"", o, n, i + 1, digest(arena.view(o, n)))
         for i, (o, n) in enumerate(zip(offsets, slot_bytes))
     ]
-    w = WorkerHalf(None, None, ConnectorSettings(overlap_loads=True), link=link_to(_PinClient(arena, slots)))
-    w.use_layout(
-        [
-            GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
-            GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
-        ],
-        {
-            0: [
-                page_view(
-                    "attn", torch.full((10, 16), 0xEE, dtype=torch.uint8), page_bytes=16, kernel_blocks=1
-                )
-            ],
-            1: [
-                page_view("gdn", torch.full((10, 8), 0xEE, dtype=torch.uint8), page_bytes=8, kernel_blocks=1)
-            ],
-        },
-        {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)},
-        CpuPageCopy(),
-    )
+    settings = ConnectorSettings(overlap_loads=overlap)
+    w = WorkerHalf(None, None, settings, link=link_to(_PinClient(arena, slots)))
+    kv = {0: torch.full((10, 16), 0xEE, dtype=torch.uint8), 1: torch.full((10, 8), 0xEE, dtype=torch.uint8)}
+    groups = [
+        GroupLayout(0, 0, 0, ("attn",), 384, 2, 16, None),  # type: ignore[arg-type]
+        GroupLayout(1, 1, 0, ("gdn",), 384, 1, 8, None, recurrent=True),  # type: ignore[arg-type]
+    ]
+    pages = {
+        0: [page_view("attn", kv[0], page_bytes=16, kernel_blocks=1)],
+        1: [page_view("gdn", kv[1], page_bytes=8, kernel_blocks=1)],
+    }
+    if dense:
+        groups, pages = groups[:1], {0: pages[0]}
+    w.use_layout(groups, pages, {0: Fingerprint(b"\0" * 16), 1: Fingerprint(b"\1" * 16)}, CpuPageCopy())
     w.order_layers(["attn", "gdn"])
-    return w, arena
+    return w, kv
 
 
 def _reported(w: WorkerHalf) -> tuple[set[str], set[str], set[str]]:
@@ -145,26 +144,24 @@ def _two_chunk_hit(asynchronous: bool = True) -> TierCacheMetadata:
 
 def test_the_state_object_lands_in_the_boundary_block_once_per_step() -> None:
     # Keys in order: chunk 0 attention, chunk 1 attention, chunk 1 state.
-    w, _ = _recurrent_worker([32, 32, 8])
+    w, kv = _recurrent_worker([32, 32, 8])
     meta = _two_chunk_hit()
     w.handle_preemptions(meta)
     w.start_load_kv(meta)  # already done by handle_preemptions: no-op
     assert _reported(w) == (set(), {"r"}, set())
-    pages = {g: [pv.view for pv in layers] for g, layers in w._pages.items()}
-    assert pages[1][0][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
-    assert pages[0][0][1].tolist() == [1] * 16 and pages[0][0][4].tolist() == [2] * 16
-    assert pages[1][0][0].tolist() == [0xEE] * 8  # the null block is never written
+    assert kv[1][7].tolist() == [3] * 8  # the state object, in the block vLLM assigned
+    assert kv[0][1].tolist() == [1] * 16 and kv[0][4].tolist() == [2] * 16
+    assert kv[1][0].tolist() == [0xEE] * 8  # the null block is never written
     assert w.stats["loaded_chunks"] == 2 and w.stats["load_failures"] == 0
     assert w.get_block_ids_with_load_errors() == set()
     assert w.transfer_results(set()) == (set(), set(), set())  # reported once
 
 
 def test_without_overlap_an_asynchronous_load_is_reported_in_the_step_that_starts_it() -> None:
-    w, _ = _recurrent_worker([32, 32, 8])
-    w._overlap = False  # the default
+    w, kv = _recurrent_worker([32, 32, 8], overlap=False)  # the default
     w.handle_preemptions(_two_chunk_hit())
     assert w.transfer_results(set()) == (set(), {"r"}, set())
-    assert w._pages[1][0].view[7].tolist() == [3] * 8
+    assert kv[1][7].tolist() == [3] * 8
 
 
 def test_a_failed_chunk_fails_the_whole_asynchronous_load_without_block_ids() -> None:
@@ -204,8 +201,7 @@ def test_an_asynchronous_load_forgets_the_requests_earlier_stores() -> None:
 
 def test_a_synchronous_load_reports_the_blocks_of_its_failed_chunks() -> None:
     """One KV-cache group (dense models): vLLM recomputes from the first invalid block."""
-    w, _ = _recurrent_worker([32, 4])
-    w._groups = w._groups[:1]
+    w, _ = _recurrent_worker([32, 4], dense=True)
     meta = TierCacheMetadata(
         step=1,
         loads=[
@@ -254,13 +250,25 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores(monkeypatch: pytest
                 inspect.signature(getattr(TierCacheConnector, name)).parameters
             )
 
-    w, _ = _recurrent_worker([32, 32, 8])
+    w, kv = _recurrent_worker([32, 32, 8])
     w.handle_preemptions(_two_chunk_hit())  # an asynchronous load in flight
     w._pending = {"r": 2}
     done: list[float] = []
+    caller = threading.current_thread()
+    returned: list[float] = []
+
+    def waits_for_the_stores() -> bool:
+        """Whether the caller waits for the queued stores (in ``threading.Condition.wait`` on the
+        worker's idle condition) or unregister_kv_caches has returned without waiting."""
+        frame = sys._current_frames().get(caller.ident or -1)
+        while frame is not None:
+            if frame.f_code is threading.Condition.wait.__code__ and frame.f_locals.get("self") is w._idle:
+                return True
+            frame = frame.f_back
+        return bool(returned)
 
     def save_thread() -> None:  # what WorkerHalf._save_loop does when a batch is stored
-        time.sleep(0.2)
+        wait_until(waits_for_the_stores, timeout=10, interval=0.001, what="unregister_kv_caches to wait")
         with w._idle:
             del w._pending["r"]
             done.append(time.monotonic())
@@ -270,11 +278,11 @@ def test_sleep_mode_hooks_match_vllm_and_drain_queued_stores(monkeypatch: pytest
     t = threading.Thread(target=save_thread)
     t.start()
     c.unregister_kv_caches()
-    returned = time.monotonic()
+    returned.append(time.monotonic())
     t.join()
-    assert done and done[0] <= returned and w._pending == {}
+    assert done and done[0] <= returned[0] and w._pending == {}
     assert w.transfer_results(set()) == (set(), {"r"}, set())  # the load is done
-    assert w._pages[1][0].view[7].tolist() == [3] * 8
+    assert kv[1][7].tolist() == [3] * 8
     c.unregister_kv_caches()  # idempotent: nothing queued
     c.restore_kv_caches()
     s = _connector(monkeypatch, KVConnectorRole.SCHEDULER, scheduler_half())
