@@ -6,7 +6,8 @@ that each repeat one operation on 64-chunk prompts whose chunks are all in L1, f
 clients at once, with 64 more clients connected and idle (heartbeating) throughout:
 
 * ``lookup``: the scheduler's lookup as the vLLM connector sends it (a prefetch ticket pinning every
-  chunk, answered READY with its slots), then the ticket's release;
+  chunk, answered READY with its slots), then the ticket's release, not waited for (as the connector's
+  scheduler sends it: the server sends no reply to it);
 * ``load``: pin the 64 chunks, copy them out of the arena, check their digests, release;
 * ``store``: reserve 64 new chunks, copy them in, commit them with their digests.
 
@@ -83,7 +84,7 @@ def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.co
                     found = client.lookup(hashes, [group], inflight_wait_s=inflight_wait_s)
                     samples.append(time.perf_counter() - t0)
                     assert found.ready_chunks == CHUNKS, found.state
-                    client.release_ticket(found.ticket)
+                    client.release_ticket_unconfirmed(found.ticket, read=True)  # as the connector does
                 elif op == "load":
                     copies = client.load_chunks(keys)
                     samples.append(time.perf_counter() - t0)

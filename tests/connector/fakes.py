@@ -151,7 +151,7 @@ class LookupClient:
             return msgspec.structs.replace(reply, blocks=reply.chunks, chunks=min(reply.chunks, 1))
         return reply
 
-    def release_ticket(self, ticket: int, timeout: float | None = None, *, read: bool = False) -> None:
+    def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
 

@@ -336,7 +336,7 @@ class _TicketClient:
         self.released: list[int] = []
         self.read: list[bool] = []
 
-    def release_ticket(self, ticket: int, timeout: float | None = None, *, read: bool = False) -> None:
+    def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
 

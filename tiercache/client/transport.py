@@ -353,7 +353,7 @@ class Transport:
 
     def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
         """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
-        self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read))
+        self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read, quiet=True))
 
     def _send_unanswered(self, msg: p.Message) -> None:
         """Send ``msg`` if the socket takes it, without waiting for its reply (which matches no

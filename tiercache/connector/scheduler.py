@@ -280,12 +280,9 @@ class SchedulerHalf(SchedulerSaves):
         if client is None:
             return  # the server forgot them (restart) or leases expire by themselves
         for ticket, read in tickets:
-            try:
-                client.release_ticket(ticket, read=read)
-            except TierCacheError as exc:
-                if getattr(exc, "code", "") != "unknown_token":
-                    self.link.failed("release of a lookup ticket", exc)
-                    return
+            # Not waited for: the engine loop learns nothing from the reply (the workers judged
+            # their copies by time), and a release that is lost ends with its leases' TTL.
+            client.release_ticket_unconfirmed(ticket, read=read)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks (True) iff stores were scheduled for the request: the workers then

@@ -264,12 +264,12 @@ class DataOps:
         chunks, blocks = session.found.get(msg.ticket, (ticket.target, 0))
         return self._ticket_reply(ticket, p.LookupReply(chunks=chunks, blocks=blocks, per_tier={}))
 
-    def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message:
+    def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message | None:
         # Counted like a release's: a connector worker may have copied from the ticket's slots.
         self._sessions.lost_leases += self._engine.release_ticket(
             self._sessions.drop_ticket(session, msg.ticket), read=msg.read
         )
-        return p.Done(count=1)
+        return None if msg.quiet else p.Done(count=1)
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------
     def reserve(self, session: Session, msg: p.Reserve) -> p.Message:

@@ -260,10 +260,13 @@ class PollTicket(Message, tag="poll_ticket"):
 class ReleaseTicket(Message, tag="release_ticket"):
     """Unpin everything ``ticket`` holds. ``read``: a client copied the objects from the slots
     the ticket named (a connector's load without pins of its own), so the server counts each
-    object it still held as an L1 hit, as a pin's read would be."""
+    object it still held as an L1 hit, as a pin's read would be. ``quiet``: the sender reads no
+    reply (it decides by time whether its copy was inside the leases), so the server sends none
+    for a release that succeeds: a reply encoded, sent and dropped is server CPU for nothing."""
 
     ticket: int
     read: bool = False
+    quiet: bool = False
 
 
 class Reserve(Message, tag="reserve"):
