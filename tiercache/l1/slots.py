@@ -240,10 +240,11 @@ class L1Slots(L1Core):
         access for the eviction policy and the tenants' order."""
         if not slots:
             return
-        on_access, tenant_access = self._policy.on_access, self._tenants.on_access
-        for slot in slots:
-            on_access(slot.key)
-            tenant_access(slot.key, slot.tenant)
+        self._policy.on_access_many([slot.key for slot in slots])
+        if self._tenants.enforcing:  # without quotas the tenants keep no order to update
+            tenant_access = self._tenants.on_access
+            for slot in slots:
+                tenant_access(slot.key, slot.tenant)
         self.stats.hit(sum(slot.nbytes for slot in slots), len(slots))
 
     def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
