@@ -9,6 +9,8 @@ from tests.conftest import payload_for
 from tests.engine.conftest import EngineFactory, l1_tier
 from tests.engine.test_engine import CHUNK_BYTES, FULL, load_all, prompt, store
 from tiercache.engine import TicketState, TieredEngine
+from tiercache.l1.tier import L1Tier
+from tiercache.testing.poll import wait_blocked
 from tiercache.tier.contract import WriteHandle
 
 
@@ -89,12 +91,16 @@ def test_wait_blocks_on_the_commit_itself(make_engine: EngineFactory) -> None:
     hashes = prompt(3)
     writes = reserve(engine, hashes)
     ticket = engine.prefetch(hashes, [FULL], 3, inflight_wait_s=30)
-    committer = threading.Timer(0.1, lambda: [engine.commit(w) for w in writes])
-    committer.start()
-    try:
-        assert engine.wait(ticket, timeout=30) is TicketState.READY
+    states: list[TicketState] = []
+    waiter = threading.Thread(target=lambda: states.append(engine.wait(ticket, timeout=30)), name="waiter")
+    waiter.start()
+    try:  # seen waiting on L1 for the open reservations, and only then are they committed
+        wait_blocked(waiter, L1Tier.wait_written, what="engine.wait to wait for the chunks' commits")
     finally:
-        committer.join()
+        for w in writes:
+            engine.commit(w)
+        waiter.join(30)
+    assert states == [TicketState.READY]
     assert ticket.chunks == 3
     load_all(engine, ticket)
     engine.release_ticket(ticket)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from tiercache.engine.writes import WorkQueue
+from tiercache.testing.poll import wait_blocked
 
 
 def test_a_full_queue_refuses_instead_of_blocking() -> None:
@@ -20,10 +21,13 @@ def test_wait_idle_returns_once_every_item_is_finished_not_merely_taken() -> Non
     assert not q.wait_idle(0.01)
     assert q.get() == 1
     assert not q.wait_idle(0.01)  # taken, still being worked on
-    finisher = threading.Timer(0.05, q.task_done)
-    finisher.start()
-    assert q.wait_idle(5.0)
-    finisher.join()
+    idle: list[bool] = []
+    waiter = threading.Thread(target=lambda: idle.append(q.wait_idle(5.0)), name="waiter")
+    waiter.start()
+    wait_blocked(waiter, WorkQueue.wait_idle, what="wait_idle to wait for the item being worked on")
+    q.task_done()  # the notify wakes the waiter: it was seen waiting
+    waiter.join(10.0)
+    assert idle == [True]
 
 
 def test_a_closed_queue_drains_what_it_holds_then_says_none() -> None:
