@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,10 +24,11 @@ from tiercache.connector.metadata import (  # noqa: E402
     RequestLoad,
     TierCacheMetadata,
 )
-from tiercache.connector.worker import _STOP, WorkerHalf  # noqa: E402
+from tiercache.connector.worker import WorkerHalf  # noqa: E402
 from tiercache.errors import ServerUnavailableError  # noqa: E402
 from tiercache.keys import GroupKind, LayoutManifest  # noqa: E402
 from tiercache.l1.arena import SharedArena  # noqa: E402
+from tiercache.testing.poll import wait_blocked  # noqa: E402
 from tiercache.wire import protocol as p  # noqa: E402
 
 K, KERNEL_BLOCK, HEADS, HEAD, NUM_BLOCKS, BPC = 4, 4, 2, 8, 9, 2
@@ -107,8 +108,71 @@ def _kv() -> torch.Tensor:
     return torch.zeros(NUM_BLOCKS * K, HEADS, KERNEL_BLOCK, 2 * HEAD, dtype=torch.bfloat16)
 
 
+#: Builds a started worker half whose server is the client given: ``(worker, its KV caches)``.
+MakeWorker = Callable[..., tuple[WorkerHalf, dict[str, torch.Tensor]]]
+
+
 @pytest.fixture
-def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]:
+def arena() -> Iterator[SharedArena]:
+    arena = SharedArena.create(None, 1 << 20)
+    try:
+        yield arena
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+@pytest.fixture
+def make_worker(arena: SharedArena) -> Iterator[MakeWorker]:
+    """Worker halves started as vLLM starts one (``register_kv_caches``: the save thread runs) and
+    connected to a :class:`FakeClient` over ``arena``; each is shut down after the test, before
+    the arena is unmapped."""
+    started: list[WorkerHalf] = []
+
+    def make(
+        client: FakeClient,
+        *,
+        settings: ConnectorSettings | None = None,
+        copy: CpuPageCopy | None = None,
+        producer: bool = False,
+    ) -> tuple[WorkerHalf, dict[str, torch.Tensor]]:
+        group = _group()
+        caches = {"l0": _kv(), "l1": _kv()}
+        w = WorkerHalf(
+            None, None, settings or ConnectorSettings(), link=link_to(client), reserve_before_return=producer
+        )
+        started.append(w)
+        w.register_kv_caches(caches)
+        # What connecting does: the layout checked against the tensors, copies through ``copy``.
+        w.use_layout(
+            [group], verify_kv_caches([group], caches, None), {0: group.fingerprint}, copy or CpuPageCopy()
+        )
+        return w, caches
+
+    try:
+        yield make
+    finally:
+        for w in started:
+            w.shutdown()
+
+
+@pytest.fixture
+def worker(
+    arena: SharedArena, make_worker: MakeWorker
+) -> tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]:
+    client = FakeClient(arena)
+    w, caches = make_worker(client)
+    return w, client, caches
+
+
+def _store(w: WorkerHalf, *saves: ChunkSave) -> None:
+    """One step's stores: queued after its forward pass (``wait_for_save``), then finished
+    (``quiesce``), so the test reads what the save thread stored."""
+    w.wait_for_save(TierCacheMetadata(saves=list(saves)))
+    w.quiesce()
+
+
+def _group() -> GroupLayout:
     manifest = LayoutManifest(
         model_id="m",
         model_revision="r",
@@ -123,18 +187,7 @@ def worker() -> Iterator[tuple[WorkerHalf, FakeClient, dict[str, torch.Tensor]]]
         chunk_size=BPC * K * KERNEL_BLOCK,
         num_layers=2,
     )
-    group = GroupLayout(0, 0, 0, ("l0", "l1"), K * KERNEL_BLOCK, BPC, PAGE, manifest)
-    caches = {"l0": _kv(), "l1": _kv()}
-    arena = SharedArena.create(None, 1 << 20)
-    client = FakeClient(arena)
-    w = WorkerHalf(None, None, ConnectorSettings(), link=link_to(client))
-    w.use_layout([group], verify_kv_caches([group], caches, None), {0: group.fingerprint}, CpuPageCopy())
-    w.order_layers(caches)
-    try:
-        yield w, client, caches
-    finally:
-        arena.close()
-        arena.unlink()
+    return GroupLayout(0, 0, 0, ("l0", "l1"), K * KERNEL_BLOCK, BPC, PAGE, manifest)
 
 
 def _manager_block(t: torch.Tensor, b: int) -> torch.Tensor:
@@ -142,14 +195,16 @@ def _manager_block(t: torch.Tensor, b: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
-def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(worker, overlap: bool) -> None:  # type: ignore[no-untyped-def]
-    w, client, caches = worker
-    w._overlap = overlap
+def test_a_stored_chunk_loads_into_other_blocks_byte_for_byte(
+    arena: SharedArena, make_worker: MakeWorker, overlap: bool
+) -> None:
+    client = FakeClient(arena)
+    w, caches = make_worker(client, settings=ConnectorSettings(overlap_loads=overlap))
     g = torch.Generator().manual_seed(7)
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     before = {n: t.clone() for n, t in caches.items()}
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     assert w.stats["saved_chunks"] == 1 and len(client.objects) == 1
 
     for t in caches.values():
@@ -172,7 +227,7 @@ def test_a_partial_load_writes_only_the_missing_positions(worker) -> None:  # ty
     w, _client, caches = worker
     for i, t in enumerate(caches.values()):
         t.fill_(float(i + 1))
-    w._save_batch([ChunkSave("r", 0, b"q" * 16, [[1, 2]])])
+    _store(w, ChunkSave("r", 0, b"q" * 16, [[1, 2]]))
     for t in caches.values():
         t.zero_()
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"q" * 16, [[1]], [[4]])])]))
@@ -188,7 +243,7 @@ def test_a_tail_block_is_an_object_of_one_page_per_layer_and_loads_into_any_bloc
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     before = {n: t.clone() for n, t in caches.items()}
-    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1)])
+    _store(w, ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1))
     [slot] = client.objects.values()
     assert slot.nbytes == 2 * PAGE  # two layers, one block: half a chunk's object
     for t in caches.values():
@@ -205,7 +260,7 @@ def test_a_tail_block_is_an_object_of_one_page_per_layer_and_loads_into_any_bloc
 def test_a_tail_object_is_never_loaded_as_a_whole_chunk_nor_a_chunk_as_a_tail(worker) -> None:  # type: ignore[no-untyped-def]
     """The sizes differ, so a key mix-up is a failed load (recomputed), never misplaced bytes."""
     w, _client, _caches = worker
-    w._save_batch([ChunkSave("r", 0, b"a" * 16, [[6]], blocks=1), ChunkSave("r", 0, b"b" * 16, [[1, 2]])])
+    _store(w, ChunkSave("r", 0, b"a" * 16, [[6]], blocks=1), ChunkSave("r", 0, b"b" * 16, [[1, 2]]))
     loads = [ChunkLoad(b"a" * 16, [[0, 1]], [[3, 4]]), ChunkLoad(b"b" * 16, [[0]], [[5]], blocks=1)]
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r2", loads)]))
     assert w.get_block_ids_with_load_errors() == {3, 4, 5}
@@ -213,15 +268,15 @@ def test_a_tail_object_is_never_loaded_as_a_whole_chunk_nor_a_chunk_as_a_tail(wo
 
 def test_storing_a_full_chunk_drops_the_tails_it_covers(worker) -> None:  # type: ignore[no-untyped-def]
     w, client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1)])
+    _store(w, ChunkSave("r", 0, b"t" * 16, [[6]], blocks=1))
     assert len(client.objects) == 1
-    w._save_batch([ChunkSave("r", 0, b"c" * 16, [[6, 7]], supersedes=[b"t" * 16])])
+    _store(w, ChunkSave("r", 0, b"c" * 16, [[6, 7]], supersedes=[b"t" * 16]))
     assert [k.prefix_hash for k in client.objects] == [b"c" * 16]
 
 
 def test_a_chunk_holding_the_null_block_stores_nothing(worker) -> None:  # type: ignore[no-untyped-def]
     w, client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"z" * 16, [[3, 0]])])  # never read block 0 (vLLM's null block)
+    _store(w, ChunkSave("r", 0, b"z" * 16, [[3, 0]]))  # never read block 0 (vLLM's null block)
     assert not client.objects
 
 
@@ -242,21 +297,19 @@ class RecordingCopy(CpuPageCopy):
         super().save(ready, pages, ids, dsts, digest, zeros)
 
 
-def test_saves_wait_for_the_save_point_taken_after_the_forward_pass(worker) -> None:  # type: ignore[no-untyped-def]
+def test_saves_wait_for_the_save_point_taken_after_the_forward_pass(
+    arena: SharedArena, make_worker: MakeWorker
+) -> None:
     """The model-runner thread takes the save point (CUDA: an event on the compute stream) when it
     queues the step's saves; the store thread's copies wait for exactly that point."""
-    w, client, _ = worker
-    w._copy = RecordingCopy()
-    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
-    w._saver.start()
+    client, copy = FakeClient(arena), RecordingCopy()
+    w, _ = make_worker(client, copy=copy)
     w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"s" * 16, [[1, 2]])]))
     assert w.get_finished({"r"}) == ({"r"}, None)  # waits for the request's saves
-    [(point_thread, token)] = w._copy.points
+    [(point_thread, token)] = copy.points
     assert point_thread == threading.current_thread().name
-    assert w._copy.waited == [("tiercache-connector-save", token)]
+    assert copy.waited == [("tiercache-connector-save", token)]
     assert len(client.objects) == 1
-    w._queue.put(_STOP)
-    w._saver.join(5)
 
 
 # -- kernel block size from the config (both halves must derive the same manifest) ----------------
@@ -344,38 +397,36 @@ class GatedClient(FakeClient):
 
 
 @pytest.mark.parametrize("producer", [True, False], ids=["kv_producer", "kv_both"])
-def test_a_producers_step_returns_only_once_its_stores_are_reserved(worker, producer: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_producers_step_returns_only_once_its_stores_are_reserved(
+    arena: SharedArena, make_worker: MakeWorker, producer: bool
+) -> None:
     """So its response can never reach the decode engine before the server knows the chunks are
     coming (a decode lookup then waits for their commit); kv_both does not wait."""
-    w, client, _ = worker
-    gated = GatedClient(client.arena())
-    w.link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
-    w._reserve_before_return = producer
-    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
-    w._saver.start()
-    threading.Timer(0.2, gated.gate.set).start()
-    w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"g" * 16, [[1, 2]])]))
+    gated = GatedClient(arena)
+    w, _ = make_worker(gated, producer=producer)
+    meta = TierCacheMetadata(saves=[ChunkSave("r", 0, b"g" * 16, [[1, 2]])])
+    step = threading.Thread(target=w.wait_for_save, args=(meta,), name="model-runner")
+    step.start()
+    if producer:  # the step is seen waiting for the server's answer, and only then gets it
+        wait_blocked(step, GatedClient.reserve, what="the producer's step to wait for its reserve")
+        gated.gate.set()
+    step.join(gated.timeout / 2)  # a kv_both step that waited for the reserve would still wait
+    assert not step.is_alive()  # kv_both: returned with the reserve still unanswered
     assert gated.reserved.is_set() is producer
+    gated.gate.set()
     assert w.get_finished({"r"}) == ({"r"}, None)
     assert len(gated.objects) == 1
-    w._queue.put(_STOP)
-    w._saver.join(5)
 
 
-def test_a_producer_whose_server_never_answers_skips_the_store_at_the_clients_timeout(worker) -> None:  # type: ignore[no-untyped-def]
-    w, client, _ = worker
-    gated = GatedClient(client.arena(), timeout=0.1)
-    link = link_to(gated)(ConnectorSettings(), "test", lambda c: None)
-    w.link = link
-    w._reserve_before_return = True
-    w._saver = threading.Thread(target=w._save_loop, name="tiercache-connector-save", daemon=True)
-    w._saver.start()
+def test_a_producer_whose_server_never_answers_skips_the_store_at_the_clients_timeout(
+    arena: SharedArena, make_worker: MakeWorker
+) -> None:
+    gated = GatedClient(arena, timeout=0.1)
+    w, _ = make_worker(gated, producer=True)
     w.wait_for_save(TierCacheMetadata(saves=[ChunkSave("r", 0, b"h" * 16, [[1, 2]])]))
-    assert link.failures == ["store"]  # the link goes down: later steps skip at once
+    assert w.link.failures == ["store"]  # the link goes down: later steps skip at once
     assert w.get_finished({"r"}) == ({"r"}, None)
     assert not gated.objects and w.stats["save_skipped"] == 1
-    w._queue.put(_STOP)
-    w._saver.join(5)
 
 
 def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps_end(worker) -> None:  # type: ignore[no-untyped-def]
@@ -383,7 +434,7 @@ def test_a_synchronous_loads_time_ends_when_its_writes_are_done_not_at_the_steps
     connector's load time (``vllm:tiercache_load_seconds``) must not include that pass."""
 
     w, _client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"t" * 16, [[1, 2]])])
+    _store(w, ChunkSave("r", 0, b"t" * 16, [[1, 2]]))
     w.take_stats()
     before = time.perf_counter()
     w.start_load_kv(TierCacheMetadata(loads=[RequestLoad("r", [ChunkLoad(b"t" * 16, [[0, 1]], [[4, 5]])])]))
@@ -399,7 +450,7 @@ def _assert_failed_load(w: Any, asynchronous: bool) -> None:
     """vLLM hears that request "r2"'s load into blocks 7 and 3 failed: an asynchronous load is
     reported done and failed, a synchronous one's blocks are load errors."""
     if asynchronous:
-        w._finish_loads(wait=True)
+        w.quiesce()  # the load job finishes; the request is reported with the step's results
         _, done, failed = w.transfer_results(set())
         assert done == {"r2"} and failed == {"r2"}
     else:
@@ -412,7 +463,7 @@ def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asyn
     may have held another chunk's bytes by then, so vLLM is told to recompute (sync: the chunk's
     blocks are load errors; async: the request failed), never that the chunk loaded."""
     w, client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     [stored] = client.objects.values()
     client.expired.add(stored.token)
     load = RequestLoad("r2", [ChunkLoad(b"p" * 16, [[0, 1]], [[7, 3]])], asynchronous=asynchronous)
@@ -427,7 +478,7 @@ def test_a_chunk_copied_under_a_lease_that_expired_is_a_failed_load(worker, asyn
 def test_a_release_the_server_cannot_confirm_is_a_failed_load(worker) -> None:  # type: ignore[no-untyped-def]
     """A release that fails (server gone, session dropped) confirms no lease: recompute."""
     w, client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
 
     def unreachable(tokens: list[int]) -> set[int]:
         raise ServerUnavailableError("gone")
@@ -440,7 +491,7 @@ def test_a_release_the_server_cannot_confirm_is_a_failed_load(worker) -> None:  
 
 
 def _ticket_load(client: FakeClient, arena: str | None = None, **kw: Any) -> RequestLoad:
-    """A load of the chunk ``_save_batch`` stored, naming the slot it is in (as the scheduler's
+    """A load of the chunk ``_store`` stored, naming the slot it is in (as the scheduler's
     lookup ticket pinned it), sent just now."""
     [stored] = client.objects.values()
     return RequestLoad(
@@ -454,7 +505,7 @@ def _ticket_load(client: FakeClient, arena: str | None = None, **kw: Any) -> Req
 
 def test_a_load_from_the_tickets_slots_copies_them_without_a_pin(worker) -> None:  # type: ignore[no-untyped-def]
     w, client, caches = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client)]))
     assert client.pins == 0
     assert not w.get_block_ids_with_load_errors() and w.stats["loaded_chunks"] == 1
@@ -470,7 +521,7 @@ def test_a_copy_from_the_tickets_slots_that_ended_too_late_for_its_leases_is_a_f
     """Time alone no longer vouches for the ticket's leases: the slot may hold another chunk's
     bytes by then, so vLLM is told to recompute, never that the chunk loaded."""
     w, client, _ = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, asynchronous=asynchronous)]))
     client.now += client.lease_window_s / 2  # the copy "ended" half the leases' window after the lookup
     _assert_failed_load(w, asynchronous)
@@ -480,7 +531,7 @@ def test_a_copy_from_the_tickets_slots_that_ended_too_late_for_its_leases_is_a_f
 def test_slots_in_another_servers_arena_are_never_read_the_worker_pins_by_key(worker) -> None:  # type: ignore[no-untyped-def]
     """A server restarted since the lookup has another arena: the offsets mean nothing in it."""
     w, client, caches = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     w.start_load_kv(TierCacheMetadata(step=1, loads=[_ticket_load(client, arena="tiercache-gone")]))
     assert not w.get_block_ids_with_load_errors()
     assert client.pins == 1 and w.stats["loaded_chunks"] == 1
@@ -492,7 +543,7 @@ def test_a_load_planned_too_long_after_its_lookup_pins_by_key_instead(worker) ->
     """A quarter of what the leases vouch for has passed since the lookup (the request waited for
     blocks): the copy might outlive them, so the worker pins the objects itself and loads."""
     w, client, caches = worker
-    w._save_batch([ChunkSave("r", 0, b"p" * 16, [[5, 2]])])
+    _store(w, ChunkSave("r", 0, b"p" * 16, [[5, 2]]))
     load = _ticket_load(client)
     client.now += client.lease_window_s / 4  # the request waited for blocks since its lookup
     w.start_load_kv(TierCacheMetadata(step=1, loads=[load]))
