@@ -48,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import progress  # noqa: E402  (after the path: from the checkout)
 from tests.server.conftest import manifest  # noqa: E402  (after the path: tests/ from the checkout)
 from tests.server.serverproc import ServerProcess, ServerSpec  # noqa: E402
 from tiercache.client.client import Client  # noqa: E402
@@ -65,9 +66,7 @@ PREFIX = "admission"
 BUCKET = "tiercache-admission"
 
 
-def log(msg: str) -> None:
-    """Progress on stderr (stdout is kept for the tables)."""
-    print(f"[admission {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = progress("admission")
 
 
 def import_serve() -> types.ModuleType:

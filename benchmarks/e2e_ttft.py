@@ -44,13 +44,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tiercache and the helpers from the checkout
+
+from benchmarks.common import engine_env, pinned, placement, progress, stop_process  # noqa: E402
+
 ENGINE_SCRIPT = Path(__file__).resolve().with_name("ttft_engine.py")
 MiB = 1 << 20
 
 
-def log(msg: str) -> None:
-    """A progress line on stderr (stdout is kept for the table)."""
-    print(f"[e2e_ttft {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = progress("e2e_ttft")
 
 
 # -- model and prompts ---------------------------------------------------------------------------
@@ -59,7 +61,7 @@ def log(msg: str) -> None:
 def write_llama(directory: Path, args: argparse.Namespace) -> None:
     """A Llama checkpoint with seeded random weights (``model.safetensors``), so the first token and
     its logprob depend on the KV: vLLM's dummy weights give flat logits that hide a wrong load."""
-    # Imported here, once main() has put the checkout first on sys.path.
+    # Imported here: the module's own imports stay the standard library's (and the helpers').
     from tiercache.testing.checkpoints import tiny_llama_config, write_tiny_checkpoint
 
     cfg = tiny_llama_config(
@@ -115,17 +117,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM (both servers drain and stop on it), then SIGKILL after 30 s."""
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 @dataclass
 class TierCacheServer:
     """``tiercache server --tiers l1,disk`` in a subprocess, on a socket and a disk dir under ``root``."""
@@ -137,6 +128,7 @@ class TierCacheServer:
     tiers: str = "l1,disk"
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    cpus: str | None = None  # taskset's CPU list (placement())
 
     @property
     def endpoint(self) -> str:
@@ -166,7 +158,7 @@ class TierCacheServer:
             "--log-level",
             "warning",
         ]
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(pinned(cmd, self.cpus), stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
         self._wait_ready()
 
     def _wait_ready(self, deadline_s: float = 60.0) -> None:
@@ -221,6 +213,7 @@ class LMCacheServer:
     l1_gb: float
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    cpus: str | None = None  # taskset's CPU list (placement())
 
     def start(self) -> None:
         exe = Path(self.python).parent / "lmcache"
@@ -242,7 +235,9 @@ class LMCacheServer:
         ]
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
         logf = (self.root / "lmcache-server.log").open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+        self.proc = subprocess.Popen(
+            pinned(cmd, self.cpus), stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root
+        )
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -307,7 +302,11 @@ def run_engine(
     with log_path.open("wb") as logf:
         try:
             rc = subprocess.run(
-                [python, str(ENGINE_SCRIPT), "--spec", str(spec_path), "--out", str(out_path)],
+                pinned(
+                    [python, str(ENGINE_SCRIPT), "--spec", str(spec_path), "--out", str(out_path)],
+                    args.engine_pin,
+                ),
+                env=os.environ | engine_env(args.engine_cpus),
                 check=False,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -538,6 +537,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument(
         "--engine-timeout-s", type=float, default=600.0, help="kill an engine process after this long"
     )
+    e.add_argument(
+        "--engine-cpus",
+        default="0",
+        help="the CPUs every engine computes on, whatever the system (VLLM_CPU_OMP_THREADS_BIND); "
+        "'auto' leaves vLLM to choose, which gives an engine with a connector more compute threads",
+    )
+    e.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every engine process on --engine-cpus and the cache servers on the CPUs left (taskset)",
+    )
     s = ap.add_argument_group("systems")
     s.add_argument(
         "--systems",
@@ -596,7 +607,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(REPO))  # tiercache from the checkout when it is not installed
     for mod in ("vllm", "torch", "safetensors", "transformers"):
         if importlib.util.find_spec(mod) is None:
             print(
@@ -621,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiercache_tiers == "l1":
         args.no_disk_hit = True  # no disk tier to hit from
     skipped: list[str] = []
+    try:
+        args.engine_pin, args.cache_pin = placement(args.engine_cpus, args.pin)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if "lmcache" in systems and not args.multiprocess:
         print(
             "error: LMCache runs only on vLLM's multiprocess engine (vLLM 0.32's in-process engine fails to "
@@ -661,14 +676,21 @@ def main(argv: list[str] | None = None) -> int:
 
     tc = (
         TierCacheServer(
-            args.python, work / "tiercache", args.chunk_size, args.l1_size_gb, args.tiercache_tiers
+            args.python,
+            work / "tiercache",
+            args.chunk_size,
+            args.l1_size_gb,
+            args.tiercache_tiers,
+            cpus=args.cache_pin,
         )
         if "tiercache" in systems
         else None
     )
     lmc = None
     if "lmcache" in systems:
-        lmc = LMCacheServer(args.python, work / "lmcache", args.chunk_size, args.l1_size_gb)
+        lmc = LMCacheServer(
+            args.python, work / "lmcache", args.chunk_size, args.l1_size_gb, cpus=args.cache_pin
+        )
     server_stats: list[dict[str, Any]] = []
     failures: list[str] = []
     try:
@@ -726,6 +748,9 @@ def main(argv: list[str] | None = None) -> int:
         f"TTFT, {args.prompts} prompt(s) × {args.rounds} round(s), {args.prompt_len}-token prompts, "
         f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
         f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
+        f"engine CPUs {args.engine_cpus}"
+        + (f" (engines on {args.engine_pin}, cache servers on {args.cache_pin})" if args.engine_pin else "")
+        + "; "
         "medians; hit = fresh engine process\n"
     )
     print(table(summary))

@@ -18,6 +18,12 @@ one client's, measured in the same run. Usage::
 
     python benchmarks/many_clients.py [--clients 1,2,4,8,16,32] [--idle 64] [--seconds 3]
                                       [--ops lookup,load,store] [--chunk-kb 16]
+    python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
+
+``--size`` runs lookups on a small server (L1 0.5 GiB, an empty disk tier) and then on a large one
+(L1 16 GiB, a disk tier holding 1M objects written before it starts) and prints, for each, the
+server's start time (spawn to its first answered hello: the arena mapped, the disk tier opened), its
+resident memory after the lookups and the lookup p50, with the large ÷ small ratio of the same run.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import cpu_seconds, pct
 from tests.server.conftest import manifest
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.client.client import Client
@@ -53,12 +60,6 @@ def prompt_keys(group: GroupRef, prompt: int) -> tuple[list[bytes], list[ObjectK
     """The chunk hashes of stored prompt ``prompt`` and their object keys."""
     hashes = chunk_hashes([prompt, *range(CHUNKS * CHUNK_TOKENS - 1)], CHUNK_TOKENS)
     return hashes, [ObjectKey(Fingerprint(group.fingerprint), group.object_group, h) for h in hashes]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.connection.Connection) -> None:
@@ -102,28 +103,45 @@ def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.co
             conn.send(samples)
 
 
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def memory_kib(pid: int) -> dict[str, int]:
+    """``VmRSS``, ``RssAnon`` and ``RssShmem`` of ``pid`` in KiB (the arena's touched pages are its
+    shared memory; its index and everything else the server keeps, anonymous memory)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {k: int(fields[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssShmem")}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", default="1,2,4,8,16,32", help="client counts to run, comma-separated")
-    ap.add_argument("--idle", type=int, default=64, help="idle connected clients throughout")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
-    ap.add_argument("--ops", default="lookup,load,store", help="operations to run, comma-separated")
-    ap.add_argument(
-        "--chunk-kb", type=int, default=16, help="bytes of a chunk (loads copy, stores write them)"
-    )
-    args = ap.parse_args()
-    counts = [int(n) for n in args.clients.split(",")]
-    ops = args.ops.split(",")
+def fill_disk(path: Path, objects: int, object_bytes: int, budget: int) -> float:
+    """Write ``objects`` objects of ``object_bytes`` into a disk tier at ``path`` (before its server
+    starts: what a node's disk holds after a while), in seconds."""
+    from tiercache.config import DiskConfig
+    from tiercache.l2_disk import DiskTier
+
+    fp = Fingerprint(b"\x07" * 16)
+    payload = os.urandom(object_bytes)
+    t0 = time.perf_counter()
+    tier = DiskTier(DiskConfig(path=path, budget_bytes=budget))
+    try:
+        for i in range(objects):
+            tier.put(ObjectKey(fp, 0, i.to_bytes(16, "big")), payload)
+            if i and i % 100_000 == 0:
+                print(f"  disk: {i:,} of {objects:,} objects written", file=sys.stderr, flush=True)
+    finally:
+        tier.close()
+    return time.perf_counter() - t0
+
+
+def run_case(
+    args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts: list[int]
+) -> dict[str, object]:
+    """Start a server from ``spec``, store the prompts, run each op at each client count; print the
+    table's rows and return the server's start seconds, its memory after the runs and each row's
+    figures."""
     chunk_bytes = args.chunk_kb * 1024
     ctx = multiprocessing.get_context("spawn")
-    tmp = Path(tempfile.mkdtemp(prefix="tiercache-many-"))
-    server = ServerProcess(ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=512 * MiB))
-    server.wait_ready()
+    t0 = time.perf_counter()
+    server = ServerProcess(spec)
+    server.wait_ready(deadline_s=600)
+    start_s = time.perf_counter() - t0
     pid = server.process.pid
     assert pid is not None
     idle = [Client(server.endpoint, timeout=30, client_name=f"idle-{i}") for i in range(args.idle)]
@@ -140,12 +158,7 @@ def main() -> int:
         workers.append((proc, here))
     for _, conn in workers:
         assert conn.recv() == "ready"
-    print(
-        f"server pid {pid}, {os.cpu_count()} cores, {args.idle} idle clients, {CHUNKS} chunks of "
-        f"{args.chunk_kb} KiB per operation, {args.seconds:g} s per phase\n"
-    )
-    print("| op | clients | ops/s | p50 ms | p99 ms | server CPU µs/op | µs/chunk | ops/s ÷ 1 client |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows: dict[tuple[str, int], dict[str, float]] = {}
     try:
         for op in ops:
             single = 0.0
@@ -160,11 +173,13 @@ def main() -> int:
                 rate = len(samples) / args.seconds
                 single = single or rate
                 per_op = cpu / max(1, len(samples)) * 1e6
+                rows[op, n] = {"p50_ms": statistics.median(samples) * 1e3, "p99_ms": pct(samples, 0.99) * 1e3}
                 print(
                     f"| {op} | {n} | {rate:,.0f} | {statistics.median(samples) * 1e3:.2f} | "
                     f"{pct(samples, 0.99) * 1e3:.2f} | {per_op:.0f} | {per_op / CHUNKS:.1f} | {rate / single:.2f} |",
                     flush=True,
                 )
+        memory = memory_kib(pid)  # after the runs: the arena populated, the indexes built
     finally:
         for _, conn in workers:
             conn.send(None)
@@ -173,6 +188,108 @@ def main() -> int:
         for client in idle:
             client.close()
         server.stop()
+    return {"start_s": start_s, "memory": memory, "rows": rows}
+
+
+HEADER = (
+    "| op | clients | ops/s | p50 ms | p99 ms | server CPU µs/op | µs/chunk | ops/s ÷ 1 client |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
+def size_case(args: argparse.Namespace, tmp: Path) -> int:
+    """The small server (L1 ``--l1-gb``, an empty disk tier) against the large one (L1
+    ``--size-l1-gb``, a disk tier holding ``--size-disk-objects`` objects), lookups at 1 and 16
+    clients: start time, memory and lookup p50 side by side."""
+    counts = [int(n) for n in args.clients.split(",")]
+    print(
+        f"{os.cpu_count()} cores, {args.idle} idle clients, lookups of {CHUNKS} chunks, {args.seconds:g} s per phase"
+    )
+    cases = {}
+    for name, l1_gb, objects in (
+        ("small", args.l1_gb, 0),
+        ("large", args.size_l1_gb, args.size_disk_objects),
+    ):
+        disk = tmp / f"disk-{name}"
+        budget = max(64 * MiB, int(objects * (args.size_object_kb * 1024 + 512) * 1.3))
+        if objects:
+            took = fill_disk(disk, objects, args.size_object_kb * 1024, budget)
+            print(
+                f"\n{name}: disk tier filled with {objects:,} objects of {args.size_object_kb} KiB in {took:.0f} s"
+            )
+        spec = ServerSpec(
+            listen=f"ipc://{tmp}/{name}.sock",
+            l1_bytes=int(l1_gb * 1024) * MiB,
+            disk_path=str(disk),
+            disk_budget=budget,
+        )
+        print(f"\n{name}: L1 {l1_gb:g} GiB, disk tier {objects:,} objects\n\n{HEADER}")
+        cases[name] = run_case(args, spec, ["lookup"], counts)
+    p50s = " | ".join(f"lookup p50 ms, {n} client{'s' if n > 1 else ''}" for n in counts)
+    print(f"\n| server | L1 GiB | disk objects | start s | RSS MiB | of it anonymous | {p50s} |")
+    print("|---" * (6 + len(counts)) + "|")
+    for name, l1_gb, objects in (
+        ("small", args.l1_gb, 0),
+        ("large", args.size_l1_gb, args.size_disk_objects),
+    ):
+        c = cases[name]
+        mem, rows = c["memory"], c["rows"]
+        assert isinstance(mem, dict) and isinstance(rows, dict)
+        p50 = " | ".join(f"{rows['lookup', n]['p50_ms']:.2f}" for n in counts)
+        print(
+            f"| {name} | {l1_gb:g} | {objects:,} | {c['start_s']:.1f} | {mem['VmRSS'] / 1024:,.0f} | "
+            f"{mem['RssAnon'] / 1024:,.0f} | {p50} |"
+        )
+    small_rows, large_rows = cases["small"]["rows"], cases["large"]["rows"]
+    assert isinstance(small_rows, dict) and isinstance(large_rows, dict)
+    ratios = ", ".join(
+        f"{n} client(s) {large_rows['lookup', n]['p50_ms'] / small_rows['lookup', n]['p50_ms']:.2f}×"
+        for n in counts
+    )
+    print(f"\nlookup p50, large ÷ small (same run): {ratios}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--clients",
+        default=None,
+        help="client counts to run, comma-separated (default 1,2,4,8,16,32; 1,16 with --size)",
+    )
+    ap.add_argument("--idle", type=int, default=64, help="idle connected clients throughout")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
+    ap.add_argument("--ops", default="lookup,load,store", help="operations to run, comma-separated")
+    ap.add_argument(
+        "--chunk-kb", type=int, default=16, help="bytes of a chunk (loads copy, stores write them)"
+    )
+    ap.add_argument(
+        "--l1-gb", type=float, default=0.5, help="the server's L1 (the small server's with --size)"
+    )
+    ap.add_argument(
+        "--size",
+        action="store_true",
+        help="compare a small server with a large one (--size-l1-gb of L1, a disk tier of "
+        "--size-disk-objects objects): start time, memory and lookup latency",
+    )
+    ap.add_argument("--size-l1-gb", type=float, default=16.0, help="--size: the large server's L1")
+    ap.add_argument(
+        "--size-disk-objects", type=int, default=1_000_000, help="--size: objects on the large server's disk"
+    )
+    ap.add_argument("--size-object-kb", type=int, default=4, help="--size: bytes of each of those objects")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="tiercache-many-"))
+    if args.size:
+        args.clients = args.clients or "1,16"
+        return size_case(args, tmp)
+    counts = [int(n) for n in (args.clients or "1,2,4,8,16,32").split(",")]
+    print(
+        f"{os.cpu_count()} cores, {args.idle} idle clients, {CHUNKS} chunks of {args.chunk_kb} KiB per "
+        f"operation, {args.seconds:g} s per phase\n"
+    )
+    print(HEADER)
+    spec = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=int(args.l1_gb * 1024) * MiB)
+    run_case(args, spec, args.ops.split(","), counts)
     return 0
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import pct
 from tests.server.serverproc import ServerProcess, ServerSpec
 from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
@@ -65,11 +66,6 @@ MANIFEST = LayoutManifest(
     chunk_size=CHUNK_TOKENS,
     num_layers=2,
 )
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def lookup_latency(client: Client, hashes: list[bytes], group: GroupRef, n: int) -> tuple[float, float, int]:

@@ -73,13 +73,21 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
+from benchmarks.common import (  # noqa: E402
+    cpu_seconds,
+    cpu_set,
+    engine_env,
+    pinned,
+    placement,
+    progress,
+    stop_process,
+)
 from benchmarks.serve_figure import write_figure  # noqa: E402
 from benchmarks.serve_plan import (  # noqa: E402  (the fairness rules, tested without vLLM)
     Install,
     Probe,
     Settled,
     Unit,
-    cpu_seconds,
     install_error,
     install_problems,
     plan,
@@ -128,61 +136,7 @@ IDLE_CPU_SHARE = 0.05
 SERVER_ENV = {"LMCACHE_TRACK_USAGE": "false"}
 
 
-def engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """Every vLLM server's environment: :data:`SERVER_ENV`, and its engine's compute threads bound
-    to ``--engine-cpus`` whatever the system. vLLM's CPU engine reserves one more CPU when a KV
-    connector is configured and, on a small machine, then computes on every CPU; without a connector
-    on one: unbound, a comparison with "none" or the floor would set two compute threads against one."""
-    env = dict(SERVER_ENV)
-    if args.engine_cpus != "auto":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cpus
-    return env
-
-
-def cpu_set(spec: str) -> set[int]:
-    """The CPUs of a list such as ``0``, ``0-3`` or ``0,2-3``."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        out.update(range(int(first), int(last or first) + 1))
-    return out
-
-
-def placement(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """``(engine CPUs, cache CPUs)`` for ``taskset``: with ``--pin``, every vLLM server (its front-end
-    and engine) on ``--engine-cpus`` and every cache server, and the load generator in this process,
-    on the CPUs left; ``(None, None)`` unpinned. Raises :class:`ValueError` when none is left."""
-    if not args.pin or args.engine_cpus == "auto":
-        return None, None
-    engine = cpu_set(args.engine_cpus)
-    rest = sorted(set(os.sched_getaffinity(0)) - engine)
-    if not rest:
-        raise ValueError(
-            f"--pin needs a CPU besides --engine-cpus {args.engine_cpus} for the cache servers and the "
-            "load generator; give the engines fewer CPUs or pass --no-pin"
-        )
-    return args.engine_cpus, ",".join(map(str, rest))
-
-
-def pinned(cmd: list[str], cpus: str | None) -> list[str]:
-    """``cmd`` run on ``cpus`` (``taskset -c``), or as it is when ``cpus`` is None."""
-    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
-
-
-def log(msg: str) -> None:
-    """A progress line on stderr (stdout is kept for the table)."""
-    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM (both cache servers drain and stop on it), SIGKILL after 30 s."""
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+log = progress("serve")
 
 
 # -- sizes -----------------------------------------------------------------------------------------
@@ -718,7 +672,7 @@ def serve_once(
     server = OpenAIServer(
         pinned(vllm_argv(args, model, args.python, blocks, ktc), args.engine_pin),
         work / "logs" / f"{name}.log",
-        env=engine_env(args),
+        env=SERVER_ENV | engine_env(args.engine_cpus),
     )
     try:
         server.wait_ready(timeout=args.start_timeout_s)
@@ -1117,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log(install.line())
     try:
-        args.engine_pin, args.cache_pin = placement(args)
+        args.engine_pin, args.cache_pin = placement(args.engine_cpus, args.pin)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

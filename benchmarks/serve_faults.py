@@ -49,6 +49,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import progress
 from tests.e2e.engine_run import write_served_tiny_llama
 from tests.e2e.openai_server import OpenAIServer, api_server_argv, tiny_model_flags
 from tests.reliability.common import peak_rss_mib
@@ -60,9 +61,7 @@ CHUNK = 64
 VOCAB = 512
 
 
-def log(msg: str) -> None:
-    """A progress line on stderr (stdout is kept for the tables)."""
-    print(f"[serve_faults {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = progress("serve_faults")
 
 
 @dataclass(frozen=True)

@@ -284,31 +284,6 @@ def settle(
         sleep(poll_s)
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its live descendants, from /proc (Linux): a cache
-    server copying or writing stores is busy, one waiting for requests is not."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
-        child = int(entry.name)
-        children.setdefault(int(fields[1]), []).append(child)
-        times[child] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo += children.get(p, [])
-    return total
-
-
 def tree_size(root: Path) -> float:
     """Files plus bytes under ``root`` (0 when it does not exist): a store counter for caches that
     write files (LMCache's ``fs`` adapter, vLLM's ExampleConnector)."""

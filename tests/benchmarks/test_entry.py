@@ -21,7 +21,7 @@ def test_the_list_names_every_benchmark_and_none_of_the_serving_benchmarks_parts
     assert listed.returncode == 0, listed.stderr
     names = {line.split()[0] for line in listed.stdout.splitlines()[2:] if line.strip()}
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
-    assert names == scripts - {"serve_figure", "serve_plan", "serve_report"}
+    assert names == scripts - {"common", "serve_figure", "serve_plan", "serve_report"}
     assert "s3_index Benchmark the S3 tier's capacity index" in " ".join(listed.stdout.split())
 
 

@@ -1,0 +1,100 @@
+"""Helpers every benchmark here uses the same way: progress lines, percentiles, a process's CPU
+time, stopping a server it started, and where engines and cache servers run (every system alike).
+Standard library only, so each benchmark keeps its own imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def progress(name: str) -> Callable[[str], None]:
+    """A function printing ``[name HH:MM:SS] message`` on stderr (stdout is kept for the tables)."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def pct(samples: list[float], q: float) -> float:
+    """The sample at quantile ``q`` (0..1) of ``samples``: the nearest rank, not interpolated."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants, from /proc (Linux): a cache
+    server copying or writing stores is busy, one waiting for requests is not."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+        child = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(child)
+        times[child] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (the cache servers drain and stop on it), SIGKILL after 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def cpu_set(spec: str) -> set[int]:
+    """The CPUs of a list such as ``0``, ``0-3`` or ``0,2-3``."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def placement(engine_cpus: str, pin: bool) -> tuple[str | None, str | None]:
+    """``(engine CPUs, cache CPUs)`` for ``taskset``: with ``pin``, every vLLM process on
+    ``engine_cpus`` and every cache server (and the load generator) on the CPUs left; ``(None,
+    None)`` unpinned or with ``auto``. Raises :class:`ValueError` when no CPU is left."""
+    if not pin or engine_cpus == "auto":
+        return None, None
+    rest = sorted(set(os.sched_getaffinity(0)) - cpu_set(engine_cpus))
+    if not rest:
+        raise ValueError(
+            f"--pin needs a CPU besides --engine-cpus {engine_cpus} for the cache servers and the "
+            "load generator; give the engines fewer CPUs or pass --no-pin"
+        )
+    return engine_cpus, ",".join(map(str, rest))
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on ``cpus`` (``taskset -c``), or as it is when ``cpus`` is None."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def engine_env(engine_cpus: str) -> dict[str, str]:
+    """What every vLLM engine's environment adds, whatever the system: its compute threads bound to
+    ``engine_cpus`` (``VLLM_CPU_OMP_THREADS_BIND``). vLLM's CPU engine reserves one more CPU when a
+    KV connector is configured and, on a small machine, then computes on every CPU; without a
+    connector on one: unbound, a comparison with no connector sets two compute threads against one."""
+    return {} if engine_cpus == "auto" else {"VLLM_CPU_OMP_THREADS_BIND": engine_cpus}
