@@ -32,6 +32,7 @@ import argparse
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -279,6 +280,14 @@ def main() -> int:
     ap.add_argument("--size-object-kb", type=int, default=4, help="--size: bytes of each of those objects")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tiercache-many-"))
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # with --size, gigabytes of disk tier
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    """The table (or, with ``--size``, the size case) with sockets and disk tiers under ``tmp``."""
     if args.size:
         args.clients = args.clients or "1,16"
         return size_case(args, tmp)
