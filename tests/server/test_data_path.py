@@ -184,6 +184,29 @@ def test_a_ticket_released_as_read_counts_each_chunk_as_one_l1_hit(
     assert after["bytes_read"] - before["bytes_read"] == (4 * 64 * KiB if read else 0)
 
 
+def test_a_quiet_ticket_release_unpins_before_the_next_request_and_gets_no_reply(
+    start_server: StartServer,
+) -> None:
+    """``release_ticket_unconfirmed`` (how the vLLM scheduler and the SGLang backend release) sends a
+    ``quiet`` release: the server unpins the ticket and counts its objects as read before it handles
+    the connection's next request, and sends no reply (one it would encode and send for nobody)."""
+    server = start_server()
+    with server.client(heartbeat=False) as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(client, group, hashes)
+        found = client.lookup(hashes, [group])
+        assert found.chunks == 4 and found.ticket
+        before = client.stats()
+        client.release_ticket_unconfirmed(found.ticket, read=True)
+        after = client.stats()  # the connection's next request: handled after the release
+    assert before["server"]["tickets"] == 1 and after["server"]["tickets"] == 0
+    assert after["tiers"]["l1"]["hits"] - before["tiers"]["l1"]["hits"] == 4
+    # Between the two snapshots: the release and the second stats asked, only the first stats answered.
+    assert after["server"]["requests"] - before["server"]["requests"] == 2
+    assert after["server"]["replies"] - before["server"]["replies"] == 1
+
+
 def test_a_lookup_l1_answers_alone_replies_and_counts_as_one_the_disk_helps_answer(
     start_server: StartServer, tmp_path: Path
 ) -> None:

@@ -124,7 +124,13 @@ class Server:
         self._codec = Codec()
         self._sessions = Sessions(engine, self._l1, self.options)
         self._inflight = 0
-        self._counters: dict[str, int] = {"requests": 0, "errors": 0, "malformed": 0, "stranger_frames": 0}
+        self._counters: dict[str, int] = {
+            "requests": 0,
+            "replies": 0,  # sent; fewer than requests by the quiet ones (a release nobody waits for)
+            "errors": 0,
+            "malformed": 0,
+            "stranger_frames": 0,
+        }
         self._hellos = FailedHellos()
         self._received = 0.0  # perf_counter() when the request being handled arrived
         self.evictions = EvictionRecord()
@@ -404,6 +410,7 @@ class Server:
         )
         try:
             sock.send_multipart(msg, zmq.NOBLOCK)
+            self._counters["replies"] += 1
         except zmq.Again:
             log.debug("reply to a client dropped: its queue is full")
         except zmq.ZMQError as exc:
