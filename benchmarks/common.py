@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def progress(name: str) -> Callable[[str], None]:
@@ -98,3 +99,58 @@ def engine_env(engine_cpus: str) -> dict[str, str]:
     KV connector is configured and, on a small machine, then computes on every CPU; without a
     connector on one: unbound, a comparison with no connector sets two compute threads against one."""
     return {} if engine_cpus == "auto" else {"VLLM_CPU_OMP_THREADS_BIND": engine_cpus}
+
+
+def tiercache_server_argv(
+    python: str, endpoint: str, chunk: int, l1_gb: float, disk: Path | None
+) -> list[str]:
+    """``tiercache server`` as the serving benchmarks start it: L1 of ``l1_gb`` and, unless ``disk``
+    is None, a 4 GB disk tier there (``--tiers l1,disk``); warnings only."""
+    tiers = (
+        ["--tiers", "l1"]
+        if disk is None
+        else ["--tiers", "l1,disk", "--disk-path", str(disk), "--disk-size-gb", "4"]
+    )
+    return [
+        python,
+        "-m",
+        "tiercache.cli",
+        "server",
+        *tiers,
+        "--listen",
+        endpoint,
+        "--chunk-size",
+        str(chunk),
+        "--l1-size-gb",
+        str(l1_gb),
+        "--log-level",
+        "warning",
+    ]
+
+
+def wait_for_tiercache(
+    proc: subprocess.Popen[bytes], endpoint: str, log: Path, deadline_s: float = 60.0
+) -> None:
+    """Return once the server ``proc`` answers a hello on ``endpoint``; raise, naming ``log``, if it
+    exits first or does not answer within ``deadline_s``."""
+    from tiercache.client.client import Client  # the checkout's, once the benchmark set sys.path
+    from tiercache.errors import ServerUnavailableError
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tiercache server exited with {proc.returncode}; see {log}")
+        try:
+            Client(endpoint, timeout=0.5, heartbeat=False).close()
+            return
+        except ServerUnavailableError:
+            time.sleep(0.1)
+    raise RuntimeError(f"tiercache server did not answer within {deadline_s:g} s; see {log}")
+
+
+def tiercache_stats(endpoint: str) -> dict[str, Any]:
+    """The server's ``stats`` (``engine``: stores, hits, promotions, evictions, ...)."""
+    from tiercache.client.client import Client
+
+    with Client(endpoint, timeout=5.0, heartbeat=False) as client:
+        return dict(client.stats())

@@ -46,7 +46,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tiercache and the helpers from the checkout
 
-from benchmarks.common import engine_env, pinned, placement, progress, stop_process  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    engine_env,
+    pinned,
+    placement,
+    progress,
+    stop_process,
+    tiercache_server_argv,
+    tiercache_stats,
+    wait_for_tiercache,
+)
 
 ENGINE_SCRIPT = Path(__file__).resolve().with_name("ttft_engine.py")
 MiB = 1 << 20
@@ -136,58 +145,17 @@ class TierCacheServer:
 
     def start(self) -> None:
         self.starts += 1
-        logf = (self.root / f"server-{self.starts}.log").open("wb")
-        cmd = [
-            self.python,
-            "-m",
-            "tiercache.cli",
-            "server",
-            "--tiers",
-            self.tiers,
-            "--listen",
-            self.endpoint,
-            "--chunk-size",
-            str(self.chunk),
-            "--l1-size-gb",
-            str(self.l1_gb),
-            *(
-                ["--disk-path", str(self.root / "disk"), "--disk-size-gb", "4"]
-                if "disk" in self.tiers.split(",")
-                else []
-            ),
-            "--log-level",
-            "warning",
-        ]
-        self.proc = subprocess.Popen(pinned(cmd, self.cpus), stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
-        self._wait_ready()
-
-    def _wait_ready(self, deadline_s: float = 60.0) -> None:
-        # Poll with hello round trips while the process lives, as tests/server/serverproc.py does.
-        from tiercache.client.client import Client
-        from tiercache.errors import ServerUnavailableError
-
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"tiercache server exited with {self.proc.returncode}; see {self.root}/server-{self.starts}.log"
-                )
-            try:
-                Client(self.endpoint, timeout=0.5, heartbeat=False).close()
-                return
-            except ServerUnavailableError:
-                time.sleep(0.1)
-        raise RuntimeError("tiercache server did not answer within 60 s")
+        log = self.root / f"server-{self.starts}.log"
+        disk = self.root / "disk" if "disk" in self.tiers.split(",") else None
+        cmd = tiercache_server_argv(self.python, self.endpoint, self.chunk, self.l1_gb, disk)
+        with log.open("wb") as logf:
+            self.proc = subprocess.Popen(
+                pinned(cmd, self.cpus), stdout=logf, stderr=subprocess.STDOUT, cwd=REPO
+            )
+        wait_for_tiercache(self.proc, self.endpoint, log)
 
     def stats(self) -> dict[str, Any]:
-        from tiercache.client.client import Client
-
-        c = Client(self.endpoint, timeout=5.0, heartbeat=False)
-        try:
-            return c.stats()
-        finally:
-            c.close()
+        return tiercache_stats(self.endpoint)
 
     def stop(self) -> None:
         stop_process(self.proc)

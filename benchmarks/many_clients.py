@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,9 +132,17 @@ def fill_disk(path: Path, objects: int, object_bytes: int, budget: int) -> float
     return time.perf_counter() - t0
 
 
-def run_case(
-    args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts: list[int]
-) -> dict[str, object]:
+@dataclass(frozen=True)
+class CaseResult:
+    """One server's figures: seconds from spawn to its first answered hello, its memory after the
+    runs (:func:`memory_kib`), and each ``(op, clients)`` row's ``p50_ms`` and ``p99_ms``."""
+
+    start_s: float
+    memory: dict[str, int]
+    rows: dict[tuple[str, int], dict[str, float]]
+
+
+def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts: list[int]) -> CaseResult:
     """Start a server from ``spec``, store the prompts, run each op at each client count; print the
     table's rows and return the server's start seconds, its memory after the runs and each row's
     figures."""
@@ -189,7 +198,7 @@ def run_case(
         for client in idle:
             client.close()
         server.stop()
-    return {"start_s": start_s, "memory": memory, "rows": rows}
+    return CaseResult(start_s, memory, rows)
 
 
 HEADER = (
@@ -206,7 +215,7 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     print(
         f"{os.cpu_count()} cores, {args.idle} idle clients, lookups of {CHUNKS} chunks, {args.seconds:g} s per phase"
     )
-    cases = {}
+    cases: dict[str, CaseResult] = {}
     for name, l1_gb, objects in (
         ("small", args.l1_gb, 0),
         ("large", args.size_l1_gb, args.size_disk_objects),
@@ -234,15 +243,12 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
         ("large", args.size_l1_gb, args.size_disk_objects),
     ):
         c = cases[name]
-        mem, rows = c["memory"], c["rows"]
-        assert isinstance(mem, dict) and isinstance(rows, dict)
-        p50 = " | ".join(f"{rows['lookup', n]['p50_ms']:.2f}" for n in counts)
+        p50 = " | ".join(f"{c.rows['lookup', n]['p50_ms']:.2f}" for n in counts)
         print(
-            f"| {name} | {l1_gb:g} | {objects:,} | {c['start_s']:.1f} | {mem['VmRSS'] / 1024:,.0f} | "
-            f"{mem['RssAnon'] / 1024:,.0f} | {p50} |"
+            f"| {name} | {l1_gb:g} | {objects:,} | {c.start_s:.1f} | {c.memory['VmRSS'] / 1024:,.0f} | "
+            f"{c.memory['RssAnon'] / 1024:,.0f} | {p50} |"
         )
-    small_rows, large_rows = cases["small"]["rows"], cases["large"]["rows"]
-    assert isinstance(small_rows, dict) and isinstance(large_rows, dict)
+    small_rows, large_rows = cases["small"].rows, cases["large"].rows
     ratios = ", ".join(
         f"{n} client(s) {large_rows['lookup', n]['p50_ms'] / small_rows['lookup', n]['p50_ms']:.2f}×"
         for n in counts

@@ -81,6 +81,9 @@ from benchmarks.common import (  # noqa: E402
     placement,
     progress,
     stop_process,
+    tiercache_server_argv,
+    tiercache_stats,
+    wait_for_tiercache,
 )
 from benchmarks.serve_figure import write_figure  # noqa: E402
 from benchmarks.serve_plan import (  # noqa: E402  (the fairness rules, tested without vLLM)
@@ -195,56 +198,21 @@ class TierCacheServer:
     def start(self) -> None:
         """Start it on an empty disk directory and wait for a hello round trip."""
         self.root.mkdir(parents=True, exist_ok=True)
-        cmd = pinned(
-            [
-                self.python,
-                "-m",
-                "tiercache.cli",
-                "server",
-                "--tiers",
-                "l1,disk",
-                "--listen",
-                self.endpoint,
-                "--chunk-size",
-                str(self.chunk),
-                "--l1-size-gb",
-                str(self.l1_gb),
-                "--disk-path",
-                str(self.root / "disk"),
-                "--disk-size-gb",
-                "4",
-                "--log-level",
-                "warning",
-            ],
-            self.cpus,
-        )
-        with (self.root / "server.log").open("ab") as out:
+        cmd = tiercache_server_argv(self.python, self.endpoint, self.chunk, self.l1_gb, self.root / "disk")
+        log = self.root / "server.log"
+        with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, **SERVER_ENV)
+                pinned(cmd, self.cpus),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=dict(os.environ, **SERVER_ENV),
             )
-        from tiercache.client.client import Client
-        from tiercache.errors import ServerUnavailableError
-
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tiercache server exited; see {self.root}/server.log")
-            try:
-                Client(self.endpoint, timeout=0.5, heartbeat=False).close()
-                return
-            except ServerUnavailableError:
-                time.sleep(0.1)
-        raise RuntimeError("tiercache server did not answer within 60 s")
+        wait_for_tiercache(self.proc, self.endpoint, log)
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (``engine``: stores, hits, promotions, evictions, ...)."""
-        from tiercache.client.client import Client
-
-        c = Client(self.endpoint, timeout=5.0, heartbeat=False)
-        try:
-            return dict(c.stats())
-        finally:
-            c.close()
+        return tiercache_stats(self.endpoint)
 
     def probes(self) -> list[Probe]:
         """Its store counter (a vLLM server's last stores may still be in flight when its last
