@@ -4,7 +4,9 @@ Standard library only, so each benchmark keeps its own imports."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -154,3 +156,44 @@ def tiercache_stats(endpoint: str) -> dict[str, Any]:
 
     with Client(endpoint, timeout=5.0, heartbeat=False) as client:
         return dict(client.stats())
+
+
+def lmcache_server_argv(
+    python: str, chunk: int, l1_gb: float, port: int, shm_name: str, fs: Path | None
+) -> list[str]:
+    """``lmcache server`` (multiprocess mode, shared-memory transport, LRU) from ``python``'s venv, as
+    the serving benchmarks start it; with ``fs``, its ``fs`` L2 adapter there."""
+    cmd = [
+        str(Path(python).parent / "lmcache"),
+        "server",
+        "--chunk-size",
+        str(chunk),
+        "--l1-size-gb",
+        str(l1_gb),
+        "--eviction-policy",
+        "LRU",
+        "--supported-transfer-mode",
+        "engine_driven",
+        "--port",
+        str(port),
+        "--shm-name",
+        shm_name,
+    ]
+    if fs is not None:
+        cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(fs)})]
+    return cmd
+
+
+def wait_for_port(proc: subprocess.Popen[bytes], port: int, log: Path, deadline_s: float = 120.0) -> None:
+    """Return once ``proc`` accepts connections on 127.0.0.1:``port``; raise, naming ``log``, if it
+    exits first or does not listen within ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"server did not listen on port {port} within {deadline_s:g} s; see {log}")

@@ -48,12 +48,14 @@ sys.path.insert(0, str(REPO))  # tiercache and the helpers from the checkout
 
 from benchmarks.common import (  # noqa: E402
     engine_env,
+    lmcache_server_argv,
     pinned,
     placement,
     progress,
     stop_process,
     tiercache_server_argv,
     tiercache_stats,
+    wait_for_port,
     wait_for_tiercache,
 )
 
@@ -184,40 +186,19 @@ class LMCacheServer:
     cpus: str | None = None  # taskset's CPU list (placement())
 
     def start(self) -> None:
-        exe = Path(self.python).parent / "lmcache"
-        cmd = [
-            str(exe),
-            "server",
-            "--chunk-size",
-            str(self.chunk),
-            "--l1-size-gb",
-            str(self.l1_gb),
-            "--eviction-policy",
-            "LRU",
-            "--supported-transfer-mode",
-            "engine_driven",
-            "--port",
-            str(self.port),
-            "--shm-name",
-            f"lmc_ttft_{os.getpid()}",
-        ]
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
-        logf = (self.root / "lmcache-server.log").open("wb")
-        self.proc = subprocess.Popen(
-            pinned(cmd, self.cpus), stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=self.root
+        cmd = lmcache_server_argv(
+            self.python, self.chunk, self.l1_gb, self.port, f"lmc_ttft_{os.getpid()}", None
         )
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"lmcache server exited with {self.proc.returncode}; see {self.root}/lmcache-server.log"
-                )
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("lmcache server did not listen within 120 s")
+        log = self.root / "lmcache-server.log"
+        with log.open("wb") as logf:
+            self.proc = subprocess.Popen(
+                pinned(cmd, self.cpus),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, LMCACHE_TRACK_USAGE="false"),
+                cwd=self.root,
+            )
+        wait_for_port(self.proc, self.port, log)
 
     def stop(self) -> None:
         stop_process(self.proc)

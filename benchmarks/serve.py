@@ -56,7 +56,6 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,12 +76,14 @@ from benchmarks.common import (  # noqa: E402
     cpu_seconds,
     cpu_set,
     engine_env,
+    lmcache_server_argv,
     pinned,
     placement,
     progress,
     stop_process,
     tiercache_server_argv,
     tiercache_stats,
+    wait_for_port,
     wait_for_tiercache,
 )
 from benchmarks.serve_figure import write_figure  # noqa: E402
@@ -275,40 +276,21 @@ class LMCacheServer:
     def start(self) -> None:
         """Start it and wait until its port accepts connections."""
         self.root.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            str(Path(self.python).parent / "lmcache"),
-            "server",
-            "--chunk-size",
-            str(self.chunk),
-            "--l1-size-gb",
-            str(self.l1_gb),
-            "--eviction-policy",
-            "LRU",
-            "--supported-transfer-mode",
-            "engine_driven",
-            "--port",
-            str(self.port),
-            "--shm-name",
-            f"lmc_serve_{os.getpid()}_{self.port}",
-        ]
-        if self.fs:
-            (self.root / "fs").mkdir(exist_ok=True)
-            cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.root / "fs")})]
-        env = dict(os.environ, **SERVER_ENV)
-        with (self.root / "server.log").open("ab") as out:
+        fs = self.root / "fs" if self.fs else None
+        if fs is not None:
+            fs.mkdir(exist_ok=True)
+        shm = f"lmc_serve_{os.getpid()}_{self.port}"
+        cmd = lmcache_server_argv(self.python, self.chunk, self.l1_gb, self.port, shm, fs)
+        log = self.root / "server.log"
+        with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                pinned(cmd, self.cpus), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root
+                pinned(cmd, self.cpus),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, **SERVER_ENV),
+                cwd=self.root,
             )
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited; see {self.root}/server.log")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("lmcache server did not listen within 120 s")
+        wait_for_port(self.proc, self.port, log)
 
     def probes(self) -> list[Probe]:
         """The server's CPU time (its own store counters are not reachable from here) and, with the
