@@ -102,6 +102,7 @@ from benchmarks.serve_plan import (  # noqa: E402  (the fairness rules, tested w
 )
 from benchmarks.serve_report import (  # noqa: E402  (pure: the table and targets, tested without vLLM)
     LMCACHE_SYSTEMS,
+    PREEMPTIONS,
     PROMPT_COMPUTED,
     WORKLOADS,
     Phase,
@@ -191,6 +192,8 @@ class TierCacheServer:
     proc: subprocess.Popen[bytes] | None = None
     tails: bool = True  # the connector's ``tails`` setting (its default: on)
     cpus: str | None = None  # taskset's CPU list (placement())
+    #: More ``kv_connector_extra_config`` settings (``--connector-config``).
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def endpoint(self) -> str:
@@ -244,6 +247,7 @@ class TierCacheServer:
             "kv_connector_extra_config": {
                 "server": self.endpoint,
                 **({} if self.tails else {"tails": False}),
+                **self.settings,
             },
         }
 
@@ -589,6 +593,7 @@ def counters(server: OpenAIServer) -> dict[str, float]:
     m = server.metrics()
     out = {k: m.get(k, 0.0) for k in (LOCAL_QUERIES, LOCAL_HITS, EXTERNAL_QUERIES, EXTERNAL_HITS)}
     out[PROMPT_COMPUTED] = computed_prompt_tokens(server)
+    out[PREEMPTIONS] = m.get(PREEMPTIONS, 0.0)
     # The connector's own counters and load/store time histograms (docs/vllm.md, "Metrics"): where a
     # tiercache phase's time goes. Buckets summed over their bounds mean nothing, so they are left out.
     out.update(
@@ -721,6 +726,7 @@ def run_all(
                 budget_gb(args, budget),
                 tails=system != "tiercache-chunks",
                 cpus=args.cache_pin,
+                settings=args.connector_config,
             )
         elif system in LMCACHE_SYSTEMS:
             cache = LMCacheServer(
@@ -920,6 +926,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(pip install -e '.[bench]'), skipped with a message without it",
     )
     e.add_argument("--keep", action="store_true", help="keep the work directory (model, logs, cache dirs)")
+    e.add_argument(
+        "--connector-config",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="more TierCacheConnector settings for every tiercache row, as a JSON object merged into "
+        "kv_connector_extra_config (e.g. '{\"lookup_wait_s\": 0.05}'); printed with the results",
+    )
     args = ap.parse_args(argv)
     if args.lmcache_python is not None:
         ap.error(
@@ -1085,6 +1099,11 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f" (vLLM servers on {args.engine_pin}, cache servers on {args.cache_pin})"
             if args.engine_pin
+            else ""
+        )
+        + (
+            f"; tiercache connector settings {json.dumps(args.connector_config)}"
+            if args.connector_config
             else ""
         )
         + f"; {time.perf_counter() - t0:.0f} s"

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks.serve_report import (
     LMCACHE_BEST,
+    PREEMPTIONS,
     PROMPT_COMPUTED,
     TARGETS,
     Phase,
@@ -174,6 +175,20 @@ def test_the_cache_servers_cpu_is_divided_by_requests_and_by_promoted_chunks() -
     assert unread["cache_cpu_ms_per_request"] != unread["cache_cpu_ms_per_request"]
     text, _ = table(rows_of([phase("tiercache", "third", "restart", 0, r)]))
     assert "| 150.0 | – |" in text
+
+
+def test_the_engines_preemptions_are_a_column_and_a_dash_when_not_read() -> None:
+    """vLLM's preemptions over the workload (requests whose KV it freed for want of blocks) stand
+    beside the prompt tokens it computed; a counter the engine did not export is a dash, not 0."""
+    r = result(1000.0, computed=1536.0)
+    r.counters[PREEMPTIONS] = 3.0
+    assert r.summary()["preemptions"] == 3.0
+    text, rows = table(rows_of([phase("tiercache", "third", "restart", 0, r)]))
+    assert "| computed prompt tokens | preemptions |" in text
+    assert "| 1536 | 3 |" in text
+    assert rows[0]["preemptions"] == 3.0
+    unread, _ = table(rows_of([phase("tiercache", "third", "restart", 0, result(1000.0, computed=1536.0))]))
+    assert "| 1536 | – |" in unread
 
 
 def test_the_targets_are_checked_on_both_workloads() -> None:
