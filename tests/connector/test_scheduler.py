@@ -221,6 +221,26 @@ def test_a_hit_promoted_from_s3_is_counted_by_the_tier_the_first_reply_named() -
     assert stats.data["hit_objects_by_tier"] == {"s3": 2}
 
 
+def test_a_promoted_hit_answered_steps_later_is_timed_once_and_counted_as_deferred(
+    stepped: _SteppedClock,
+) -> None:
+    """The wait an operator sees in ``vllm:tiercache_lookup_seconds``: from the lookup's send until
+    the scheduler can answer vLLM, counted once however often vLLM asks afterwards, and the request
+    counted as held back (``lookups_deferred``) because a step was built in between."""
+    client = _PromotingClient()
+    sched = scheduler_half(client=client, recurrent=False)
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (None, False)  # promoting
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # vLLM runs a step without it
+    for _ in range(5):
+        stepped.tick()
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)  # asked again
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["lookup_durations"] == [pytest.approx(0.005)]
+    assert stats.data["lookups_deferred"] == 1
+
+
 class _LateClient(LookupClient):
     """Its lookup replies come ``delay_s`` after the request (``None``: never); records how long
     each poll was allowed to wait."""
@@ -255,6 +275,9 @@ def test_a_lookup_answered_within_lookup_wait_s_is_decided_in_the_same_step() ->
     # Not (None, False), "ask again next step": vLLM can schedule the request in this step.
     assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)
     assert client.waits == [ConnectorSettings().lookup_wait_s] and client.waits[0] > 0
+    timed = sched.take_stats()
+    assert timed is not None and timed.data["lookups_deferred"] == 0  # not held back a step
+    assert len(timed.data["lookup_durations"]) == 1 and timed.data["lookup_durations"][0] >= 0.001
     st = sched._reqs["r"]
     assert st.probe.ticket == HIT_TICKET
     assert st.slots == {0: {0: (0, HIT_BYTES, 0)}, 1: {0: (HIT_BYTES, HIT_BYTES, 0)}}

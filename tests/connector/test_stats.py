@@ -57,6 +57,7 @@ def test_aggregate_adds_counts_sums_series_and_tiers() -> None:
 def test_reduce_gives_hit_rate_tier_shares_and_throughput() -> None:
     s = interval(
         lookups=4,
+        lookups_deferred=1,
         query_tokens=1024,
         hit_tokens=768,
         loaded_chunks=12,
@@ -72,6 +73,7 @@ def test_reduce_gives_hit_rate_tier_shares_and_throughput() -> None:
     s.add_tiers({"l1": 3, "disk": 1})
     r = s.reduce()
     assert r["Lookups"] == 4 and r["Hit rate (%)"] == 75.0 and r["Hit tokens"] == 768
+    assert r["Lookups deferred"] == 1
     assert r["Hits from l1 (%)"] == 75.0 and r["Hits from disk (%)"] == 25.0
     assert r["Load GB/s"] == 2.0 and r["Store GB/s"] == 2.0
     assert (r["Load failures"], r["Skipped stores"], r["Server unavailable"]) == (1, 2, 1)
@@ -125,6 +127,8 @@ def test_prom_metrics_register_conventional_names_per_engine_and_record() -> Non
     config = SimpleNamespace(kv_transfer_config=None)
     prom = TierCachePromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     s = interval(lookups=2, hit_tokens=128, loaded_bytes=4096, load_durations=0.01, store_durations=0.02)
+    s.add("lookups_deferred")
+    s.add("lookup_durations", 0.3)
     s.add_tiers({"l1": 1, "s3": 1})
     prom.observe(s.to_dict(), engine_idx=1)
     prom.observe(interval(lookups=1).to_dict(), engine_idx=1)
@@ -139,5 +143,9 @@ def test_prom_metrics_register_conventional_names_per_engine_and_record() -> Non
         value("vllm:tiercache_load_seconds_count") == 1 and value("vllm:tiercache_store_seconds_count") == 1
     )
     assert value("vllm:tiercache_hit_objects_total", tier="s3") == 1
+    assert value("vllm:tiercache_lookups_deferred_total") == 1
+    assert value("vllm:tiercache_lookup_seconds_count") == 1
+    assert value("vllm:tiercache_lookup_seconds_bucket", le="0.25") == 0  # 0.3 s: a promotion's wait
+    assert value("vllm:tiercache_lookup_seconds_bucket", le="0.5") == 1
     assert registry.get_sample_value("vllm:tiercache_lookups_total", {"model_name": "m", "engine": "0"}) == 0
     assert all(name.startswith("vllm:tiercache_") for name, _ in COUNTER_METRICS.values())

@@ -79,12 +79,14 @@ class SchedulerLookups(SchedulerCore):
                 self._settle_miss(st)
                 return 0, False
             st.state, st.probe.sent_at = LookupState.WAITING_REPLY, time.monotonic()
+            st.probe.sent_step, st.probe.timed = self._step, False  # (again after a preemption)
             sent = True
             st.query_chunks, st.probe.per_tier = limit, {}
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
             return None, False  # "not known yet": vLLM skips the request this step and asks again
         if self._tail_block and self._loads_enabled and not self._tail_step(client, st, num_computed_tokens):
             return None, False
+        self._record_wait(st.probe)
         hit_tokens = self._hit_tokens(st, num_computed_tokens)
         if hit_tokens <= num_computed_tokens:
             self._drop_ticket(st)
@@ -281,6 +283,17 @@ class SchedulerLookups(SchedulerCore):
             self._drop_ticket(st)
         self._record_lookup(st)
         return True
+
+    def _record_wait(self, probe: _Probe) -> None:
+        """Time a sent lookup once, when the scheduler can first answer vLLM about its request: the
+        seconds since it was sent, and whether vLLM held the request back a step or more meanwhile
+        (a promotion from disk or S3, a reply later than ``lookup_wait_s``, the tail's lookup)."""
+        if probe.timed or not probe.sent_at:
+            return
+        probe.timed = True
+        self.stats.add("lookup_durations", time.monotonic() - probe.sent_at)
+        if self._step != probe.sent_step:
+            self.stats.add("lookups_deferred")
 
     def _record_lookup(self, st: _Request) -> None:
         """Count a settled lookup: what it asked about and what the cache can supply."""

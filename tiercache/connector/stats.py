@@ -7,7 +7,7 @@ lookups), ships the plain ``data`` dict to its stat loggers and rebuilds the obj
 prints :meth:`TierCacheConnectorStats.reduce` as ``KV Transfer metrics: ...``; the Prometheus logger
 hands each step's dict to :class:`TierCachePromMetrics`.
 
-Every value in ``data`` is a count or a sum over the interval (plus two short lists of per-event
+Every value in ``data`` is a count or a sum over the interval (plus three short lists of per-event
 durations for the histograms), so aggregation is addition and the dict pickles and msgpacks as is.
 """
 
@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 # Plain counters (ints) and sums (floats), added on aggregation.
 COUNTERS: tuple[str, ...] = (
     "lookups",  # lookups answered (one per request, again after a preemption)
+    "lookups_deferred",  # of those, lookups whose request vLLM held back a step or more first
     "query_tokens",  # prompt tokens in the full chunks those lookups asked about
     "hit_tokens",  # tokens the cache could supply (the restorable, pinned prefix)
     "hit_chunks",
@@ -42,8 +43,9 @@ COUNTERS: tuple[str, ...] = (
     "server_unavailable",  # times a half found the server unreachable and went down
 )
 SUMS: tuple[str, ...] = ("load_seconds", "store_seconds")
-# Per-event durations (one per step with loads, one per store batch), for the histograms.
-SERIES: tuple[str, ...] = ("load_durations", "store_durations")
+# Per-event durations (one per step with loads, one per store batch), for the histograms
+# (and one per lookup: from its send until the scheduler could answer vLLM about the request)
+SERIES: tuple[str, ...] = ("load_durations", "store_durations", "lookup_durations")
 # Objects of each hit, by the highest tier that held them when looked up ("l1", "disk", "s3"): the
 # server's per-tier count for the restorable prefix it found (a hit cut short later, e.g. by a slow
 # promotion, still counts that prefix's objects).
@@ -111,6 +113,7 @@ class TierCacheConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM i
             if d["query_tokens"]
             else 0.0,
             "Hit tokens": d["hit_tokens"],
+            "Lookups deferred": d["lookups_deferred"],
         }
         total_objects = sum(d[BY_TIER].values())
         for tier in sorted(d[BY_TIER]):
@@ -168,6 +171,11 @@ def build_stats(data: dict[str, Any] | None) -> TierCacheConnectorStats:
 # Prometheus: counters are exported with a ``_total`` suffix by prometheus_client.
 COUNTER_METRICS: dict[str, tuple[str, str]] = {
     "lookups": ("vllm:tiercache_lookups", "tiercache lookups answered"),
+    "lookups_deferred": (
+        "vllm:tiercache_lookups_deferred",
+        "tiercache lookups whose request vLLM held back a step or more before the answer (a promotion, "
+        "a late reply)",
+    ),
     "query_tokens": ("vllm:tiercache_query_tokens", "Prompt tokens (in full chunks) looked up in tiercache"),
     "hit_tokens": ("vllm:tiercache_hit_tokens", "Prompt tokens tiercache could supply"),
     "hit_chunks": ("vllm:tiercache_hit_chunks", "Chunks tiercache could supply"),
@@ -194,6 +202,10 @@ COUNTER_METRICS: dict[str, tuple[str, str]] = {
 HIST_METRICS: dict[str, tuple[str, str]] = {
     "load_durations": ("vllm:tiercache_load_seconds", "Time per step spent loading chunks from tiercache"),
     "store_durations": ("vllm:tiercache_store_seconds", "Time per batch spent storing chunks into tiercache"),
+    "lookup_durations": (
+        "vllm:tiercache_lookup_seconds",
+        "Time from a request's tiercache lookup until the scheduler could answer vLLM about it",
+    ),
 }
 TIER_METRIC = ("vllm:tiercache_hit_objects", "Objects of tiercache hits, by the tier that held them")
 DURATION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
