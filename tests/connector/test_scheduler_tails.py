@@ -66,6 +66,45 @@ def test_a_hit_ends_at_the_last_tail_block_found_and_loads_it_into_its_block() -
     assert load.chunks[2].prefix_hash == client.hashes[0]
 
 
+class _LateTailClient(LookupClient):
+    """Answers each lookup by its own id: the chunks' at once (a hit of 2 in L1), a tail's only once
+    ``tail_ready`` (a promotion from disk still running until then)."""
+
+    def __init__(self) -> None:
+        super().__init__(hit_reply(chunks=2))
+        self.tail_ready = False
+        self._sent: dict[int, tuple[list[bytes], bool]] = {}
+
+    def lookup_async(self, hashes: list[bytes], groups: object, **how: Any) -> int:
+        super().lookup_async(hashes, groups, **how)
+        self._sent[len(self._sent) + 1] = (list(hashes), self.tail)
+        return len(self._sent)
+
+    def poll(self, req_id: int, wait_s: float = 0.0) -> LookupReply | None:
+        self.hashes, self.tail = self._sent[req_id]
+        if self.tail and not self.tail_ready:
+            return None
+        return super().poll(req_id, wait_s)
+
+
+def test_chunks_the_engine_held_at_first_are_asked_for_once_it_evicted_them() -> None:
+    """vLLM's own blocks held every full chunk when the request first came up, so the chunks were
+    not asked for; while its tail's lookup waited, vLLM evicted most of those blocks. The chunks are
+    asked for then, and the hit covers what the engine lost, instead of the engine computing it."""
+    client = _LateTailClient()
+    sched = _tails_scheduler(client)
+    assert sched.get_num_new_matched_tokens(prompt_request(2000), 2 * 768) == (None, False)
+    assert [how.get("kind") for _, how in client.asked] == [LookupKind.TAIL]  # the chunks: the engine's
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # a step without the request
+    client.tail_ready = True
+    got = sched.get_num_new_matched_tokens(prompt_request(2000), 384)  # one block left of its own
+    assert [how.get("kind", LookupKind.CHUNKS) for _, how in client.asked] == [
+        LookupKind.TAIL,
+        LookupKind.CHUNKS,
+    ]
+    assert got == (2 * 768 + 384 - 384, False)  # both chunks and the tail block, past the engine's
+
+
 def test_a_producer_stores_its_prompts_tail_and_never_asks_for_one() -> None:
     client = LookupClient(LookupReply(chunks=0, per_tier={}))
     sched = _tails_scheduler(client, loads=False)
