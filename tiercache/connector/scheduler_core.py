@@ -93,8 +93,6 @@ class _Request:
     local_tokens: int = 0  # the engine's own (block-aligned) hit at the last match
     block_ids: list[list[int]] = field(default_factory=list)
     saved_upto: int = -1  # chunks below are stored or scheduled for storing (-1: not decided yet)
-    #: Settled as a miss without asking, the engine's own blocks holding every full chunk then.
-    settled_locally: bool = False
     saves_scheduled: int = 0
     states: dict[int, dict[int, int]] = field(default_factory=dict)  # boundary chunk → kv group → block
     request: Any = None  # vLLM's Request (block hashes and extra keys for KV events)

@@ -59,18 +59,16 @@ class SchedulerLookups(SchedulerCore):
         chunk = layout.chunk_size
         limit = (len(st.prompt) - 1) // chunk  # always leave at least one token to compute
         sent = False
-        if st.settled_locally and num_computed_tokens < limit * chunk:
-            # vLLM evicted some of the engine's blocks while the request waited (for its tail's
-            # lookup, or for free blocks): the chunks it no longer has are asked for after all, or
-            # the engine would compute what the cache holds (measured: 1,280 tokens of a restart).
-            st.settled_locally, st.state = False, LookupState.NOT_SENT
         if st.state is LookupState.NOT_SENT and limit * chunk <= num_computed_tokens:
             # The engine has every full chunk we could offer; what it has was stored when computed.
-            self._settle_miss(st, server_chunks=num_computed_tokens // chunk)
-            st.settled_locally = True
+            # Not settled: should vLLM evict some of those blocks while the request waits (for its
+            # tail's lookup, or for free blocks), the next ask sends the lookup, or the engine would
+            # compute what the cache holds (measured: 1,280 tokens of a restart).
+            if st.saved_upto < 0:
+                st.saved_upto = num_computed_tokens // chunk
             if not self._tail_block:
                 return 0, False
-        if st.state is LookupState.NOT_SENT:
+        elif st.state is LookupState.NOT_SENT:
             try:
                 st.probe.pending_id = client.lookup_async(
                     st.hashes(chunk)[:limit],
