@@ -130,6 +130,26 @@ def tiercache_server_argv(
     ]
 
 
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    answers: Callable[[], bool],
+    name: str,
+    log: Path,
+    deadline_s: float,
+    pause_s: float,
+) -> bool:
+    """Poll ``answers()`` every ``pause_s`` until it is true (then return true) or ``deadline_s``
+    passes (false); raise, naming ``log``, if ``proc`` (the ``name``) exits first."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}")
+        if answers():
+            return True
+        time.sleep(pause_s)
+    return False
+
+
 def wait_for_tiercache(
     proc: subprocess.Popen[bytes], endpoint: str, log: Path, deadline_s: float = 60.0
 ) -> None:
@@ -138,16 +158,15 @@ def wait_for_tiercache(
     from tiercache.client.client import Client  # the checkout's, once the benchmark set sys.path
     from tiercache.errors import ServerUnavailableError
 
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tiercache server exited with {proc.returncode}; see {log}")
+    def hello() -> bool:
         try:
             Client(endpoint, timeout=0.5, heartbeat=False).close()
-            return
         except ServerUnavailableError:
-            time.sleep(0.1)
-    raise RuntimeError(f"tiercache server did not answer within {deadline_s:g} s; see {log}")
+            return False
+        return True
+
+    if not _wait_ready(proc, hello, "tiercache server", log, deadline_s, 0.1):
+        raise RuntimeError(f"tiercache server did not answer within {deadline_s:g} s; see {log}")
 
 
 def tiercache_stats(endpoint: str) -> dict[str, Any]:
@@ -187,13 +206,13 @@ def lmcache_server_argv(
 def wait_for_port(proc: subprocess.Popen[bytes], port: int, log: Path, deadline_s: float = 120.0) -> None:
     """Return once ``proc`` accepts connections on 127.0.0.1:``port``; raise, naming ``log``, if it
     exits first or does not listen within ``deadline_s``."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+
+    def listening() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
         except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"server did not listen on port {port} within {deadline_s:g} s; see {log}")
+            return False
+        return True
+
+    if not _wait_ready(proc, listening, "server", log, deadline_s, 0.2):
+        raise RuntimeError(f"server did not listen on port {port} within {deadline_s:g} s; see {log}")
