@@ -183,10 +183,13 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
                 rate = len(samples) / args.seconds
                 single = single or rate
                 per_op = cpu / max(1, len(samples)) * 1e6
-                rows[op, n] = {"p50_ms": statistics.median(samples) * 1e3, "p99_ms": pct(samples, 0.99) * 1e3}
+                row = rows[op, n] = {
+                    "p50_ms": statistics.median(samples) * 1e3,
+                    "p99_ms": pct(samples, 0.99) * 1e3,
+                }
                 print(
-                    f"| {op} | {n} | {rate:,.0f} | {statistics.median(samples) * 1e3:.2f} | "
-                    f"{pct(samples, 0.99) * 1e3:.2f} | {per_op:.0f} | {per_op / CHUNKS:.1f} | {rate / single:.2f} |",
+                    f"| {op} | {n} | {rate:,.0f} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {per_op:.0f} | "
+                    f"{per_op / CHUNKS:.1f} | {rate / single:.2f} |",
                     flush=True,
                 )
         memory = memory_kib(pid)  # after the runs: the arena populated, the indexes built
@@ -215,11 +218,9 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     print(
         f"{os.cpu_count()} cores, {args.idle} idle clients, lookups of {CHUNKS} chunks, {args.seconds:g} s per phase"
     )
+    servers = (("small", args.l1_gb, 0), ("large", args.size_l1_gb, args.size_disk_objects))
     cases: dict[str, CaseResult] = {}
-    for name, l1_gb, objects in (
-        ("small", args.l1_gb, 0),
-        ("large", args.size_l1_gb, args.size_disk_objects),
-    ):
+    for name, l1_gb, objects in servers:
         disk = tmp / f"disk-{name}"
         budget = max(64 * MiB, int(objects * (args.size_object_kb * 1024 + 512) * 1.3))
         if objects:
@@ -238,10 +239,7 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     p50s = " | ".join(f"lookup p50 ms, {n} client{'s' if n > 1 else ''}" for n in counts)
     print(f"\n| server | L1 GiB | disk objects | start s | RSS MiB | of it anonymous | {p50s} |")
     print("|---" * (6 + len(counts)) + "|")
-    for name, l1_gb, objects in (
-        ("small", args.l1_gb, 0),
-        ("large", args.size_l1_gb, args.size_disk_objects),
-    ):
+    for name, l1_gb, objects in servers:
         c = cases[name]
         p50 = " | ".join(f"{c.rows['lookup', n]['p50_ms']:.2f}" for n in counts)
         print(
