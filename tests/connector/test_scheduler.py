@@ -312,6 +312,36 @@ def test_a_silent_server_costs_one_step_at_most_lookup_wait_s_however_many_reque
     assert client.waits == [0.02]  # a new step, a new budget
 
 
+class _LatePromotionClient(_LateClient):
+    """Promoting the hit: the lookup's reply (pending) comes at once, and the ready reply to the
+    ticket poll that follows comes ``delay_s`` after the poll, as a round trip's would."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(
+            LookupReply(chunks=2, per_tier={"disk": 2}, state=TicketStateName.PENDING, ticket=HIT_TICKET),
+            delay_s=0.0,
+        )
+        self.poll_delay_s = delay_s
+
+    def poll_ticket_async(self, ticket: int) -> int:
+        self.sent, self.delay_s, self.reply = time.monotonic(), self.poll_delay_s, hit_reply(chunks=2)
+        return 2
+
+
+def test_a_ticket_poll_is_waited_for_like_a_lookup_so_a_promotion_costs_one_step_not_two() -> None:
+    """The server answers a ticket poll at once; read only at the next step, every promotion would
+    hold its request back a step more than the promotion itself does."""
+    client = _LatePromotionClient(delay_s=0.001)
+    sched = scheduler_half(client=client, recurrent=False)
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (None, False)  # promoting
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # vLLM runs a step without it
+    time.sleep(0.002)  # the promotion is done; the first poll is due (1 ms)
+    client.waits.clear()
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)
+    assert client.waits == [ConnectorSettings().lookup_wait_s]
+    assert sched._reqs["r"].probe.ticket == HIT_TICKET
+
+
 def _settled_after(
     sched: SchedulerHalf, clock: _SteppedClock, steps: int
 ) -> tuple[float, tuple[int | None, bool] | None]:

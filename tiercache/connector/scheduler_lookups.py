@@ -167,6 +167,9 @@ class SchedulerLookups(SchedulerCore):
             if time.monotonic() < probe.poll_after:
                 return None
             probe.pending_id = client.poll_ticket_async(probe.ticket)
+            # The server answers a poll at once: waited for like a lookup just sent, or its reply
+            # would be read a step later, and every promotion would hold the request back two steps.
+            wait_s = max(wait_s, self._lookup_wait(True))
         # The client raises ServerUnavailableError once the reply is timeout_s late.
         began = time.monotonic()
         result: LookupResult | None = client.poll(probe.pending_id, wait_s)
