@@ -27,6 +27,11 @@ PROMPT_COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 #: Requests vLLM preempted (their KV freed for want of blocks, recomputed or reloaded later): a
 #: capped engine's tail, a key of ``WorkloadResult.counters``.
 PREEMPTIONS = "vllm:num_preemptions_total"
+#: tiercache's connector (docs/vllm.md, "Metrics"): requests vLLM held back a step or more for their
+#: lookup, and the lookups' waits from send until the scheduler could answer (sum and count).
+LOOKUPS_DEFERRED = "vllm:tiercache_lookups_deferred_total"
+LOOKUP_SECONDS_SUM = "vllm:tiercache_lookup_seconds_sum"
+LOOKUP_SECONDS_COUNT = "vllm:tiercache_lookup_seconds_count"
 LMCACHE_SYSTEMS = ("lmcache", "lmcache-fs")
 #: The system of a :class:`Side` that stands for the faster (by tok/s) LMCache system of that run.
 LMCACHE_BEST = "lmcache best"
@@ -58,6 +63,12 @@ class WorkloadResult:
         return {
             "prompt_tokens_computed": self.counters.get(PROMPT_COMPUTED, float("nan")),
             "preemptions": self.counters.get(PREEMPTIONS, float("nan")),
+            "lookups_deferred": self.counters.get(LOOKUPS_DEFERRED, float("nan")),
+            "lookup_wait_mean_ms": (
+                self.counters[LOOKUP_SECONDS_SUM] * 1e3 / self.counters[LOOKUP_SECONDS_COUNT]
+                if self.counters.get(LOOKUP_SECONDS_COUNT)
+                else float("nan")
+            ),
             "req_per_s": self.requests / self.duration_s,
             "tok_per_s": self.total_tokens / self.duration_s,
             "ttft_p50_ms": percentile(ms, 50),
@@ -179,9 +190,9 @@ def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
     lines = [
         "| workload | system | budget | phase | req/s | tok/s | TTFT p50 ms | p90 | p99 | mean | "
         "tok/s ÷ none | tok/s ÷ LMCache best | p50 ÷ LMCache best | p99 ÷ LMCache best | external hit tokens | "
-        "computed prompt tokens | preemptions | cache CPU ms / request | / promoted chunk | outputs = none | "
-        "failed requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "computed prompt tokens | preemptions | lookups deferred | lookup wait mean ms | cache CPU ms / request | "
+        "/ promoted chunk | outputs = none | failed requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out = []
     for r in rows:
@@ -203,7 +214,8 @@ def table(rows: list[Row]) -> tuple[str, list[dict[str, Any]]]:
             f"{fmt(m['ttft_mean_ms'], '.0f')} | {fmt(vs_none, '.2f', '×')} | "
             f"{fmt(vs_lmc, '.2f', '×')}{f' ({best.system})' if best else ''} | {fmt(p50_lmc, '.2f', '×')} | "
             f"{fmt(p99_lmc, '.2f', '×')} | {r.ext_hits:.0f} | {fmt(m['prompt_tokens_computed'], '.0f')} | "
-            f"{fmt(m['preemptions'], '.0f')} | {fmt(m['cache_cpu_ms_per_request'], '.1f')} | {fmt(m['cache_cpu_ms_per_promotion'], '.2f')} | "
+            f"{fmt(m['preemptions'], '.0f')} | {fmt(m['lookups_deferred'], '.0f')} | "
+            f"{fmt(m['lookup_wait_mean_ms'], '.1f')} | {fmt(m['cache_cpu_ms_per_request'], '.1f')} | {fmt(m['cache_cpu_ms_per_promotion'], '.2f')} | "
             f"{r.same_as_none} | "
             f"{f'{r.failed} FAILED' if r.failed else '0'} |"
         )

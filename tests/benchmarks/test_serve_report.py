@@ -15,6 +15,9 @@ import pytest
 
 from benchmarks.serve_report import (
     LMCACHE_BEST,
+    LOOKUP_SECONDS_COUNT,
+    LOOKUP_SECONDS_SUM,
+    LOOKUPS_DEFERRED,
     PREEMPTIONS,
     PROMPT_COMPUTED,
     TARGETS,
@@ -189,6 +192,21 @@ def test_the_engines_preemptions_are_a_column_and_a_dash_when_not_read() -> None
     assert rows[0]["preemptions"] == 3.0
     unread, _ = table(rows_of([phase("tiercache", "third", "restart", 0, result(1000.0, computed=1536.0))]))
     assert "| 1536 | – |" in unread
+
+
+def test_the_connectors_deferred_lookups_and_mean_lookup_wait_are_columns() -> None:
+    """How many requests vLLM held back a step for their lookup, and the lookups' mean wait, from
+    tiercache's connector metrics; a system that exports none of them shows dashes."""
+    r = result(1000.0, computed=1536.0)
+    r.counters[PREEMPTIONS] = 0.0
+    r.counters.update({LOOKUPS_DEFERRED: 12.0, LOOKUP_SECONDS_SUM: 0.9, LOOKUP_SECONDS_COUNT: 20.0})
+    assert r.summary()["lookup_wait_mean_ms"] == pytest.approx(45.0)
+    text, rows = table(rows_of([phase("tiercache", "third", "restart", 0, r)]))
+    assert "| preemptions | lookups deferred | lookup wait mean ms |" in text
+    assert "| 1536 | 0 | 12 | 45.0 |" in text
+    assert rows[0]["lookups_deferred"] == 12.0
+    unread, _ = table(rows_of([phase("lmcache-fs", "third", "restart", 0, result(1000.0, computed=1536.0))]))
+    assert "| 1536 | – | – | – |" in unread
 
 
 def test_the_targets_are_checked_on_both_workloads() -> None:
