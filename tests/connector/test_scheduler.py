@@ -313,13 +313,13 @@ def test_a_silent_server_costs_one_step_at_most_lookup_wait_s_however_many_reque
 
 
 class _LatePromotionClient(_LateClient):
-    """Promoting the hit: the lookup's reply (pending) comes at once, and the ready reply to the
-    ticket poll that follows comes ``delay_s`` after the poll, as a round trip's would."""
+    """Promoting the hit: the lookup's reply (pending) comes ``lookup_delay_s`` after the lookup,
+    and the ready reply to the ticket poll that follows ``delay_s`` after the poll."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, lookup_delay_s: float = 0.0) -> None:
         super().__init__(
             LookupReply(chunks=2, per_tier={"disk": 2}, state=TicketStateName.PENDING, ticket=HIT_TICKET),
-            delay_s=0.0,
+            delay_s=lookup_delay_s,
         )
         self.poll_delay_s = delay_s
 
@@ -340,6 +340,20 @@ def test_a_ticket_poll_is_waited_for_like_a_lookup_so_a_promotion_costs_one_step
     assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)
     assert client.waits == [ConnectorSettings().lookup_wait_s]
     assert sched._reqs["r"].probe.ticket == HIT_TICKET
+
+
+def test_a_pending_reply_read_a_step_late_is_followed_by_a_poll_at_once() -> None:
+    """A lookup's pending reply that came after the step's ``lookup_wait_s`` is read at the next
+    step, when the backoff (counted from the lookup's send) has passed already: the ticket is polled
+    then and there, and the request is answered in that step, not a step later still."""
+    client = _LatePromotionClient(delay_s=0.001, lookup_delay_s=0.010)
+    sched = scheduler_half(client=client, recurrent=False)
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (None, False)  # no reply in 5 ms
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # vLLM runs a step without it
+    time.sleep(0.015)  # the pending reply came meanwhile, and so did the promotion
+    assert sched.get_num_new_matched_tokens(prompt_request(), 0) == (2 * 768, False)
+    timed = sched.take_stats()
+    assert timed is not None and timed.data["lookups_deferred"] == 1
 
 
 def _settled_after(

@@ -51,6 +51,7 @@ class _Probe:
     poll_after: float = 0.0  # monotonic time before which a pending ticket is not polled again
     poll_delay: float = 0.0  # the backoff between polls of a pending ticket
     sent_at: float = 0.0
+    polled_at: float = 0.0  # when the last poll of its pending ticket was sent
     sent_step: int = 0  # the scheduler steps built when it was sent (SchedulerCore._step)
     timed: bool = False  # its wait until the scheduler could answer vLLM was recorded
     arena: str = ""  # the L1 arena its ticket's slots are in, as the reply that named them said

@@ -166,7 +166,7 @@ class SchedulerLookups(SchedulerCore):
         if probe.pending_id == 0:  # a pending ticket between polls (see below)
             if time.monotonic() < probe.poll_after:
                 return None
-            probe.pending_id = client.poll_ticket_async(probe.ticket)
+            probe.pending_id, probe.polled_at = client.poll_ticket_async(probe.ticket), time.monotonic()
             # The server answers a poll at once: waited for like a lookup just sent, or its reply
             # would be read a step later, and every promotion would hold the request back two steps.
             wait_s = max(wait_s, self._lookup_wait(True))
@@ -197,8 +197,13 @@ class SchedulerLookups(SchedulerCore):
         probe.poll_delay = (
             min(2 * probe.poll_delay, _MAX_POLL_DELAY_S) if probe.poll_delay else _FIRST_POLL_DELAY_S
         )
-        probe.poll_after = time.monotonic() + probe.poll_delay
+        # Counted from when the question was sent, not from when its reply was read: a reply that
+        # came after the step's lookup_wait_s is read a step later, when the backoff has passed
+        # already, and the ticket is polled at once instead of a step later still.
+        probe.poll_after = max(probe.sent_at, probe.polled_at) + probe.poll_delay
         probe.pending_id = 0
+        if time.monotonic() >= probe.poll_after:
+            return self._advance(client, probe, 0.0)  # (sends the poll: its poll_after is later)
         return None
 
     def _collect_tail(self, client: Client, st: _Request, wait_s: float) -> bool:
