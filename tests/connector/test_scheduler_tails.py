@@ -105,6 +105,75 @@ def test_chunks_the_engine_held_at_first_are_asked_for_once_it_evicted_them() ->
     assert got == (2 * 768 + 384 - 384, False)  # both chunks and the tail block, past the engine's
 
 
+class _PromotingChunksClient(LookupClient):
+    """The chunks' lookup pending (a promotion from disk of the ``promised`` chunks it found) until
+    ``ready``, then ready with ``kept`` of them; a tail's lookup answered at once (a hit in L1)."""
+
+    def __init__(self, promised: int = 2, kept: int = 2) -> None:
+        super().__init__(hit_reply(chunks=2))
+        self.promised, self.kept, self.ready = promised, kept, False
+        self._sent: dict[int, tuple[list[bytes], bool]] = {}
+
+    def lookup_async(self, hashes: list[bytes], groups: object, **how: Any) -> int:
+        super().lookup_async(hashes, groups, **how)
+        self._sent[len(self._sent) + 1] = (list(hashes), self.tail)
+        return len(self._sent)
+
+    def poll_ticket_async(self, ticket: int) -> int:
+        self._sent[len(self._sent) + 1] = self._sent[1]  # the chunks' ticket
+        return len(self._sent)
+
+    def poll(self, req_id: int, wait_s: float = 0.0) -> LookupReply | None:
+        self.hashes, self.tail = self._sent[req_id]
+        if self.tail:
+            return super().poll(req_id, wait_s)
+        if not self.ready:
+            return LookupReply(
+                chunks=self.promised,
+                per_tier={"disk": self.promised},
+                state=TicketStateName.PENDING,
+                ticket=HIT_TICKET,
+            )
+        return hit_reply(chunks=self.kept)(self.hashes)
+
+
+def _kinds(client: LookupClient) -> list[tuple[LookupKind, int]]:
+    return [(how.get("kind", LookupKind.CHUNKS), n) for n, how in client.asked]
+
+
+def test_the_tail_is_asked_for_while_the_chunks_are_promoted_at_the_hit_their_reply_promised() -> None:
+    """The chunks' pending reply says two chunks are being promoted: the tail's lookup goes out at
+    once, for the block after them, so its own promotion runs beside theirs instead of after."""
+    client = _PromotingChunksClient()
+    sched = _tails_scheduler(client)
+    assert sched.get_num_new_matched_tokens(prompt_request(2000), 0) == (None, False)
+    assert _kinds(client) == [(LookupKind.CHUNKS, 2), (LookupKind.TAIL, 1)]
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # a step without the request
+    client.ready = True
+    time.sleep(0.002)  # the ticket's first poll is due
+    assert sched.get_num_new_matched_tokens(prompt_request(2000), 0) == (2 * 768 + 384, False)
+    assert len(client.asked) == 2  # nothing asked twice
+
+
+def test_a_tail_asked_early_at_a_hit_the_promotion_did_not_keep_is_asked_again_where_it_ends() -> None:
+    """The promotion kept one of the two chunks it promised (the other failed): the tail asked for
+    at chunk 2 does not join on, so it is released and the blocks of chunk 1 are asked for."""
+    client = _PromotingChunksClient(promised=2, kept=1)
+    sched = _tails_scheduler(client)
+    assert sched.get_num_new_matched_tokens(prompt_request(2000), 0) == (None, False)
+    sched.build_connector_meta(scheduler_output([], {}, {}))
+    client.ready = True
+    time.sleep(0.002)
+    got = sched.get_num_new_matched_tokens(prompt_request(2000), 0)
+    assert _kinds(client) == [(LookupKind.CHUNKS, 2), (LookupKind.TAIL, 1), (LookupKind.TAIL, 1)]
+    assert got == (768 + 384, False)  # chunk 0, then the first block of chunk 1 (a tail found there)
+    sched.build_connector_meta(scheduler_output([], {}, {}))  # the step built after it was dropped
+    sched.update_connector_output(step_output())  # (the step before has run)
+    assert client.released == []  # never while a step built before may still copy from it
+    sched.update_connector_output(step_output())
+    assert client.released == [HIT_TICKET]  # the early tail's ticket, once that step ran
+
+
 def test_a_producer_stores_its_prompts_tail_and_never_asks_for_one() -> None:
     client = LookupClient(LookupReply(chunks=0, per_tier={}))
     sched = _tails_scheduler(client, loads=False)

@@ -52,6 +52,7 @@ class _Probe:
     poll_delay: float = 0.0  # the backoff between polls of a pending ticket
     sent_at: float = 0.0
     polled_at: float = 0.0  # when the last poll of its pending ticket was sent
+    promised: int = 0  # the chunks a pending reply said its ticket promotes (0: none came yet)
     sent_step: int = 0  # the scheduler steps built when it was sent (SchedulerCore._step)
     timed: bool = False  # its wait until the scheduler could answer vLLM was recorded
     arena: str = ""  # the L1 arena its ticket's slots are in, as the reply that named them said
@@ -74,6 +75,7 @@ class _TailLookup:
     object_blocks: int = 0  # how many blocks that object holds (its first ``blocks`` load)
     slots: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # object group → pinned slot
     saved: tuple[int, int] = (-1, 0)  # (chunk, blocks of it stored, scheduled or found stored)
+    early: bool = False  # asked while the chunks' lookup was pending, at the hit it promised
 
 
 @dataclass(slots=True)

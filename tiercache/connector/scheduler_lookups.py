@@ -13,7 +13,14 @@ import time
 from typing import Any
 
 from tiercache.client.client import Client, LookupResult
-from tiercache.connector.scheduler_core import LookupState, SchedulerCore, _extra_keys, _Probe, _Request
+from tiercache.connector.scheduler_core import (
+    LookupState,
+    SchedulerCore,
+    _extra_keys,
+    _Probe,
+    _Request,
+    _TailLookup,
+)
 from tiercache.connector.tails import askable_blocks
 from tiercache.errors import TierCacheError
 from tiercache.keys import ObjectKey, tail_hashes
@@ -84,11 +91,27 @@ class SchedulerLookups(SchedulerCore):
                 return 0, False
             st.state, st.probe.sent_at = LookupState.WAITING_REPLY, time.monotonic()
             st.probe.sent_step, st.probe.timed = self._step, False  # (again after a preemption)
+            st.probe.promised = 0
             sent = True
             st.query_chunks, st.probe.per_tier = limit, {}
+        tails = bool(self._tail_block and self._loads_enabled)
         if st.state is LookupState.WAITING_REPLY and not self._collect(client, st, self._lookup_wait(sent)):
+            if tails and st.tail.state is LookupState.NOT_SENT and st.probe.promised:
+                # The server is promoting the chunks: their tail's lookup (and its promotion) runs
+                # beside theirs, at the hit the pending reply promised, instead of after them.
+                self._tail_step(client, st, num_computed_tokens, hit_chunks=st.probe.promised)
+                st.tail.early = True
             return None, False  # "not known yet": vLLM skips the request this step and asks again
-        if self._tail_block and self._loads_enabled and not self._tail_step(client, st, num_computed_tokens):
+        if (
+            tails
+            and st.tail.early
+            and st.tail.chunk != self._tail_chunk(st, st.hit_chunks, num_computed_tokens)
+        ):
+            # Asked early at a hit the promotion did not keep (or the engine's own hit moved past):
+            # ask again where the hit ends now, as if it had not been asked early.
+            self._drop_tail(st)
+            st.tail = _TailLookup(saved=st.tail.saved)
+        if tails and not self._tail_step(client, st, num_computed_tokens):
             return None, False
         self._record_wait(st.probe)
         hit_tokens = self._hit_tokens(st, num_computed_tokens)
@@ -118,16 +141,27 @@ class SchedulerLookups(SchedulerCore):
             return full  # (the tail does not join on: vLLM's own hit changed since it was asked)
         return st.tail.chunk * chunk + st.tail.blocks * self._tail_block
 
-    def _tail_step(self, client: Client, st: _Request, num_computed_tokens: int) -> bool:
-        """Ask for the blocks of the chunk after the full hit (once), or collect the reply; True
-        once ``st.tail.blocks`` is final."""
+    def _tail_chunk(self, st: _Request, hit_chunks: int, num_computed_tokens: int) -> int:
+        """The chunk whose blocks a tail lookup asks for: the one after what the engine and the
+        cache hold together."""
+        assert self.layout is not None
+        return max(hit_chunks, num_computed_tokens // self.layout.chunk_size)
+
+    def _tail_step(
+        self, client: Client, st: _Request, num_computed_tokens: int, hit_chunks: int | None = None
+    ) -> bool:
+        """Ask for the blocks of the chunk after the full hit (once; ``hit_chunks``: the hit the
+        chunks' lookup promised, before it is final), or collect the reply; True once
+        ``st.tail.blocks`` is final."""
         if st.tail.state is LookupState.DONE:
             return True
         sent = False
         if st.tail.state is LookupState.NOT_SENT:
             assert self.layout is not None
             chunk, block = self.layout.chunk_size, self._tail_block
-            at = max(st.hit_chunks, num_computed_tokens // chunk)
+            at = self._tail_chunk(
+                st, st.hit_chunks if hit_chunks is None else hit_chunks, num_computed_tokens
+            )
             asked = askable_blocks(len(st.prompt), at, chunk, block)
             if asked == 0 or at * chunk + asked * block <= num_computed_tokens:
                 st.tail.state = LookupState.DONE
@@ -179,6 +213,8 @@ class SchedulerLookups(SchedulerCore):
             return None
         if result.ticket:
             probe.ticket = result.ticket
+        if result.state is p.TicketStateName.PENDING and not probe.promised:
+            probe.promised = result.chunks
         if result.per_tier:  # kept: ticket polls do not repeat them, and a pending reply returns None
             probe.per_tier = dict(result.per_tier)
         if result.state is not p.TicketStateName.PENDING:
