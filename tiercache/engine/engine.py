@@ -37,6 +37,7 @@ from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import FrontTier, Tier, WriteHandle
+from tiercache.tier.copying import copy_into
 from tiercache.tier.latency import HistogramSnapshot
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class TieredEngine:
         handle = self.reserve(key, view.nbytes)
         if handle is None:
             return False
-        handle.buffer[:] = view
+        copy_into(handle.buffer, view)
         self.commit(handle, digest_of(view))
         return True
 

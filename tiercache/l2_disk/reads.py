@@ -17,6 +17,7 @@ from tiercache.keys.object_key import ObjectKey
 from tiercache.l2_disk.core import DiskCore, Lease
 from tiercache.l2_disk.records import META_BYTES, meta_header
 from tiercache.tier.contract import ReadHandle
+from tiercache.tier.copying import copy_into
 from tiercache.tier.frames import (
     ZSTD_FLAG,
     FrameHeader,
@@ -192,7 +193,7 @@ class DiskReads(DiskCore):
             )
             if fields is not None and meta is not None and data is not None and len(data) == fields[0]:
                 dst = alloc(fields[0])
-                dst[:] = data
+                copy_into(dst, data)
                 if checksum(dst) != fields[1]:
                     if checksum(data) == fields[1]:  # ours is intact: the destination was written
                         raise _scribbled(key)
@@ -222,12 +223,12 @@ class DiskReads(DiskCore):
                 if header.flags & ZSTD_FLAG:
                     payload = verify_payload(header, data)
                     digest = checksum(payload)  # of the decompressed bytes: this process's own
-                    alloc(len(payload))[:] = payload
+                    copy_into(alloc(len(payload)), payload)
                 elif len(data) != header.stored_len or header.payload_len != header.stored_len:
                     problem = f"payload truncated: {len(data)} of {header.stored_len} bytes"
                 else:
                     dst = alloc(header.payload_len)
-                    dst[:] = data
+                    copy_into(dst, data)
                     digest = header.checksum
                     if checksum(dst) != header.checksum:
                         if checksum(data) == header.checksum:

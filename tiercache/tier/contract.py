@@ -38,6 +38,7 @@ from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
+from tiercache.tier.copying import copy_into
 from tiercache.tier.frames import check_copy
 from tiercache.tier.stats import TierStats
 
@@ -200,7 +201,7 @@ class Tier(ABC):
         view = memoryview(data).cast("B")
         handle = handle or self.reserve(key, view.nbytes)
         try:
-            handle.buffer[:] = view
+            copy_into(handle.buffer, view)
             check_copy(handle.buffer, digest, key, "write")
         except BaseException:
             self.abort(handle)
@@ -230,7 +231,7 @@ class Tier(ABC):
         if handle is None:
             return None
         try:
-            alloc(handle.buffer.nbytes)[:] = handle.buffer
+            copy_into(alloc(handle.buffer.nbytes), handle.buffer)
             return payload_digest(handle.digest, handle.buffer)
         finally:
             self.release(handle)
