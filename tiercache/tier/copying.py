@@ -1,10 +1,10 @@
 """Copying an object's bytes between buffers without holding the GIL.
 
-A memoryview slice assignment (``dst[:] = src``) is one memcpy under the GIL: measured here, every
-other thread of the process waits 5-14 ms (up to 43) behind 2 MiB ones on two threads, while
-numpy's copy releases the GIL and they wait 0.07 ms. In the server that is the request loop and the
-I/O threads waiting behind a promotion's copies (a lookup's first reply measured 6.5 ms instead of
-under 1 in a restart from disk), so the tiers' large copies go through :func:`copy_into`.
+A memoryview slice assignment (``dst[:] = src``) is one memcpy under the GIL, so every other thread
+of the process waits behind it: in the server, the request loop and the I/O threads behind the
+copies of promotions from disk into L1. numpy's copy releases the GIL for the memcpy at the same
+speed; ``benchmarks/copy_gil.py`` measures both (docs/benchmarks.md), and the tiers' copies of an
+object's bytes go through :func:`copy_into`.
 """
 
 from __future__ import annotations
