@@ -102,11 +102,7 @@ class SchedulerLookups(SchedulerCore):
                 self._tail_step(client, st, num_computed_tokens, hit_chunks=st.probe.promised)
                 st.tail.early = True
             return None, False  # "not known yet": vLLM skips the request this step and asks again
-        if (
-            tails
-            and st.tail.early
-            and st.tail.chunk != self._tail_chunk(st, st.hit_chunks, num_computed_tokens)
-        ):
+        if tails and st.tail.early and st.tail.chunk != self._tail_chunk(st.hit_chunks, num_computed_tokens):
             # Asked early at a hit the promotion did not keep (or the engine's own hit moved past):
             # ask again where the hit ends now, as if it had not been asked early.
             self._drop_tail(st)
@@ -141,7 +137,7 @@ class SchedulerLookups(SchedulerCore):
             return full  # (the tail does not join on: vLLM's own hit changed since it was asked)
         return st.tail.chunk * chunk + st.tail.blocks * self._tail_block
 
-    def _tail_chunk(self, st: _Request, hit_chunks: int, num_computed_tokens: int) -> int:
+    def _tail_chunk(self, hit_chunks: int, num_computed_tokens: int) -> int:
         """The chunk whose blocks a tail lookup asks for: the one after what the engine and the
         cache hold together."""
         assert self.layout is not None
@@ -159,9 +155,7 @@ class SchedulerLookups(SchedulerCore):
         if st.tail.state is LookupState.NOT_SENT:
             assert self.layout is not None
             chunk, block = self.layout.chunk_size, self._tail_block
-            at = self._tail_chunk(
-                st, st.hit_chunks if hit_chunks is None else hit_chunks, num_computed_tokens
-            )
+            at = self._tail_chunk(st.hit_chunks if hit_chunks is None else hit_chunks, num_computed_tokens)
             asked = askable_blocks(len(st.prompt), at, chunk, block)
             if asked == 0 or at * chunk + asked * block <= num_computed_tokens:
                 st.tail.state = LookupState.DONE
