@@ -192,6 +192,38 @@ def test_a_prefetch_given_the_lookups_keys_pins_the_same_objects(make_engine: En
     engine.release_ticket(built)
 
 
+def test_a_prefetch_without_local_reads_holds_objects_all_in_l1_as_one_pin(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    """What the server asks (its clients read the slots, it reads nothing): all in L1, the ticket
+    is READY at once and holds the objects as one pin, which its release ends; with one object on
+    disk it pins object by object while that one is promoted, as any ticket."""
+    l1 = l1_tier(1 * MiB)
+    engine = make_engine(l1, disk_tier(tmp_path))
+    hashes = prompt(4)
+    store(engine, [FULL], hashes)
+    ticket = engine.prefetch(hashes, [FULL], 4, local_reads=False)
+    assert ticket.state is TicketState.READY and ticket.chunks == 4
+    assert ticket.held is not None and ticket.held.count == 4 and not ticket.handles
+
+    def churn(salt: int) -> None:  # twice L1's 16 chunks, each written to disk before the next
+        for part in range(4):
+            engine.flush()
+            store(engine, [FULL], prompt(8, salt=salt * 10 + part))
+
+    churn(1)
+    assert all(l1.contains(FULL.key(h)) for h in hashes)  # held through the churn
+    assert engine.release_ticket(ticket, read=True) == 0 and ticket.held is None
+    churn(2)
+    assert not any(l1.contains(FULL.key(h)) for h in hashes)  # released: evicted (kept on disk)
+
+    promoted = engine.prefetch(hashes, [FULL], 4, local_reads=False)
+    assert engine.wait(promoted, 10) is TicketState.READY and promoted.chunks == 4
+    assert promoted.held is None and len(promoted.handles) == 4
+    load_all(engine, promoted)
+    engine.release_ticket(promoted)
+
+
 # -- lower tiers ---------------------------------------------------------------------------------
 def restarted_on_disk(tmp_path: Path, make_engine: EngineFactory, hashes: list[bytes]) -> TieredEngine:
     """A fresh engine (empty L1) on the disk of a first one that stored ``hashes`` and closed."""

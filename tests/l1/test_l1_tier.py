@@ -125,6 +125,87 @@ def test_lease_slots_names_each_open_lease_and_refuses_a_closed_one(make_l1) -> 
         tier.lease_slots(held, lambda *a: a)
 
 
+# -- holds of many objects as one lease (a lookup ticket's) ------------------------------------------
+def test_pin_all_holds_every_object_or_none(make_l1) -> None:
+    tier = make_l1(size_bytes=8 * UNIT)
+    keys = [make_key(i) for i in range(3)]
+    fill(tier, range(3))
+    assert tier.pin_all([*keys, make_key(99)]) is None  # one absent: nothing held
+    fill(tier, range(3, 8))  # nothing was left pinned: the arena churns freely
+    fill(tier, range(3))
+    held = tier.pin_all(keys)
+    assert held is not None and held.count == 3
+    fill(tier, range(10, 30))  # churn through the arena: the held objects stay
+    assert all(tier.contains(k) for k in keys)
+    assert tier.release_all(held) == 0
+    fill(tier, range(30, 50))
+    assert not any(tier.contains(k) for k in keys)
+    assert tier.release_all(held) == 3  # twice: harmless, and said to hold nothing
+
+
+def test_held_slots_names_each_object_under_the_hold_token_and_refuses_a_released_hold(make_l1) -> None:
+    tier = make_l1(size_bytes=8 * UNIT)
+    keys = [make_key(i) for i in (2, 0, 1)]
+    fill(tier, range(3))
+    held = tier.pin_all(keys)
+    assert held is not None
+    built = tier.held_slots(held, lambda *fields: fields)
+    leases = [h for h in tier.pin_many(keys) if h]
+    expected = [
+        (k.to_bytes(), tier.slot_of(h).offset, UNIT, held.token, h.digest)
+        for k, h in zip(keys, leases, strict=True)
+    ]
+    assert built == expected  # in the keys' order, with each writer's digest
+    tier.release_many(leases)
+    tier.release_all(held)
+    with pytest.raises(LeaseError, match="pin the keys again"):
+        tier.held_slots(held, lambda *fields: fields)
+
+
+def test_a_hold_expires_as_a_whole_each_object_counted(make_l1, clock: FakeClock) -> None:
+    tier = make_l1(size_bytes=8 * UNIT, lease_ttl_s=10.0)
+    keys = [make_key(i) for i in range(4)]
+    fill(tier, range(4))
+    held = tier.pin_all(keys)
+    assert held is not None and held.expires_at == clock() + 10.0
+    clock.advance(9.0)
+    fill(tier, range(10, 18))
+    assert all(tier.contains(k) for k in keys)  # still held
+    clock.advance(1.0)
+    fill(tier, range(20, 28))
+    assert not any(tier.contains(k) for k in keys)
+    assert tier.stats.snapshot()["expired_leases"] == 4
+    assert tier.release_all(held) == 4  # expired first: the reader may not trust its copies
+
+
+def test_an_object_replaced_while_held_keeps_its_bytes_until_the_hold_ends(make_l1) -> None:
+    tier = make_l1(size_bytes=4 * UNIT)
+    key = make_key(0)
+    tier.put(key, b"a" * UNIT)
+    held = tier.pin_all([key])
+    assert held is not None
+    [(_, offset, nbytes, _, _)] = tier.held_slots(held, lambda *fields: fields)
+    tier.put(key, b"b" * UNIT)  # a new version: the held one is hidden, not freed
+    assert bytes(tier.arena.view(offset, nbytes)) == b"a" * UNIT
+    assert tier.free_bytes() == 2 * UNIT
+    assert tier.release_all(held) == 0
+    assert tier.free_bytes() == 3 * UNIT  # freed at the release
+    assert tier.get(key) == b"b" * UNIT
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["read", "unread"])
+def test_a_hold_released_as_read_counts_each_object_as_a_hit(make_l1, read: bool) -> None:
+    tier = make_l1(size_bytes=4 * UNIT, eviction_policy=EvictionPolicyName.LRU)
+    fill(tier, range(2))
+    before = tier.stats.snapshot()["hits"]
+    held = tier.pin_all([make_key(0)])
+    assert held is not None and tier.stats.snapshot()["hits"] == before  # uncounted until read
+    assert tier.release_all(held, read=read) == 0
+    assert tier.stats.snapshot()["hits"] - before == (1 if read else 0)
+    fill(tier, range(2, 5))  # one more than fits: the least recently used goes
+    assert tier.contains(make_key(0)) is read and tier.contains(make_key(1)) is not read
+
+
 def test_committed_keys_finds_committed_objects_by_their_binary_key(make_l1) -> None:
     tier = make_l1(size_bytes=8 * UNIT)
     fill(tier, range(2))

@@ -322,6 +322,7 @@ class TieredEngine:
         inflight_wait_s: float = 0.0,
         tenant: bytes = DEFAULT_TENANT,
         keys: Sequence[ObjectKey] | None = None,
+        local_reads: bool = True,
     ) -> PrefetchTicket:
         """Start promoting everything the first ``chunks`` chunks need into L1, pinned for the caller.
 
@@ -330,9 +331,18 @@ class TieredEngine:
         pinned once committed, if that happens within ``inflight_wait_s``. Poll with :meth:`poll`;
         release with :meth:`release_ticket`. ``keys``: the objects' keys when the caller has them
         (:attr:`LookupResult.keys` of a lookup whose ``chunks`` equal these ``chunks``).
+        ``local_reads=False``: the caller reads nothing through the ticket's ``handles`` (the
+        server hands their slots to clients), so objects all in L1 are held as one pin
+        (:attr:`PrefetchTicket.held`).
         """
         ticket = self._promoter.prefetch(
-            hashes, groups, chunks, inflight_wait_s=inflight_wait_s, tenant=tenant, keys=keys
+            hashes,
+            groups,
+            chunks,
+            inflight_wait_s=inflight_wait_s,
+            tenant=tenant,
+            keys=keys,
+            local_reads=local_reads,
         )
         if self._writes.watches_reads:  # a prefetch is what a load reads: S3 admission ``read``
             self._writes.read(ticket.needed)

@@ -31,7 +31,7 @@ from tiercache.engine.groups import GroupSpec, needed_keys
 from tiercache.errors import IntegrityError, TierError
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
-from tiercache.tier.contract import FrontTier, ReadHandle, Tier, WriteHandle
+from tiercache.tier.contract import FrontTier, HeldSet, ReadHandle, Tier, WriteHandle
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class PrefetchTicket:
     <tiercache.engine.TieredEngine.poll>`.
 
     Once READY, ``handles`` pins every object of the first ``chunks`` chunks in L1 (keyed by object
-    key) and nothing else; give them back with ``release_ticket``.
+    key) and nothing else; give them back with ``release_ticket``. A ticket asked without local
+    reads whose objects were all in L1 holds them as one pin instead, ``held``
+    (:meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`), and ``handles`` is empty.
     """
 
     ticket_id: int
@@ -64,8 +66,16 @@ class PrefetchTicket:
     released: bool = False
     #: The keys of the first ``target`` chunks (what :func:`needed_keys` gives, each once), built once.
     needed: list[ObjectKey] = field(default_factory=list)
+    held: HeldSet | None = None
     _futures: list[Future[bool]] = field(default_factory=list)
     _writing: dict[ObjectKey, float] = field(default_factory=dict)  # key -> monotonic deadline
+
+    def held_until(self) -> float:
+        """When the last of its pins ends by itself (monotonic; ``-inf`` when it holds none)."""
+        ends = [h.expires_at for h in self.handles.values()]
+        if self.held is not None:
+            ends.append(self.held.expires_at)
+        return max(ends, default=float("-inf"))
 
     @property
     def awaiting(self) -> int:
@@ -102,16 +112,27 @@ class Promoter:
         inflight_wait_s: float = 0.0,
         tenant: bytes = DEFAULT_TENANT,
         keys: Sequence[ObjectKey] | None = None,
+        local_reads: bool = True,
     ) -> PrefetchTicket:
         """Pin every object the first ``chunks`` chunks need, promoting lower-tier ones (as objects
         of ``tenant``) and waiting up to ``inflight_wait_s`` for those being written into L1.
         Non-blocking. ``keys``: those objects' keys, each once, when the caller has them already (a
         lookup's :attr:`LookupResult.keys <tiercache.engine.lookup.LookupResult.keys>` for
-        ``chunks``), in any order; by default built from ``groups`` and ``hashes``."""
+        ``chunks``), in any order; by default built from ``groups`` and ``hashes``.
+        ``local_reads=False``: the caller reads nothing through ``handles`` (it hands the objects'
+        slots to other processes), so objects all in L1 are held as one pin (``held``)."""
         needed = list(dict.fromkeys(needed_keys(groups, hashes, chunks))) if keys is None else list(keys)
         ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant, needed=needed)
         # The engine's own holds, all under one L1 lock; each hit is timed as its share of the call.
         t0 = perf_counter()
+        if not local_reads and needed:
+            held = self._l1.pin_all(needed)
+            if held is not None:  # all in L1: nothing to promote or wait for
+                self._l1.stats.latency.observe("read", (perf_counter() - t0) / held.count, held.count)
+                ticket.held = held
+                ticket.chunks = chunks
+                ticket.state = TicketState.READY
+                return ticket
         pinned = self._l1.pin_many(needed, count=False)
         elapsed = perf_counter() - t0
         absent: list[ObjectKey] = []
@@ -266,9 +287,11 @@ class Promoter:
             ticket.released = True
             ticket._writing.clear()
             handles, ticket.handles = ticket.handles, {}
-        if not handles:
-            return 0
-        return sum(not held for held in self._l1.release_many(list(handles.values()), read=read))
+            held, ticket.held = ticket.held, None
+        lost = 0 if held is None else self._l1.release_all(held, read=read)
+        if handles:
+            lost += sum(not held for held in self._l1.release_many(list(handles.values()), read=read))
+        return lost
 
     def close(self) -> None:
         """Stop the promotion threads; queued promotions are cancelled."""

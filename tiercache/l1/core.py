@@ -127,6 +127,9 @@ class L1Core(FrontTier):
         self._written = threading.Condition(self._lock)
         # token -> the slot of an open read lease (its deadline is in _lease_deadlines)
         self._leases: dict[int, Slot] = {}
+        # token -> the slots of an open pin_all hold, each pinned once (its deadline is in
+        # _lease_deadlines as (expires_at, token, token))
+        self._held: dict[int, list[Slot]] = {}
         self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
         # Heap of (expires_at, first token, last token): the leases of one batch (tokens drawn in a
         # row under the lock, one deadline) share an entry.
@@ -205,6 +208,12 @@ class L1Core(FrontTier):
         leases = self._lease_deadlines
         while leases and leases[0][0] <= now:
             _, first, last = heapq.heappop(leases)
+            held = self._held.pop(first, None) if first == last else None
+            if held is not None:
+                self.stats.add("expired_leases", len(held))
+                for one in held:
+                    self._unpin(one)
+                continue
             for token in range(first, last + 1):  # one batch's leases (those released are gone)
                 slot = self._leases.pop(token, None)
                 if slot is not None:

@@ -17,7 +17,7 @@ from tiercache.config.parts import L1Config
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import ArenaSlot, SharedArena
 from tiercache.l1.core import Abandoned, L1Stats
-from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.tier.contract import HeldSet, ReadHandle, WriteHandle
 
 T = TypeVar("T")
 
@@ -60,6 +60,11 @@ class ArenaFront(Protocol):
         self, handles: Sequence[ReadHandle], build: Callable[[bytes, int, int, int, int], T]
     ) -> list[T]:
         """``build(key bytes, offset, nbytes, token, digest)`` of each open lease, in one call."""
+        ...
+
+    def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
+        """:meth:`lease_slots` of a :meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`
+        hold, every slot under the hold's token."""
         ...
 
     def abandon_many(self, handles: Sequence[WriteHandle]) -> None:

@@ -20,7 +20,7 @@ from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.l1.arena import ArenaSlot
 from tiercache.l1.core import L1Core, Slot, Ticket
-from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.tier.contract import HeldSet, ReadHandle, WriteHandle
 from tiercache.tier.stats import EvictionReason
 
 T = TypeVar("T")
@@ -78,6 +78,60 @@ class L1Slots(L1Core):
                     )
                 out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token, slot.digest))
             return out
+
+    def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
+        """:meth:`lease_slots` of a :meth:`pin_all` hold, in its keys' order: every slot named with
+        the hold's token. Raises :class:`LeaseError` if the hold is no longer open."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            slots = self._held.get(held.token)
+            if slots is None:
+                raise LeaseError(
+                    f"read lease {held.token} of {held.count} objects is not open (released or "
+                    f"expired after lease_ttl_s={self._config.lease_ttl_s}s); pin the keys again"
+                )
+            token = held.token
+            return [build(slot.key.raw, slot.offset, slot.nbytes, token, slot.digest) for slot in slots]
+
+    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
+        """Hold every one of ``keys`` as one lease (one token, one deadline), or none of them:
+        ``None`` when one is not committed. Uncounted (see :meth:`release_all`). A ticket of a
+        long prompt pins hundreds of objects: a lease per object was most of a lookup's cost."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._sweep(now)
+            get = self._objects.get
+            slots = [get(key.raw) for key in keys]
+            if not all(slots):  # (a slot is always true: no Python call per slot)
+                return None
+            for slot in slots:
+                slot.pins += 1  # type: ignore[union-attr]  # all() found each
+            token = next(self._tokens)
+            expires_at = now + self._config.lease_ttl_s
+            self._held[token] = slots  # type: ignore[assignment]  # all() found each
+            heapq.heappush(self._lease_deadlines, (expires_at, token, token))
+            return HeldSet(token, expires_at, len(slots))
+
+    def release_all(self, held: HeldSet, *, read: bool = False) -> int:
+        """End a :meth:`pin_all` hold: 0, or ``held.count`` when it had expired first (or was
+        released before). ``read``: counted as :meth:`release_many` counts its reads."""
+        with self._lock:
+            if self._closed:
+                return held.count
+            self._sweep(self._clock())
+            slots = self._held.pop(held.token, None)
+            if slots is None:
+                return held.count
+            free = self._free
+            for slot in slots:
+                slot.pins -= 1
+                if not slot.pins and not slot.visible:
+                    free(slot)
+            if read:
+                self._count_reads(slots)
+            return 0
 
     def reserve_many(
         self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()

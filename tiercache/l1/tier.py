@@ -307,6 +307,7 @@ class L1Tier(L1Slots):
             self._writing.clear()
             self._written.notify_all()
             self._leases.clear()
+            self._held.clear()
             self._reservation_deadlines.clear()
             self._lease_deadlines.clear()
             self._quarantine.clear()

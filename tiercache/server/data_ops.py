@@ -164,7 +164,13 @@ class DataOps:
             target = found.chunks if msg.max_chunks <= 0 else min(found.chunks, msg.max_chunks)
             keys = found.keys if target == found.chunks else None  # the lookup built them
             ticket = engine.prefetch(
-                msg.hashes, specs, target, inflight_wait_s=asked.wait, tenant=asked.tenant, keys=keys
+                msg.hashes,
+                specs,
+                target,
+                inflight_wait_s=asked.wait,
+                tenant=asked.tenant,
+                keys=keys,
+                local_reads=False,  # clients read the slots; the server reads nothing
             )
             return _Answer(reply, ticket, polled=(ticket.target, 0))  # its polls say what it pins
 
@@ -194,7 +200,13 @@ class DataOps:
             if not (msg.prefetch and tail.blocks):
                 return _Answer(reply)
             ticket = engine.prefetch(
-                [tail.target], specs, 1, inflight_wait_s=asked.wait, tenant=asked.tenant, keys=tail.found.keys
+                [tail.target],
+                specs,
+                1,
+                inflight_wait_s=asked.wait,
+                tenant=asked.tenant,
+                keys=tail.found.keys,
+                local_reads=False,
             )
             return _Answer(reply, ticket, polled=(found, tail.blocks))
 
@@ -255,7 +267,10 @@ class DataOps:
         if state is TicketState.READY:
             reply.ready_chunks = ticket.chunks
             # Once settled, the ticket pins the objects of its ready chunks and nothing else.
-            reply.slots = self._l1.lease_slots(list(ticket.handles.values()), p.Slot)
+            if ticket.held is not None:
+                reply.slots = self._l1.held_slots(ticket.held, p.Slot)
+            else:
+                reply.slots = self._l1.lease_slots(list(ticket.handles.values()), p.Slot)
             reply.arena = self._l1.arena_name
         return reply
 

@@ -223,8 +223,7 @@ class Sessions:
         ended = [
             t
             for tid, t in session.tickets.items()
-            if session.ticket_at.get(tid, now) < oldest
-            and all(h.expires_at < now - grace for h in t.handles.values())
+            if session.ticket_at.get(tid, now) < oldest and t.held_until() < now - grace
         ]
         for ticket in ended:
             self.drop_ticket(session, ticket.ticket_id)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tiercache.errors import TierError, TierFullError
 from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import DEFAULT_TENANT
-from tiercache.tier.contract import ReadHandle, Tier, WriteHandle
+from tiercache.tier.contract import HeldSet, ReadHandle, Tier, WriteHandle
 from tiercache.tier.wrappers import WrapperTier
 
 
@@ -130,6 +130,9 @@ class FaultInjectingTier(WrapperTier):
 
     def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
         return [self.pin(key, count=count) for key in keys]  # each read may fail on its own
+
+    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
+        return None  # the caller pins key by key (pin_many), where each read may fail on its own
 
     def get(self, key: ObjectKey) -> bytes | None:
         if self._read_fault():

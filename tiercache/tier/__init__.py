@@ -7,6 +7,7 @@ implement it in their own packages, and :mod:`tiercache.testing.tier_suite` chec
 from tiercache.tier.contract import (
     EvictionListener,
     FrontTier,
+    HeldSet,
     ReadHandle,
     Tier,
     TierUsage,
@@ -20,6 +21,7 @@ __all__ = [
     "EvictionListener",
     "EvictionReason",
     "FrontTier",
+    "HeldSet",
     "ReadHandle",
     "Tier",
     "TierStats",

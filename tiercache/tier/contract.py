@@ -75,6 +75,18 @@ class ReadHandle(NamedTuple):
     digest: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSet:
+    """Objects a front tier holds as one pin (:meth:`FrontTier.pin_all`): ``count`` objects under
+    one ``token``, until :meth:`FrontTier.release_all` or ``expires_at`` (monotonic), whichever
+    comes first. A promotion ticket of a long prompt pins hundreds of objects that are released
+    together: one hold costs the tier one record instead of one per object."""
+
+    token: int
+    expires_at: float
+    count: int
+
+
 def payload_digest(known: int | None, data: bytes | bytearray | memoryview) -> int:
     """``known``, or the digest of ``data`` where the tier did not know it."""
     return digest_of(data) if known is None else known
@@ -325,6 +337,20 @@ class FrontTier(Tier):
     def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
         """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
         whose quota decides what may be evicted to make room."""
+
+    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
+        """Hold every one of ``keys`` (each once) as one pin, or none of them (``None``) when one is
+        not committed here. Uncounted, as ``pin(count=False)``: the caller hands the objects to a
+        reader and says at :meth:`release_all` whether it read them. Non-blocking. Default:
+        ``None`` (no such hold here: the caller pins object by object, :meth:`pin_many`)."""
+        return None
+
+    def release_all(self, held: HeldSet, *, read: bool = False) -> int:
+        """End a :meth:`pin_all` hold. Returns how many of its objects it no longer held (all of
+        them when it expired first: a reader must not trust what it copied), else 0. ``read``: a
+        reader copied the objects meanwhile; each counts as a hit, as a pin's read would. Safe
+        to call twice (the second returns ``held.count``)."""
+        return held.count  # (the default pin_all holds nothing)
 
     def reserve_many(
         self, items: Sequence[tuple[ObjectKey, int]], *, tenants: Sequence[bytes] = ()

@@ -16,6 +16,7 @@ from tiercache.keys.tenant import DEFAULT_TENANT
 from tiercache.tier.contract import (
     EvictionListener,
     FrontTier,
+    HeldSet,
     ReadHandle,
     Tier,
     TierUsage,
@@ -130,6 +131,12 @@ class WrapperTier(FrontTier):
         return (
             self.inner.writing_many(keys) if isinstance(self.inner, FrontTier) else super().writing_many(keys)
         )
+
+    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
+        return self.inner.pin_all(keys) if isinstance(self.inner, FrontTier) else None
+
+    def release_all(self, held: HeldSet, *, read: bool = False) -> int:
+        return self.inner.release_all(held, read=read) if isinstance(self.inner, FrontTier) else held.count
 
     def committed_keys(self, raws: Sequence[bytes]) -> list[ObjectKey | None]:
         return (
