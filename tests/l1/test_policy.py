@@ -31,6 +31,17 @@ def test_lru_evicts_the_least_recently_used_key() -> None:
     assert lru.evict_one(always) is None
 
 
+@pytest.mark.parametrize("untracked", [(), ("x",)], ids=["all-tracked", "one-untracked"])
+def test_lru_reads_of_many_keys_make_them_most_recent_in_order(untracked: tuple[str, ...]) -> None:
+    """A ticket's release reads its keys at once; a key not tracked (gone meanwhile) is skipped
+    and the others still move, in the order read."""
+    lru: LRUPolicy[str] = LRUPolicy()
+    for k in "abcde":
+        lru.on_insert(k)
+    lru.on_access_many(["b", *untracked, "a", "d"])
+    assert [lru.evict_one(always) for _ in range(6)] == ["c", "e", "b", "a", "d", None]
+
+
 @pytest.mark.parametrize("policy_cls", [LRUPolicy, S3FIFOPolicy], ids=["lru", "s3fifo"])
 def test_keys_that_may_not_go_are_skipped_and_kept(policy_cls: type) -> None:
     policy = policy_cls()

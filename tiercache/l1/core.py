@@ -134,7 +134,9 @@ class L1Core(FrontTier):
         # Heap of (expires_at, first token, last token): the leases of one batch (tokens drawn in a
         # row under the lock, one deadline) share an entry.
         self._lease_deadlines: list[tuple[float, int, int]] = []
-        self._policy: EvictionPolicy[ObjectKey] = make_policy(config.eviction_policy)
+        # Keyed by ObjectKey.raw, as the index: bytes hash in C (an ObjectKey calls its Python
+        # __hash__ on every reordering, and a ticket's release reorders every object it read).
+        self._policy: EvictionPolicy[bytes] = make_policy(config.eviction_policy)
         self._tenants = TenantLedger(config)  # bytes per tenant; quotas choose victims
         self._bytes_held = 0  # payload bytes of every live slot (reserved, visible, hidden-but-pinned)
         # Slots of abandoned reservations kept out of use: token -> (slot, until); oldest first.
@@ -266,26 +268,28 @@ class L1Core(FrontTier):
         self._written.notify_all()
         return ticket
 
-    def _can_evict(self, key: ObjectKey) -> bool:
-        slot = self._objects.get(key.raw)
+    def _can_evict(self, raw: bytes) -> bool:
+        slot = self._objects.get(raw)
         return slot is not None and slot.pins == 0 and not slot.owed
 
-    def _tenant_of(self, key: ObjectKey) -> bytes:
-        return self._objects[key.raw].tenant
+    def _tenant_of(self, raw: bytes) -> bytes:
+        return self._objects[raw].tenant
 
-    def _evict(self, key: ObjectKey) -> None:
-        """Drop ``key`` for capacity; the caller tells the stats (once per batch)."""
-        slot = self._objects.pop(key.raw)
+    def _evict(self, raw: bytes) -> ObjectKey:
+        """Drop the object keyed ``raw`` for capacity and return its key; the caller tells the
+        stats (once per batch)."""
+        slot = self._objects.pop(raw)
         slot.visible = False
         self._tenants.evicted(slot.tenant)
         self._free(slot)
+        return slot.key
 
     def _unlist(self, key: ObjectKey, slot: Slot) -> None:
         """Take committed object ``key`` (its ``slot``) out of the index, the policy and its
         tenant's account; its bytes go once no reader holds them."""
         del self._objects[key.raw]
-        self._policy.on_remove(key)
-        self._tenants.on_remove(key, slot.tenant)
+        self._policy.on_remove(key.raw)
+        self._tenants.on_remove(key.raw, slot.tenant)
         self._hide(slot)
 
     def _hide(self, slot: Slot) -> None:

@@ -25,7 +25,7 @@ Two policies, chosen by :class:`~tiercache.config.EvictionPolicyName`:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -89,12 +89,16 @@ class LRUPolicy(EvictionPolicy[K]):
             pass
 
     def on_access_many(self, keys: Iterable[K]) -> None:
+        keys = list(keys)
         move = self._order.move_to_end
-        for key in keys:
-            try:
-                move(key)
-            except KeyError:
-                pass
+        try:
+            deque(map(move, keys), maxlen=0)  # the loop in C: every key read is almost always tracked
+        except KeyError:  # one was not: those before it moved; the rest one by one, skipping it
+            for key in keys:
+                try:
+                    move(key)
+                except KeyError:
+                    pass
 
     def on_remove(self, key: K) -> None:
         self._order.pop(key, None)

@@ -11,6 +11,7 @@ the lock of :class:`~tiercache.l1.core.L1Core`, since a long prompt is hundreds 
 from __future__ import annotations
 
 import heapq
+import operator
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ T = TypeVar("T")
 #: Builds a NamedTuple handle as its generated ``__new__`` does, minus that Python call (a ticket's
 #: holds build one per object of a long prompt).
 _new_tuple = tuple.__new__
+_NBYTES = operator.attrgetter("nbytes")
 
 
 class L1Slots(L1Core):
@@ -185,8 +187,7 @@ class L1Slots(L1Core):
             if victim is None:
                 self.stats.add("skipped")
                 raise TierFullError(self._full_message(key, nbytes, tenant))
-            self._evict(victim)
-            evicted.append(victim)
+            evicted.append(self._evict(victim))
             extent = self._allocator.allocate(nbytes)
         slot = Slot(key, extent.offset, nbytes, tenant)
         self._bytes_held += nbytes
@@ -245,12 +246,12 @@ class L1Slots(L1Core):
         slot.digest = digest
         old = self._objects.get(slot.key.raw)
         if old is not None:
-            self._policy.on_remove(slot.key)
-            self._tenants.on_remove(slot.key, old.tenant)
+            self._policy.on_remove(slot.key.raw)
+            self._tenants.on_remove(slot.key.raw, old.tenant)
             self._hide(old)
         self._objects[slot.key.raw] = slot
-        self._policy.on_insert(slot.key)
-        self._tenants.on_insert(slot.key, slot.tenant)
+        self._policy.on_insert(slot.key.raw)
+        self._tenants.on_insert(slot.key.raw, slot.tenant)
         return slot.nbytes
 
     def abandon_many(self, handles: Sequence[WriteHandle]) -> None:
@@ -294,12 +295,13 @@ class L1Slots(L1Core):
         access for the eviction policy and the tenants' order."""
         if not slots:
             return
-        self._policy.on_access_many([slot.key for slot in slots])
+        raws = [slot.key.raw for slot in slots]
+        self._policy.on_access_many(raws)
         if self._tenants.enforcing:  # without quotas the tenants keep no order to update
             tenant_access = self._tenants.on_access
-            for slot in slots:
-                tenant_access(slot.key, slot.tenant)
-        self.stats.hit(sum(slot.nbytes for slot in slots), len(slots))
+            for raw, slot in zip(raws, slots):
+                tenant_access(raw, slot.tenant)
+        self.stats.hit(sum(map(_NBYTES, slots)), len(slots))
 
     def _hold_locked(self, keys: Sequence[ObjectKey], now: float) -> list[ReadHandle | None]:
         """Pin ``keys`` (under the lock; :meth:`pin_many` counts the reads when asked): one lease

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiercache.config.parts import L1Config
-from tiercache.keys.object_key import ObjectKey
 from tiercache.keys.tenant import tenant_label
 from tiercache.l1.policy import EvictionPolicy, make_policy
 from tiercache.tier.quotas import MAX_COUNTED_TENANTS, TenantQuotas
@@ -51,7 +50,8 @@ class TenantLedger:
         #: Whether quotas decide evictions (any share below 1); otherwise usage is only counted.
         self.enforcing = self._quotas.enforcing
         self._usage: dict[bytes, TenantUsage] = {}
-        self._orders: dict[bytes, EvictionPolicy[ObjectKey]] = {}  # only while enforcing
+        # tenant -> its objects' order, keyed by ObjectKey.raw as the tier's (only while enforcing)
+        self._orders: dict[bytes, EvictionPolicy[bytes]] = {}
         self._over: set[bytes] = set()  # tenants holding more than their quota
 
     def quota(self, tenant: bytes) -> int:
@@ -82,7 +82,7 @@ class TenantLedger:
             self._orders.pop(tenant, None)
 
     # -- objects (commit, read, removal) ----------------------------------------------------------
-    def on_insert(self, key: ObjectKey, tenant: bytes) -> None:
+    def on_insert(self, key: bytes, tenant: bytes) -> None:
         u = self._usage[tenant]  # charged at reserve, so the record exists
         u.objects += 1
         u.puts += 1
@@ -92,13 +92,13 @@ class TenantLedger:
                 order = self._orders[tenant] = make_policy(self._policy_name)
             order.on_insert(key)
 
-    def on_access(self, key: ObjectKey, tenant: bytes) -> None:
+    def on_access(self, key: bytes, tenant: bytes) -> None:
         if self.enforcing:
             order = self._orders.get(tenant)
             if order is not None:
                 order.on_access(key)
 
-    def on_remove(self, key: ObjectKey, tenant: bytes) -> None:
+    def on_remove(self, key: bytes, tenant: bytes) -> None:
         """``key`` left for a reason other than :meth:`choose_victim` (an overwrite, a delete)."""
         self._usage[tenant].objects -= 1
         if self.enforcing:
@@ -117,10 +117,10 @@ class TenantLedger:
         self,
         requester: bytes,
         nbytes: int,
-        policy: EvictionPolicy[ObjectKey],
-        can_evict: Callable[[ObjectKey], bool],
-        tenant_of: Callable[[ObjectKey], bytes],
-    ) -> ObjectKey | None:
+        policy: EvictionPolicy[bytes],
+        can_evict: Callable[[bytes], bool],
+        tenant_of: Callable[[bytes], bytes],
+    ) -> bytes | None:
         """The next object to evict so ``requester`` can reserve ``nbytes``, untracked in both the
         global ``policy`` and its tenant's order; ``None`` when nothing may go for this requester."""
         if not self.enforcing:
@@ -150,8 +150,8 @@ class TenantLedger:
         return self._usage[tenant].bytes - self.quota(tenant)
 
     def _evict_from(
-        self, tenant: bytes, policy: EvictionPolicy[ObjectKey], can_evict: Callable[[ObjectKey], bool]
-    ) -> ObjectKey | None:
+        self, tenant: bytes, policy: EvictionPolicy[bytes], can_evict: Callable[[bytes], bool]
+    ) -> bytes | None:
         order = self._orders.get(tenant)
         key = order.evict_one(can_evict) if order is not None else None
         if key is not None:
