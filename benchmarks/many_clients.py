@@ -6,8 +6,9 @@ that each repeat one operation on 64-chunk prompts whose chunks are all in L1, f
 clients at once, with 64 more clients connected and idle (heartbeating) throughout:
 
 * ``lookup``: the scheduler's lookup as the vLLM connector sends it (a prefetch ticket pinning every
-  chunk, answered READY with its slots), then the ticket's release, not waited for (as the connector's
-  scheduler sends it: the server sends no reply to it);
+  chunk, answered READY with its slots), then the ticket's release, held back to ride the client's
+  next lookup as the connector's scheduler does (``Lookup.releases``: no message of its own, no
+  reply);
 * ``load``: pin the 64 chunks, copy them out of the arena, check their digests, release;
 * ``store``: reserve 64 new chunks, copy them in, commit them with their digests.
 
@@ -87,7 +88,8 @@ def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.co
                     found = client.lookup(hashes, [group], inflight_wait_s=inflight_wait_s)
                     samples.append(time.perf_counter() - t0)
                     assert found.ready_chunks == CHUNKS, found.state
-                    client.release_ticket_unconfirmed(found.ticket, read=True)  # as the connector does
+                    # As the connector does: the release rides this client's next lookup.
+                    client.release_ticket_later(found.ticket, read=True)
                 elif op == "load":
                     copies = client.load_chunks(keys)
                     samples.append(time.perf_counter() - t0)
@@ -102,6 +104,7 @@ def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.co
                     ]
                     assert client.store_chunks(fresh, [payload] * CHUNKS) == CHUNKS
                     samples.append(time.perf_counter() - t0)
+            client.flush_releases()
             conn.send(samples)
 
 

@@ -135,6 +135,7 @@ class LookupClient:
         self.reply = reply
         self.asked: list[tuple[int, dict[str, Any]]] = []
         self.released: list[int] = []
+        self.flushed = 0  # how many of the releases a flush_releases had sent
         self.read: list[bool] = []  # per released ticket: whether a load copied from its slots
         self.hashes: list[bytes] = []
         self.tail = False  # whether the last lookup asked for a tail
@@ -151,9 +152,12 @@ class LookupClient:
             return msgspec.structs.replace(reply, blocks=reply.chunks, chunks=min(reply.chunks, 1))
         return reply
 
-    def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
+    def release_ticket_later(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
+
+    def flush_releases(self) -> None:
+        self.flushed = len(self.released)  # every release held back so far went out
 
 
 HIT_TICKET, HIT_BYTES = 9, 196608  # the ticket pinning the hit; one chunk's object (scheduler_half)

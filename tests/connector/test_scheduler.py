@@ -401,11 +401,15 @@ class _TicketClient:
 
     def __init__(self) -> None:
         self.released: list[int] = []
+        self.flushed = 0  # how many of the releases a flush_releases had sent
         self.read: list[bool] = []
 
-    def release_ticket_unconfirmed(self, ticket: int, *, read: bool = False) -> None:
+    def release_ticket_later(self, ticket: int, *, read: bool = False) -> None:
         self.released.append(ticket)
         self.read.append(read)
+
+    def flush_releases(self) -> None:
+        self.flushed = len(self.released)  # every release held back so far went out
 
 
 def _hit_scheduler(asynchronous: bool) -> tuple[SchedulerHalf, _Request, _TicketClient]:
@@ -450,6 +454,23 @@ def test_the_ticket_is_kept_until_the_workers_report_the_load() -> None:
     sched.build_connector_meta(scheduler_output([], {}, {}))
     sched.update_connector_output(step_output({"r"}))
     assert client.released == [5] and not st.loading and not st.load_failed
+
+
+def test_a_release_rides_the_next_lookup_and_the_next_step_sends_what_none_took() -> None:
+    """Released after the step that reported the load, the ticket is held back by the client for
+    its next lookup (a message fewer for the server); the next step's metadata, built after that
+    step's lookups went out, sends whatever no lookup took along."""
+    sched, _, client = _hit_scheduler(True)
+    _alloc(sched)
+    sched.build_connector_meta(scheduler_output([], {}, {}))
+    sched.update_connector_output(step_output({"r"}))
+    assert client.released == [5] and client.flushed == 0  # held back
+    sched.build_connector_meta(scheduler_output([], {}, {}))
+    assert client.flushed == 1  # no lookup took it: sent with the next step
+    sched.update_connector_output(step_output())
+    client.flushed = -1
+    sched.build_connector_meta(scheduler_output([], {}, {}))
+    assert client.flushed == -1  # nothing held back: no flush
 
 
 @pytest.mark.parametrize("failed", [False, True], ids=["loaded", "failed"])

@@ -207,6 +207,54 @@ def test_a_quiet_ticket_release_unpins_before_the_next_request_and_gets_no_reply
     assert after["server"]["replies"] - before["server"]["replies"] == 1
 
 
+def test_a_release_held_back_rides_the_next_lookup_and_is_applied_before_it(
+    start_server: StartServer,
+) -> None:
+    """``release_ticket_later`` (how the vLLM scheduler releases): the client sends nothing until
+    its next lookup, which carries the release; the server ends the ticket (its objects counted as
+    read) before it answers that lookup, and reads one message where it read two."""
+    server = start_server()
+    with server.client(heartbeat=False) as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(client, group, hashes)
+        found = client.lookup(hashes, [group])
+        client.release_ticket_later(found.ticket, read=True)
+        held = client.stats()  # not a lookup: the release stays behind
+        again = client.lookup(hashes, [group])  # carries it
+        after = client.stats()
+    assert held["server"]["tickets"] == 1 and after["server"]["tickets"] == 1  # only the new one
+    assert again.ticket != found.ticket and again.chunks == 4
+    assert after["tiers"]["l1"]["hits"] - held["tiers"]["l1"]["hits"] == 4
+    assert after["server"]["requests"] - held["server"]["requests"] == 2  # the lookup and this stats
+    assert after["server"]["releases_skipped"] == 0
+
+
+def test_held_back_releases_go_in_one_message_when_flushed_and_unknown_ones_are_skipped(
+    start_server: StartServer,
+) -> None:
+    """What no lookup took along goes in one ``release_tickets`` message (the scheduler sends it
+    with its next step), unanswered; a ticket the session no longer holds is skipped and counted,
+    and the request carrying it is handled all the same."""
+    server = start_server()
+    with server.client(heartbeat=False) as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(client, group, hashes)
+        tickets = [client.lookup(hashes, [group]).ticket for _ in range(3)]
+        client.release_ticket(tickets[0])
+        before = client.stats()
+        for ticket in tickets:
+            client.release_ticket_later(ticket)
+        client.flush_releases()
+        after = client.stats()
+        assert client.lookup(hashes, [group]).chunks == 4  # nothing left to ride: a plain lookup
+    assert before["server"]["tickets"] == 2 and after["server"]["tickets"] == 0
+    assert after["server"]["releases_skipped"] - before["server"]["releases_skipped"] == 1
+    assert after["server"]["requests"] - before["server"]["requests"] == 2
+    assert after["server"]["replies"] - before["server"]["replies"] == 1
+
+
 def test_a_lookup_l1_answers_alone_replies_and_counts_as_one_the_disk_helps_answer(
     start_server: StartServer, tmp_path: Path
 ) -> None:

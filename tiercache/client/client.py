@@ -199,6 +199,19 @@ class Client(Transport):
         with self._lock:
             self._release_late_ticket(ticket, read)
 
+    def release_ticket_later(self, ticket: int, *, read: bool = False) -> None:
+        """:meth:`release_ticket_unconfirmed`, held back to ride this client's next lookup
+        (``Lookup.releases``): a message fewer per lookup for the server to read. Until then the
+        ticket's objects stay pinned, so a caller that may not look up again soon calls
+        :meth:`flush_releases`; the heartbeat sends what is left at the latest."""
+        with self._lock:
+            self._hold_release(ticket, read)
+
+    def flush_releases(self) -> None:
+        """Send the releases :meth:`release_ticket_later` held back, in one message, now."""
+        with self._lock:
+            self._flush_riders()
+
     # -- two-phase store / pin -------------------------------------------------------------------
     def reserve(
         self,

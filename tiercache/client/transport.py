@@ -81,6 +81,8 @@ class _State:
     seal: SessionSeal | None = None
     #: Replies dropped because the server did not sign them (forged, or from another session).
     unsigned_replies: int = 0
+    #: Ticket releases held back to ride the next lookup (``Lookup.releases``).
+    riders: list[p.TicketRelease] = field(default_factory=list)
 
 
 #: The largest unsigned reply a client of a shared-secret server decodes: a refusal the server
@@ -92,6 +94,8 @@ def _unsigned_refusal(reply: p.Message) -> bool:
     return isinstance(reply, p.ErrorReply) and reply.code in _UNSIGNED_CODES
 
 
+#: Ticket releases held back for the next lookup before they go in a message of their own.
+_MAX_RIDERS = 256
 #: Timed-out async requests remembered for their late replies; beyond this many, none will come.
 _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
@@ -203,6 +207,7 @@ class Transport:
         st.hello = None
         st.pending.clear()
         st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
+        st.riders.clear()
         st.seal = None
         if not self._closed.is_set():
             self._connect()
@@ -241,6 +246,7 @@ class Transport:
             if not self._lock.acquire(timeout=0.1):
                 continue  # someone is talking to the server: that is a heartbeat too
             try:
+                self._flush_riders()  # releases no lookup took along: they go now, at the latest
                 self._send_ping()
             except Exception:  # down or restarting: the next real call reports it
                 pass
@@ -276,6 +282,8 @@ class Transport:
         if st.sock is None:
             self._connect()
         assert st.sock is not None
+        if st.riders and isinstance(msg, p.Lookup) and not msg.releases:
+            msg.releases, st.riders = st.riders, []  # (lost with it if the send fails: leases end)
         try:
             self._write(st.sock, msg)
         except zmq.Again as exc:
@@ -351,6 +359,21 @@ class Transport:
             return seal.open(frame, tag)
         return len(frame) <= _UNSIGNED_REPLY_BYTES
 
+    def _hold_release(self, ticket: int, read: bool) -> None:
+        """Hold a ticket's release back for the next lookup (caller holds the lock); past
+        :data:`_MAX_RIDERS` of them, send them at once."""
+        riders = self._state.riders
+        riders.append(p.TicketRelease(ticket, read))
+        if len(riders) >= _MAX_RIDERS:
+            self._flush_riders()
+
+    def _flush_riders(self) -> None:
+        """Send the held-back releases in one message, not waited for (caller holds the lock)."""
+        st = self._state
+        if st.riders and st.hello is not None:
+            riders, st.riders = st.riders, []
+            self._send_unanswered(p.ReleaseTickets(releases=riders))
+
     def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
         """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
         self._send_unanswered(p.ReleaseTicket(ticket=ticket, read=read, quiet=True))
@@ -424,6 +447,7 @@ class Transport:
     def _say_hello(self, timeout: float | None) -> ServerInfo:
         st = self._state
         self._check_listener()
+        st.riders.clear()  # a new session holds none of the old one's tickets
         st.seal = None  # a new handshake: the challenge's reply comes unsigned
         dropped = st.unsigned_replies
         auth = client_nonce = b""

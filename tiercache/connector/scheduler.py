@@ -190,6 +190,11 @@ class SchedulerHalf(SchedulerSaves):
             self._drop_ticket(st, read=bool(leased_at))  # released once the step carrying these loads has run
 
     def build_connector_meta(self, scheduler_output: Any) -> TierCacheMetadata:
+        if self._releases_held:  # no lookup of this step took the last step's releases along
+            self._releases_held = False
+            client = self.link.client()
+            if client is not None:
+                client.flush_releases()
         self._lookup_wait_left = self._settings.lookup_wait_s  # a new step: a new budget (_lookup_wait)
         self._step += 1
         self._unfinished_steps.append(self._step)
@@ -281,8 +286,10 @@ class SchedulerHalf(SchedulerSaves):
             return  # the server forgot them (restart) or leases expire by themselves
         for ticket, read in tickets:
             # Not waited for: the engine loop learns nothing from the reply (the workers judged
-            # their copies by time), and a release that is lost ends with its leases' TTL.
-            client.release_ticket_unconfirmed(ticket, read=read)
+            # their copies by time), and a release that is lost ends with its leases' TTL. Held
+            # back to ride the next step's first lookup; build_connector_meta sends what is left.
+            client.release_ticket_later(ticket, read=read)
+        self._releases_held = True
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks (True) iff stores were scheduled for the request: the workers then

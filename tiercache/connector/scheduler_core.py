@@ -153,6 +153,7 @@ class SchedulerCore:
         self._lookup_wait_left = settings.lookup_wait_s  # this step's share left for lookup replies
         # step → tickets to release once it ran, each with whether a load copied from its slots
         self._release_at: dict[int, list[tuple[int, bool]]] = {}
+        self._releases_held = False  # the client holds releases back for the next lookup
         self._unfinished_steps: deque[int] = deque()
         self._orphans: list[int] = []  # async requests whose request is gone; collect and release
         self._saves_last_step = False  # (sliding layouts) stores were queued by the previous step

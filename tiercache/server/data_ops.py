@@ -105,6 +105,7 @@ class DataOps:
             p.Lookup: self.lookup,
             p.PollTicket: self.poll_ticket,
             p.ReleaseTicket: self.release_ticket,
+            p.ReleaseTickets: self.release_tickets,
             p.Reserve: self.reserve,
             p.Commit: self.commit,
             p.Abort: self.abort,
@@ -130,6 +131,8 @@ class DataOps:
 
     # -- lookup and promotion --------------------------------------------------------------------
     def lookup(self, session: Session, msg: p.Lookup) -> None:
+        if msg.releases:  # the client's earlier tickets first: their objects may go, its room grows
+            self._sessions.release_tickets(session, msg.releases)
         check_hashes(msg.hashes)
         if not msg.groups:
             raise Refused(p.ErrorCode.INVALID, "lookup needs at least one group")
@@ -278,6 +281,9 @@ class DataOps:
         ticket = self._sessions.ticket(session, msg.ticket)
         chunks, blocks = session.found.get(msg.ticket, (ticket.target, 0))
         return self._ticket_reply(ticket, p.LookupReply(chunks=chunks, blocks=blocks, per_tier={}))
+
+    def release_tickets(self, session: Session, msg: p.ReleaseTickets) -> None:
+        self._sessions.release_tickets(session, msg.releases)
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message | None:
         # Counted like a release's: a connector worker may have copied from the ticket's slots.

@@ -95,8 +95,12 @@ def parse_key(raw: bytes) -> ObjectKey:
 def request_keys(msg: p.Message) -> int:
     """How many keys (chunk hashes × groups, keys, objects and held blocks, tokens) ``msg`` names:
     what the request loop works through for it."""
-    if isinstance(msg, (p.Lookup, p.Explain)):
+    if isinstance(msg, p.Lookup):
+        return len(msg.hashes) * max(1, len(msg.groups)) + len(msg.releases)
+    if isinstance(msg, p.Explain):
         return len(msg.hashes) * max(1, len(msg.groups))
+    if isinstance(msg, p.ReleaseTickets):
+        return len(msg.releases)
     if isinstance(msg, (p.Pin, p.Warm)):
         return len(msg.keys)
     if isinstance(msg, p.Reserve):

@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,7 @@ class Sessions:
         self.refused_tickets = 0
         self.refused_reserved_bytes = 0
         self.tickets_expired = 0  # tickets whose client let every lease of theirs expire
+        self.releases_skipped = 0  # releases riding a lookup of tickets the session did not hold
 
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)
@@ -320,6 +322,18 @@ class Sessions:
         self._ticket_owner.pop(ticket_id, None)
         return ticket
 
+    def release_tickets(self, session: Session, releases: Sequence[p.TicketRelease]) -> None:
+        """End the session's tickets named by ``releases`` (a lookup's riders, or a batch), each
+        as a quiet release would; one it does not hold is skipped and counted, never refused:
+        the request that carries them is answered all the same."""
+        for release in releases:
+            if release.ticket not in session.tickets:
+                self.releases_skipped += 1
+                continue
+            ticket = self.drop_ticket(session, release.ticket)
+            # Counted like a release's: a connector worker may have copied from its slots.
+            self.lost_leases += self._engine.release_ticket(ticket, read=release.read)
+
     def _claim(self, own: dict[int, Any], tokens: list[int], kind: str, identity: bytes = b"") -> list[Any]:
         """The handles behind ``tokens`` if all are this client's (checked before acting on any)."""
         handles = []
@@ -408,4 +422,5 @@ class Sessions:
             "refused_tickets": self.refused_tickets,
             "refused_reserved_bytes": self.refused_reserved_bytes,
             "tickets_expired": self.tickets_expired,
+            "releases_skipped": self.releases_skipped,
         }

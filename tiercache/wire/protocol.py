@@ -43,7 +43,10 @@ import msgspec
 #: empty): :mod:`tiercache.wire.frames`. The server closes a connection that sends a larger frame.
 #: A :class:`Lookup` says its :class:`LookupKind`, and a tail
 #: lookup's reply counts its blocks in ``LookupReply.blocks``, not in ``chunks``.
-PROTOCOL_VERSION = 6
+#: 7: a :class:`Lookup` carries the releases of tickets its client is done with
+#: (``Lookup.releases``), and :class:`ReleaseTickets` releases several at once: an older server
+#: would ignore them and keep the tickets pinned.
+PROTOCOL_VERSION = 7
 
 
 class ErrorCode(enum.StrEnum):
@@ -95,6 +98,14 @@ class GroupRef(msgspec.Struct, frozen=True, omit_defaults=True):
 
     fingerprint: bytes
     object_group: int
+
+
+class TicketRelease(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A promotion ticket its client is done with, released as a quiet :class:`ReleaseTicket` of
+    the same ``ticket`` and ``read`` would be; on the wire ``[ticket, read]``."""
+
+    ticket: int
+    read: bool = False
 
 
 class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -251,6 +262,11 @@ class Lookup(Message, tag="lookup"):
     inflight_wait_s: float = 0.0
     tenant: bytes = b""
     kind: LookupKind = LookupKind.CHUNKS
+    #: Tickets of this session its client is done with, released before the lookup is answered
+    #: (each as :class:`TicketRelease` says): a release rides the client's next lookup instead of
+    #: a message of its own. A ticket the session does not hold (released or expired already) is
+    #: skipped; the lookup is answered all the same.
+    releases: list[TicketRelease] = []
 
 
 class PollTicket(Message, tag="poll_ticket"):
@@ -267,6 +283,15 @@ class ReleaseTicket(Message, tag="release_ticket"):
     ticket: int
     read: bool = False
     quiet: bool = False
+
+
+class ReleaseTickets(Message, tag="release_tickets"):
+    """Release several tickets of this session at once, each as :class:`TicketRelease` says: the
+    releases a client held back for its next :class:`Lookup` (``Lookup.releases``) when none came
+    soon enough. Never answered (quiet, as each release's); a ticket the session does not hold is
+    skipped."""
+
+    releases: list[TicketRelease]
 
 
 class Reserve(Message, tag="reserve"):
@@ -418,6 +443,7 @@ Request = (
     | Lookup
     | PollTicket
     | ReleaseTicket
+    | ReleaseTickets
     | Reserve
     | Commit
     | Abort
