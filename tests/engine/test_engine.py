@@ -224,6 +224,35 @@ def test_a_prefetch_without_local_reads_holds_objects_all_in_l1_as_one_pin(
     engine.release_ticket(promoted)
 
 
+def test_hold_front_answers_and_holds_a_hit_all_in_l1_in_one_pass_or_holds_nothing(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    """The server's usual lookup: every object in L1, the answer and a READY ticket holding them
+    as one pin; anything less (a chunk only on disk, or none of the chain's end in L1) is ``None``
+    with nothing held, for lookup_front and lookup to answer as before."""
+    l1 = l1_tier(1 * MiB)
+    engine = make_engine(l1, disk_tier(tmp_path))
+    groups = [FULL, SW]
+    hashes = prompt(4)
+    store(engine, groups, hashes)
+    before = engine.stats()["engine"]
+    both = engine.hold_front(hashes, groups)
+    assert both is not None
+    found, ticket = both
+    assert (found.chunks, found.per_tier) == (4, {"l1": 4 + SW.window_chunks})
+    assert ticket.state is TicketState.READY and ticket.chunks == 4 and not ticket.handles
+    assert ticket.held is not None and ticket.held.count == 4 + SW.window_chunks
+    after = engine.stats()["engine"]
+    assert after["lookups"] - before["lookups"] == 1
+    assert after["lookup_chunks_hit"] - before["lookup_chunks_hit"] == 4
+    assert engine.release_ticket(ticket) == 0
+    assert engine.hold_front(prompt(4, salt=1), groups) is None  # stored nowhere
+    engine.flush()
+    assert l1.delete(FULL.key(hashes[1]))  # on disk only now
+    assert engine.hold_front(hashes, groups) is None
+    assert engine.lookup(hashes, groups).chunks == 4  # the disk still has it
+
+
 # -- lower tiers ---------------------------------------------------------------------------------
 def restarted_on_disk(tmp_path: Path, make_engine: EngineFactory, hashes: list[bytes]) -> TieredEngine:
     """A fresh engine (empty L1) on the disk of a first one that stored ``hashes`` and closed."""

@@ -130,10 +130,10 @@ def test_pin_all_holds_every_object_or_none(make_l1) -> None:
     tier = make_l1(size_bytes=8 * UNIT)
     keys = [make_key(i) for i in range(3)]
     fill(tier, range(3))
-    assert tier.pin_all([*keys, make_key(99)]) is None  # one absent: nothing held
+    assert tier.pin_all([k.raw for k in [*keys, make_key(99)]]) is None  # one absent: nothing held
     fill(tier, range(3, 8))  # nothing was left pinned: the arena churns freely
     fill(tier, range(3))
-    held = tier.pin_all(keys)
+    held = tier.pin_all([k.raw for k in keys])
     assert held is not None and held.count == 3
     fill(tier, range(10, 30))  # churn through the arena: the held objects stay
     assert all(tier.contains(k) for k in keys)
@@ -147,7 +147,7 @@ def test_held_slots_names_each_object_under_the_hold_token_and_refuses_a_release
     tier = make_l1(size_bytes=8 * UNIT)
     keys = [make_key(i) for i in (2, 0, 1)]
     fill(tier, range(3))
-    held = tier.pin_all(keys)
+    held = tier.pin_all([k.raw for k in keys])
     assert held is not None
     built = tier.held_slots(held, lambda *fields: fields)
     leases = [h for h in tier.pin_many(keys) if h]
@@ -166,7 +166,7 @@ def test_a_hold_expires_as_a_whole_each_object_counted(make_l1, clock: FakeClock
     tier = make_l1(size_bytes=8 * UNIT, lease_ttl_s=10.0)
     keys = [make_key(i) for i in range(4)]
     fill(tier, range(4))
-    held = tier.pin_all(keys)
+    held = tier.pin_all([k.raw for k in keys])
     assert held is not None and held.expires_at == clock() + 10.0
     clock.advance(9.0)
     fill(tier, range(10, 18))
@@ -182,7 +182,7 @@ def test_an_object_replaced_while_held_keeps_its_bytes_until_the_hold_ends(make_
     tier = make_l1(size_bytes=4 * UNIT)
     key = make_key(0)
     tier.put(key, b"a" * UNIT)
-    held = tier.pin_all([key])
+    held = tier.pin_all([key.raw])
     assert held is not None
     [(_, offset, nbytes, _, _)] = tier.held_slots(held, lambda *fields: fields)
     tier.put(key, b"b" * UNIT)  # a new version: the held one is hidden, not freed
@@ -198,7 +198,7 @@ def test_a_hold_released_as_read_counts_each_object_as_a_hit(make_l1, read: bool
     tier = make_l1(size_bytes=4 * UNIT, eviction_policy=EvictionPolicyName.LRU)
     fill(tier, range(2))
     before = tier.stats.snapshot()["hits"]
-    held = tier.pin_all([make_key(0)])
+    held = tier.pin_all([make_key(0).raw])
     assert held is not None and tier.stats.snapshot()["hits"] == before  # uncounted until read
     assert tier.release_all(held, read=read) == 0
     assert tier.stats.snapshot()["hits"] - before == (1 if read else 0)

@@ -231,6 +231,28 @@ class TieredEngine:
             self.counters.add("lookup_chunks_hit", found.chunks)
         return found
 
+    def hold_front(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], *, tenant: bytes = DEFAULT_TENANT
+    ) -> tuple[LookupResult, PrefetchTicket] | None:
+        """:meth:`lookup_front` and a :meth:`prefetch` of its whole hit without local reads, in one
+        pass over L1, when L1 holds every object of every chunk of ``hashes``: the answer and a
+        READY ticket holding those objects as one pin (:attr:`PrefetchTicket.held`), else
+        ``None`` (nothing held: ask :meth:`lookup_front` or :meth:`lookup`). What the server
+        answers most lookups with. Non-blocking."""
+        t0 = perf_counter()
+        found = self._locator.hold_front(hashes, groups)
+        if found is None:
+            return None
+        result, held, raws = found
+        # Each hit timed as its share of the call, as a prefetch's pins are.
+        self.l1.stats.latency.observe("read", (perf_counter() - t0) / held.count, held.count)
+        self.counters.add("lookups")
+        self.counters.add("lookup_chunks_hit", result.chunks)
+        ticket = self._promoter.held(hashes, groups, result.chunks, held, tenant)
+        if self._writes.watches_reads:  # a prefetch is what a load reads: S3 admission ``read``
+            self._writes.read(ObjectKey.from_bytes_many(raws))
+        return result, ticket
+
     def index_blocks(self, target: bytes, blocks: Sequence[bytes]) -> None:
         """The objects under prefix hash ``target`` (every group's) hold ``blocks[j]`` (tail
         hashes) at position ``j``: a tail lookup naming one of them finds ``target``

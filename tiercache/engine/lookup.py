@@ -22,7 +22,7 @@ from tiercache.engine.groups import GroupSpec
 from tiercache.engine.remote import RemoteAsker, RemoteBudget
 from tiercache.keys.fingerprint import GroupKind
 from tiercache.keys.object_key import ObjectKey
-from tiercache.tier.contract import FrontTier, Tier
+from tiercache.tier.contract import FrontTier, HeldSet, Tier
 
 _INFLIGHT = "inflight"  # where-marker of an object being written into the front tier
 
@@ -107,6 +107,30 @@ class Locator:
         if not all(keys):  # (a key is always true: no Python call per key, as ``None in`` makes)
             return None
         return LookupResult(n, {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]  # all() found each
+
+    def hold_front(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]
+    ) -> tuple[LookupResult, HeldSet, list[bytes]] | None:
+        """:meth:`lookup_front`'s answer, with every object of the hit held in the front tier as
+        one pin (:meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`), and those
+        objects' binary keys; ``None`` where :meth:`lookup_front` would say ``None`` (nothing is
+        then held). One pass over the front tier's index instead of a lookup's and a pin's. The
+        result names no keys (none is built)."""
+        front = self._front
+        if front is None or not groups or not hashes:
+            return None
+        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
+            return None  # (a chain the front tier does not end with costs a few keys, not all)
+        n = len(hashes)
+        if len(groups) == 1:
+            needed = groups[0].needed_raw(hashes, n)
+        else:
+            needed = [r for g in groups for r in g.needed_raw(hashes, n)]
+        raws = list(dict.fromkeys(needed))
+        held = front.pin_all(raws)
+        if held is None:
+            return None
+        return LookupResult(n, {front.name: len(needed)}, 0), held, raws
 
     def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> None:
         """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier

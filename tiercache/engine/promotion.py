@@ -64,7 +64,9 @@ class PrefetchTicket:
     chunks: int = 0
     handles: dict[ObjectKey, ReadHandle] = field(default_factory=dict)
     released: bool = False
-    #: The keys of the first ``target`` chunks (what :func:`needed_keys` gives, each once), built once.
+    #: The keys of the first ``target`` chunks (what :func:`needed_keys` gives, each once), built
+    #: once (empty for a ticket of :meth:`TieredEngine.hold_front
+    #: <tiercache.engine.TieredEngine.hold_front>`, which builds none).
     needed: list[ObjectKey] = field(default_factory=list)
     held: HeldSet | None = None
     _futures: list[Future[bool]] = field(default_factory=list)
@@ -126,7 +128,7 @@ class Promoter:
         # The engine's own holds, all under one L1 lock; each hit is timed as its share of the call.
         t0 = perf_counter()
         if not local_reads and needed:
-            held = self._l1.pin_all(needed)
+            held = self._l1.pin_all([key.raw for key in needed])
             if held is not None:  # all in L1: nothing to promote or wait for
                 self._l1.stats.latency.observe("read", (perf_counter() - t0) / held.count, held.count)
                 ticket.held = held
@@ -156,6 +158,16 @@ class Promoter:
             else:
                 ticket._futures.append(self._executor.submit(self.promote, ticket, key))
         self.poll(ticket)
+        return ticket
+
+    def held(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int, held: HeldSet, tenant: bytes
+    ) -> PrefetchTicket:
+        """A READY ticket of ``chunks`` chunks whose objects ``held`` holds in L1 already (as
+        :meth:`prefetch` without local reads makes it; its ``needed`` is left empty)."""
+        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant, held=held)
+        ticket.chunks = chunks
+        ticket.state = TicketState.READY
         return ticket
 
     def promote(self, ticket: PrefetchTicket, key: ObjectKey) -> bool:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiercache.config.parts import L1Config
@@ -127,9 +127,9 @@ class L1Core(FrontTier):
         self._written = threading.Condition(self._lock)
         # token -> the slot of an open read lease (its deadline is in _lease_deadlines)
         self._leases: dict[int, Slot] = {}
-        # token -> the slots of an open pin_all hold, each pinned once (its deadline is in
-        # _lease_deadlines as (expires_at, token, token))
-        self._held: dict[int, list[Slot]] = {}
+        # token -> the slots of an open pin_all hold, each pinned once, and their keys' binary
+        # forms (its deadline is in _lease_deadlines as (expires_at, token, token))
+        self._held: dict[int, tuple[list[Slot], Sequence[bytes]]] = {}
         self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
         # Heap of (expires_at, first token, last token): the leases of one batch (tokens drawn in a
         # row under the lock, one deadline) share an entry.
@@ -212,8 +212,8 @@ class L1Core(FrontTier):
             _, first, last = heapq.heappop(leases)
             held = self._held.pop(first, None) if first == last else None
             if held is not None:
-                self.stats.add("expired_leases", len(held))
-                for one in held:
+                self.stats.add("expired_leases", len(held[0]))
+                for one in held[0]:
                     self._unpin(one)
                 continue
             for token in range(first, last + 1):  # one batch's leases (those released are gone)

@@ -87,7 +87,7 @@ class L1Slots(L1Core):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            slots = self._held.get(held.token)
+            slots, _ = self._held.get(held.token, (None, ()))
             if slots is None:
                 raise LeaseError(
                     f"read lease {held.token} of {held.count} objects is not open (released or "
@@ -96,23 +96,24 @@ class L1Slots(L1Core):
             token = held.token
             return [build(slot.key.raw, slot.offset, slot.nbytes, token, slot.digest) for slot in slots]
 
-    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
-        """Hold every one of ``keys`` as one lease (one token, one deadline), or none of them:
-        ``None`` when one is not committed. Uncounted (see :meth:`release_all`). A ticket of a
-        long prompt pins hundreds of objects: a lease per object was most of a lookup's cost."""
+    def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
+        """Hold every object of ``raws`` (keys' binary forms) as one lease (one token, one
+        deadline), or none of them: ``None`` when one is not committed. Uncounted (see
+        :meth:`release_all`). A ticket of a long prompt pins hundreds of objects: a lease per
+        object was most of a lookup's cost."""
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
             get = self._objects.get
-            slots = [get(key.raw) for key in keys]
+            slots = [get(raw) for raw in raws]
             if not all(slots):  # (a slot is always true: no Python call per slot)
                 return None
             for slot in slots:
                 slot.pins += 1  # type: ignore[union-attr]  # all() found each
             token = next(self._tokens)
             expires_at = now + self._config.lease_ttl_s
-            self._held[token] = slots  # type: ignore[assignment]  # all() found each
+            self._held[token] = (slots, raws)  # type: ignore[assignment]  # all() found each
             heapq.heappush(self._lease_deadlines, (expires_at, token, token))
             return HeldSet(token, expires_at, len(slots))
 
@@ -123,7 +124,7 @@ class L1Slots(L1Core):
             if self._closed:
                 return held.count
             self._sweep(self._clock())
-            slots = self._held.pop(held.token, None)
+            slots, raws = self._held.pop(held.token, (None, ()))
             if slots is None:
                 return held.count
             free = self._free
@@ -132,7 +133,7 @@ class L1Slots(L1Core):
                 if not slot.pins and not slot.visible:
                     free(slot)
             if read:
-                self._count_reads(slots)
+                self._count_reads(slots, raws)
             return 0
 
     def reserve_many(
@@ -290,12 +291,13 @@ class L1Slots(L1Core):
                     self.stats.add("misses", misses)
             return handles
 
-    def _count_reads(self, slots: Sequence[Slot]) -> None:
-        """Count a read of each of ``slots`` (held under the lock): the hits and bytes read, and an
-        access for the eviction policy and the tenants' order."""
+    def _count_reads(self, slots: Sequence[Slot], raws: Sequence[bytes] = ()) -> None:
+        """Count a read of each of ``slots`` (held under the lock; ``raws``: their keys' binary
+        forms, where the caller has them): the hits and bytes read, and an access for the eviction
+        policy and the tenants' order."""
         if not slots:
             return
-        raws = [slot.key.raw for slot in slots]
+        raws = raws or [slot.key.raw for slot in slots]
         self._policy.on_access_many(raws)
         if self._tenants.enforcing:  # without quotas the tenants keep no order to update
             tenant_access = self._tenants.on_access

@@ -182,6 +182,14 @@ class DataOps:
             return answer(specs, engine.lookup(msg.hashes, specs, inflight=asked.wait > 0))
 
         known = self._layouts.resolve_known(msg.groups)
+        if known is not None and msg.prefetch and not 0 < msg.max_chunks < len(msg.hashes):
+            both = engine.hold_front(msg.hashes, known, tenant=asked.tenant)  # the usual case
+            if both is not None:
+                hit, ticket = both
+                reply = p.LookupReply(chunks=hit.chunks, per_tier=hit.per_tier)
+                held = _Answer(reply, ticket, polled=(ticket.target, 0))
+                self._complete(session, msg.req_id, held, self._answered(asked), self._observed(asked))
+                return
         found = None if known is None else engine.lookup_front(msg.hashes, known)
         if known is not None and found is not None:
             self._complete(

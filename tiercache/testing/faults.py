@@ -131,7 +131,7 @@ class FaultInjectingTier(WrapperTier):
     def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]:
         return [self.pin(key, count=count) for key in keys]  # each read may fail on its own
 
-    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
+    def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
         return None  # the caller pins key by key (pin_many), where each read may fail on its own
 
     def get(self, key: ObjectKey) -> bytes | None:

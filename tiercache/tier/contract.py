@@ -338,10 +338,11 @@ class FrontTier(Tier):
         """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
         whose quota decides what may be evicted to make room."""
 
-    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
-        """Hold every one of ``keys`` (each once) as one pin, or none of them (``None``) when one is
-        not committed here. Uncounted, as ``pin(count=False)``: the caller hands the objects to a
-        reader and says at :meth:`release_all` whether it read them. Non-blocking. Default:
+    def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
+        """Hold every object of ``raws`` (keys in their binary form, :attr:`ObjectKey.raw
+        <tiercache.keys.ObjectKey.raw>`, each once) as one pin, or none of them (``None``) when one
+        is not committed here. Uncounted, as ``pin(count=False)``: the caller hands the objects to
+        a reader and says at :meth:`release_all` whether it read them. Non-blocking. Default:
         ``None`` (no such hold here: the caller pins object by object, :meth:`pin_many`)."""
         return None
 

@@ -132,8 +132,8 @@ class WrapperTier(FrontTier):
             self.inner.writing_many(keys) if isinstance(self.inner, FrontTier) else super().writing_many(keys)
         )
 
-    def pin_all(self, keys: Sequence[ObjectKey]) -> HeldSet | None:
-        return self.inner.pin_all(keys) if isinstance(self.inner, FrontTier) else None
+    def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
+        return self.inner.pin_all(raws) if isinstance(self.inner, FrontTier) else None
 
     def release_all(self, held: HeldSet, *, read: bool = False) -> int:
         return self.inner.release_all(held, read=read) if isinstance(self.inner, FrontTier) else held.count
