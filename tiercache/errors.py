@@ -89,7 +89,12 @@ class TierFullError(TierError):
 
 
 class ReservationError(TierError):
-    """Commit or abort of a reservation that is unknown, expired or already finished."""
+    """Commit or abort of a reservation that is unknown, expired or already finished.
+
+    Raised by a batch commit, ``committed`` says how many of the batch before this reservation
+    were committed (0 otherwise)."""
+
+    committed: int = 0
 
 
 class LeaseError(TierError):

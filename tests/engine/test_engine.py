@@ -253,6 +253,24 @@ def test_hold_front_answers_and_holds_a_hit_all_in_l1_in_one_pass_or_holds_nothi
     assert engine.lookup(hashes, groups).chunks == 4  # the disk still has it
 
 
+def test_commit_many_commits_in_order_up_to_a_reservation_no_longer_open(make_engine: EngineFactory) -> None:
+    """A store of many chunks commits in one call into L1; a reservation that ended meanwhile
+    stops it there, those before it committed and counted, and the error says how many."""
+    engine = make_engine(l1_tier())
+    keys = [FULL.key(h) for h in prompt(3)]
+    handles = engine.reserve_many([(k, CHUNK_BYTES) for k in keys])
+    for key, handle in zip(keys, handles, strict=True):
+        handle.buffer[:] = payload_for(key, CHUNK_BYTES)
+    engine.abort(handles[1])
+    before = engine.stats()["engine"]["stores"]
+    with pytest.raises(TierError) as raised:
+        engine.commit_many(handles, [None] * 3)
+    assert getattr(raised.value, "committed", None) == 1
+    assert engine.stats()["engine"]["stores"] - before == 1
+    assert [engine.l1.contains(k) for k in keys] == [True, False, False]
+    engine.abort(handles[2])
+
+
 # -- lower tiers ---------------------------------------------------------------------------------
 def restarted_on_disk(tmp_path: Path, make_engine: EngineFactory, hashes: list[bytes]) -> TieredEngine:
     """A fresh engine (empty L1) on the disk of a first one that stored ``hashes`` and closed."""

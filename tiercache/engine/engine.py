@@ -31,7 +31,7 @@ from tiercache.engine.lookup import Locator, LookupResult
 from tiercache.engine.promotion import PrefetchTicket, Promoter, TicketState
 from tiercache.engine.remote import RemoteAsker
 from tiercache.engine.writes import WriteBehind
-from tiercache.errors import TierCacheError, TierError, TierFullError
+from tiercache.errors import ReservationError, TierCacheError, TierError, TierFullError
 from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint, LayoutManifest
 from tiercache.keys.object_key import ObjectKey
@@ -189,6 +189,27 @@ class TieredEngine:
         self.counters.add("stores")
         if owed:
             self._writes.queue(handle.key)
+
+    def commit_many(self, handles: Sequence[WriteHandle], digests: Sequence[int | None]) -> None:
+        """:meth:`commit` of each reservation, with its digest, in one call into L1 (a store of
+        many chunks). Raises :class:`~tiercache.errors.ReservationError` at the first that is not
+        open; those before it are committed and queued (its ``committed`` says how many).
+        Non-blocking."""
+        owed = self._writes.owes
+        done = len(handles)
+        t0 = perf_counter()
+        try:
+            self.l1.commit_many(handles, owed=owed, digests=digests)
+        except ReservationError as exc:
+            done = exc.committed
+            raise
+        finally:
+            if done:  # each commit timed as its share of the call
+                self.l1.stats.latency.observe("write", (perf_counter() - t0) / done, done)
+                self.counters.add("stores", done)
+                if owed:
+                    for handle in handles[:done]:
+                        self._writes.queue(handle.key)
 
     def abort(self, handle: WriteHandle) -> None:
         """Give a reservation back. Non-blocking."""

@@ -62,6 +62,12 @@ class ArenaFront(Protocol):
         """``build(key bytes, offset, nbytes, token, digest)`` of each open lease, in one call."""
         ...
 
+    def reservation_slots(
+        self, handles: Sequence[WriteHandle], build: Callable[[bytes, int, int, int], T]
+    ) -> list[T]:
+        """``build(key bytes, offset, nbytes, token)`` of each open reservation, in one call."""
+        ...
+
     def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
         """:meth:`lease_slots` of a :meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`
         hold, every slot under the hold's token."""

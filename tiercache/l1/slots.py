@@ -81,6 +81,25 @@ class L1Slots(L1Core):
                 out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token, slot.digest))
             return out
 
+    def reservation_slots(
+        self, handles: Sequence[WriteHandle], build: Callable[[bytes, int, int, int], T]
+    ) -> list[T]:
+        """``build(key bytes, offset, nbytes, token)`` of each open reservation, where
+        :meth:`slot_of` says it lies, under one lock acquisition (a store's reply names one slot
+        per object). Raises :class:`ReservationError` if one is no longer open."""
+        with self._lock:
+            self._check_open()
+            self._sweep(self._clock())
+            reservations = self._reservations
+            out = []
+            for handle in handles:
+                ticket = reservations.get(handle.token)
+                if ticket is None or ticket.slot.key != handle.key:
+                    raise ReservationError(self._reservation_gone(handle))
+                slot = ticket.slot
+                out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token))
+            return out
+
     def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
         """:meth:`lease_slots` of a :meth:`pin_all` hold, in its keys' order: every slot named with
         the hold's token. Raises :class:`LeaseError` if the hold is no longer open."""
@@ -212,7 +231,7 @@ class L1Slots(L1Core):
         (``digests`` in order; ``None`` as in :meth:`commit`).
 
         Raises :class:`ReservationError` at the first one that is not open; those before it are
-        committed. A reservation that ended without its writer's word and is quarantined is
+        committed (its ``committed`` says how many). A reservation that ended without its writer's word and is quarantined is
         released by this (its writer is done writing), then refused like any other.
         """
         if digests is None:
@@ -230,6 +249,9 @@ class L1Slots(L1Core):
                 for handle, digest in zip(handles, known):
                     nbytes += self._commit_locked(handle, owed, digest)
                     done += 1
+            except ReservationError as exc:
+                exc.committed = done
+                raise
             finally:
                 if done:  # one stats update per batch, also when a later handle was refused
                     self.stats.put(

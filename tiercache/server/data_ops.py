@@ -40,7 +40,6 @@ from tiercache.server.replies import (
 )
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups
-from tiercache.tier.contract import ReadHandle, WriteHandle
 from tiercache.tier.latency import LatencySet
 from tiercache.wire import protocol as p
 
@@ -318,10 +317,9 @@ class DataOps:
         handles = self._engine.reserve_many(items, tenants=tenants)  # counts a batch L1 has no room for
         for target, blocks in msg.holds:
             self._engine.index_blocks(target, blocks)
-        slots: list[p.Slot | None] = []
         for handle in handles:
             self._sessions.hold_reservation(session, handle)
-            slots.append(self._slot(handle))
+        slots: list[p.Slot | None] = list(self._l1.reservation_slots(handles, p.Slot))  # one lock
         return p.SlotsReply(slots=slots)
 
     def commit(self, session: Session, msg: p.Commit) -> p.Message | None:
@@ -334,25 +332,29 @@ class DataOps:
             )
         covered = [parse_key(raw) for raw in msg.supersedes]
         handles = self._sessions.claim_reservations(session, msg.tokens)
-        for handle, digest in zip(handles, msg.digests):
+        try:
+            self._engine.commit_many(handles, msg.digests)  # one call into L1 for the whole store
+        except ReservationError as exc:
+            # Those before it are committed; it expired before its commit: whatever the client
+            # wrote landed in a quarantined slot. Those after it stay the client's, as they were.
+            for handle in handles[: exc.committed + 1]:
+                self._sessions.forget_reservation(session, handle)
+            late = handles[exc.committed]
+            held = self._late_commits.allow()
+            if held is not None:
+                log.warning(
+                    "client %r committed reservation %d of %s after it expired (--l1-reservation-ttl-s "
+                    "%.0f s): refused, and its slot had been kept out of use, so its late bytes "
+                    "touched no other object%s",
+                    session.name,
+                    late.token,
+                    late.key,
+                    self._l1.config.reservation_ttl_s,
+                    f" ({held} more since the last such warning)" if held else "",
+                )
+            raise
+        for handle in handles:
             self._sessions.forget_reservation(session, handle)
-            try:
-                self._engine.commit(handle, digest)
-            except ReservationError:
-                # Expired before its commit: whatever the client wrote landed in a quarantined slot.
-                held = self._late_commits.allow()
-                if held is not None:
-                    log.warning(
-                        "client %r committed reservation %d of %s after it expired (--l1-reservation-ttl-s "
-                        "%.0f s): refused, and its slot had been kept out of use, so its late bytes "
-                        "touched no other object%s",
-                        session.name,
-                        handle.token,
-                        handle.key,
-                        self._l1.config.reservation_ttl_s,
-                        f" ({held} more since the last such warning)" if held else "",
-                    )
-                raise
         done = p.Done(count=len(handles))
         if not covered:
             return done
@@ -384,11 +386,6 @@ class DataOps:
             self._sessions.hold_lease(session, handle)
         found = iter(self._l1.lease_slots(held, p.Slot))  # one lock round trip for every slot
         return p.SlotsReply(slots=[None if h is None else next(found) for h in handles])
-
-    def _slot(self, handle: WriteHandle | ReadHandle) -> p.Slot:
-        """Where a reservation's or lease's bytes live in the arena, as the client sees it."""
-        where = self._l1.slot_of(handle)
-        return p.Slot(handle.key.to_bytes(), where.offset, where.nbytes, handle.token)
 
     def release(self, session: Session, msg: p.Release) -> p.Message:
         handles = self._sessions.claim_leases(session, msg.tokens)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tiercache.errors import TierError
+from tiercache.errors import ReservationError, TierError
 from tiercache.keys.digest import digest as digest_of
 from tiercache.keys.fingerprint import Fingerprint
 from tiercache.keys.object_key import ObjectKey
@@ -337,6 +337,24 @@ class FrontTier(Tier):
     def reserve(self, key: ObjectKey, nbytes: int, *, tenant: bytes = DEFAULT_TENANT) -> WriteHandle:
         """As :meth:`Tier.reserve`, for an object of ``tenant`` (a :mod:`tiercache.keys.tenant` id),
         whose quota decides what may be evicted to make room."""
+
+    def commit_many(
+        self,
+        handles: Sequence[WriteHandle],
+        *,
+        owed: bool = False,
+        digests: Sequence[int | None] | None = None,
+    ) -> None:
+        """:meth:`commit` of each reservation in order, with its digest (``digests`` in order;
+        ``None``: as in :meth:`commit`). Raises :class:`~tiercache.errors.ReservationError` at
+        the first that is not open, those before it committed (its ``committed`` says how many).
+        Default: one :meth:`commit` after another; L1 commits under one lock."""
+        for done, handle in enumerate(handles):
+            try:
+                self.commit(handle, owed=owed, digest=None if digests is None else digests[done])
+            except ReservationError as exc:
+                exc.committed = done
+                raise
 
     def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
         """Hold every object of ``raws`` (keys in their binary form, :attr:`ObjectKey.raw

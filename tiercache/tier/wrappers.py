@@ -66,6 +66,18 @@ class WrapperTier(FrontTier):
         else:
             self.inner.commit(handle)
 
+    def commit_many(
+        self,
+        handles: Sequence[WriteHandle],
+        *,
+        owed: bool = False,
+        digests: Sequence[int | None] | None = None,
+    ) -> None:
+        if isinstance(self.inner, FrontTier):
+            self.inner.commit_many(handles, owed=owed, digests=digests)
+        else:
+            super().commit_many(handles, owed=owed, digests=digests)  # one commit after another
+
     def settle(self, key: ObjectKey) -> None:
         if isinstance(self.inner, FrontTier):
             self.inner.settle(key)
