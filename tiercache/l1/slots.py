@@ -231,8 +231,9 @@ class L1Slots(L1Core):
         (``digests`` in order; ``None`` as in :meth:`commit`).
 
         Raises :class:`ReservationError` at the first one that is not open; those before it are
-        committed (its ``committed`` says how many). A reservation that ended without its writer's word and is quarantined is
-        released by this (its writer is done writing), then refused like any other.
+        committed (its ``committed`` says how many). A reservation that ended without its
+        writer's word and is quarantined is released by this (its writer is done writing), then
+        refused like any other.
         """
         if digests is None:
             digests = [None] * len(handles)
