@@ -182,13 +182,7 @@ class TieredEngine:
         it over its own bytes; ``None``: a writer in this process, see
         :meth:`FrontTier.commit <tiercache.tier.FrontTier.commit>`) and queue it for the lower
         tiers. Non-blocking."""
-        owed = self._writes.owes
-        t0 = perf_counter()
-        self.l1.commit(handle, owed=owed, digest=digest)
-        self.l1.stats.latency.observe("write", perf_counter() - t0)
-        self.counters.add("stores")
-        if owed:
-            self._writes.queue(handle.key)
+        self.commit_many([handle], [digest])
 
     def commit_many(self, handles: Sequence[WriteHandle], digests: Sequence[int | None]) -> None:
         """:meth:`commit` of each reservation, with its digest, in one call into L1 (a store of

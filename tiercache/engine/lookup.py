@@ -96,17 +96,13 @@ class Locator:
         does I/O). Each group's object of the last chunk is asked first, so a chain the front tier
         does not end with costs a few keys, not all of them; the keys are asked in their binary
         form, and the result's are the front tier's own (none is built)."""
-        front = self._front
-        if front is None or not groups or not hashes:
+        front, needed = self._front, self._front_needed(hashes, groups)
+        if front is None or needed is None:
             return None
-        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
-            return None
-        n = len(hashes)
-        needed = [r for g in groups for r in g.needed_raw(hashes, n)]
         keys = front.committed_keys(list(dict.fromkeys(needed)))
         if not all(keys):  # (a key is always true: no Python call per key, as ``None in`` makes)
             return None
-        return LookupResult(n, {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]  # all() found each
+        return LookupResult(len(hashes), {front.name: len(needed)}, 0, tuple(keys))  # type: ignore[arg-type]  # all() found each
 
     def hold_front(
         self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]
@@ -116,21 +112,29 @@ class Locator:
         objects' binary keys; ``None`` where :meth:`lookup_front` would say ``None`` (nothing is
         then held). One pass over the front tier's index instead of a lookup's and a pin's. The
         result names no keys (none is built)."""
-        front = self._front
-        if front is None or not groups or not hashes:
+        front, needed = self._front, self._front_needed(hashes, groups)
+        if front is None or needed is None:
             return None
-        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
-            return None  # (a chain the front tier does not end with costs a few keys, not all)
-        n = len(hashes)
-        if len(groups) == 1:
-            needed = groups[0].needed_raw(hashes, n)
-        else:
-            needed = [r for g in groups for r in g.needed_raw(hashes, n)]
         raws = list(dict.fromkeys(needed))
         held = front.pin_all(raws)
         if held is None:
             return None
-        return LookupResult(n, {front.name: len(needed)}, 0), held, raws
+        return LookupResult(len(hashes), {front.name: len(needed)}, 0), held, raws
+
+    def _front_needed(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> list[bytes] | None:
+        """The binary keys of every object ``groups`` need to restore all of ``hashes`` (a key
+        may repeat), or ``None`` when there is no front tier or it lacks a group's object of the
+        last chunk: asked first, so a chain the front tier does not end with costs a few keys,
+        not all of them."""
+        front = self._front
+        if front is None or not groups or not hashes:
+            return None
+        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
+            return None
+        n = len(hashes)
+        if len(groups) == 1:
+            return groups[0].needed_raw(hashes, n)
+        return [r for g in groups for r in g.needed_raw(hashes, n)]
 
     def _locate(self, keys: Sequence[ObjectKey], where: dict[ObjectKey, str], inflight: bool) -> None:
         """Record in ``where`` the fastest *local* tier holding each key, one batched call per tier

@@ -124,17 +124,14 @@ class Promoter:
         ``local_reads=False``: the caller reads nothing through ``handles`` (it hands the objects'
         slots to other processes), so objects all in L1 are held as one pin (``held``)."""
         needed = list(dict.fromkeys(needed_keys(groups, hashes, chunks))) if keys is None else list(keys)
-        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant, needed=needed)
         # The engine's own holds, all under one L1 lock; each hit is timed as its share of the call.
         t0 = perf_counter()
         if not local_reads and needed:
             held = self._l1.pin_all([key.raw for key in needed])
             if held is not None:  # all in L1: nothing to promote or wait for
                 self._l1.stats.latency.observe("read", (perf_counter() - t0) / held.count, held.count)
-                ticket.held = held
-                ticket.chunks = chunks
-                ticket.state = TicketState.READY
-                return ticket
+                return self.held(hashes, groups, chunks, held, tenant, needed)
+        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant, needed=needed)
         pinned = self._l1.pin_many(needed, count=False)
         elapsed = perf_counter() - t0
         absent: list[ObjectKey] = []
@@ -161,14 +158,28 @@ class Promoter:
         return ticket
 
     def held(
-        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], chunks: int, held: HeldSet, tenant: bytes
+        self,
+        hashes: Sequence[bytes],
+        groups: Sequence[GroupSpec],
+        chunks: int,
+        held: HeldSet,
+        tenant: bytes,
+        needed: list[ObjectKey] | None = None,
     ) -> PrefetchTicket:
-        """A READY ticket of ``chunks`` chunks whose objects ``held`` holds in L1 already (as
-        :meth:`prefetch` without local reads makes it; its ``needed`` is left empty)."""
-        ticket = PrefetchTicket(next(self._ids), tuple(hashes), tuple(groups), chunks, tenant, held=held)
-        ticket.chunks = chunks
-        ticket.state = TicketState.READY
-        return ticket
+        """A READY ticket of ``chunks`` chunks whose objects ``held`` holds in L1 already (what
+        :meth:`prefetch` without local reads makes of a hit all in L1); ``needed``: those objects'
+        keys where the caller built them (none: left empty)."""
+        return PrefetchTicket(
+            next(self._ids),
+            tuple(hashes),
+            tuple(groups),
+            chunks,
+            tenant,
+            state=TicketState.READY,
+            chunks=chunks,
+            needed=needed or [],
+            held=held,
+        )
 
     def promote(self, ticket: PrefetchTicket, key: ObjectKey) -> bool:
         """Copy ``key`` from the fastest lower tier holding it into L1, and pin it for ``ticket``.

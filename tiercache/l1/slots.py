@@ -146,11 +146,9 @@ class L1Slots(L1Core):
             slots, raws = self._held.pop(held.token, (None, ()))
             if slots is None:
                 return held.count
-            free = self._free
+            unpin = self._unpin
             for slot in slots:
-                slot.pins -= 1
-                if not slot.pins and not slot.visible:
-                    free(slot)
+                unpin(slot)
             if read:
                 self._count_reads(slots, raws)
             return 0

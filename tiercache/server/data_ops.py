@@ -293,10 +293,7 @@ class DataOps:
         self._sessions.release_tickets(session, msg.releases)
 
     def release_ticket(self, session: Session, msg: p.ReleaseTicket) -> p.Message | None:
-        # Counted like a release's: a connector worker may have copied from the ticket's slots.
-        self._sessions.lost_leases += self._engine.release_ticket(
-            self._sessions.drop_ticket(session, msg.ticket), read=msg.read
-        )
+        self._sessions.end_ticket(session, msg.ticket, read=msg.read)
         return None if msg.quiet else p.Done(count=1)
 
     # -- store path (L1 only: never blocks) -----------------------------------------------------

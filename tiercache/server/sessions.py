@@ -228,8 +228,7 @@ class Sessions:
             if session.ticket_at.get(tid, now) < oldest and t.held_until() < now - grace
         ]
         for ticket in ended:
-            self.drop_ticket(session, ticket.ticket_id)
-            self.lost_leases += self._engine.release_ticket(ticket)
+            self.end_ticket(session, ticket.ticket_id)
         self.tickets_expired += len(ended)
 
     # -- what sessions hold --------------------------------------------------------------------
@@ -330,9 +329,13 @@ class Sessions:
             if release.ticket not in session.tickets:
                 self.releases_skipped += 1
                 continue
-            ticket = self.drop_ticket(session, release.ticket)
-            # Counted like a release's: a connector worker may have copied from its slots.
-            self.lost_leases += self._engine.release_ticket(ticket, read=release.read)
+            self.end_ticket(session, release.ticket, read=release.read)
+
+    def end_ticket(self, session: Session, ticket_id: int, *, read: bool = False) -> None:
+        """Drop the client's open ticket ``ticket_id`` and unpin what it holds (``read``: as
+        :class:`~tiercache.wire.protocol.ReleaseTicket` says). Its leases that had expired first
+        count as lost: a connector worker may have copied from its slots."""
+        self.lost_leases += self._engine.release_ticket(self.drop_ticket(session, ticket_id), read=read)
 
     def _claim(self, own: dict[int, Any], tokens: list[int], kind: str, identity: bytes = b"") -> list[Any]:
         """The handles behind ``tokens`` if all are this client's (checked before acting on any)."""
