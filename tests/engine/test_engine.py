@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -70,6 +71,13 @@ def test_other_fingerprints_never_hit(make_engine: EngineFactory) -> None:
 # -- hybrid models ------------------------------------------------------------------------------
 SW = GroupSpec.sliding(1, FP, window_tokens=32, chunk_size=16)  # needs the 2 trailing chunks
 REC = GroupSpec(2, GroupKind.RECURRENT, FP)
+
+
+@pytest.mark.parametrize("group", [FULL, SW, REC, dataclasses.replace(SW, kind=GroupKind.FULL_ATTENTION)])
+def test_a_groups_binary_keys_are_those_of_the_keys_it_needs(group: GroupSpec) -> None:
+    hashes = prompt(6)
+    for boundary in range(1, 7):
+        assert group.needed_raw(hashes, boundary) == [k.raw for k in group.needed(hashes, boundary)]
 
 
 def test_sliding_window_needs_only_its_trailing_chunks(make_engine: EngineFactory) -> None:

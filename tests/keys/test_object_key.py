@@ -120,6 +120,17 @@ def test_raw_many_gives_the_binary_keys_many_would_build_and_checks_the_same() -
         ObjectKey.raw_many(fp, 0, [*hashes, b"short"])
 
 
+def test_raw_under_a_groups_head_gives_raw_many_and_checks_the_same() -> None:
+    fp = Fingerprint(bytes(range(16)))
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    head = ObjectKey.raw_head(fp, 3)
+    assert ObjectKey.raw_under(head, hashes) == ObjectKey.raw_many(fp, 3, hashes)
+    with pytest.raises(KeyFormatError, match="outside"):
+        ObjectKey.raw_head(fp, 70000)
+    with pytest.raises(KeyFormatError, match="16 bytes, got 5"):
+        ObjectKey.raw_under(head, [*hashes, b"short"])
+
+
 @given(st.lists(keys_st, max_size=8))
 def test_from_bytes_many_parses_each_key_as_from_bytes_does(keys: list[ObjectKey]) -> None:
     parsed = ObjectKey.from_bytes_many([k.to_bytes() for k in keys])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercache.keys import restore
 from tiercache.keys.fingerprint import Fingerprint, GroupKind
@@ -22,6 +22,12 @@ class GroupSpec:
     kind: GroupKind
     fingerprint: Fingerprint
     window_chunks: int = 0
+    #: :meth:`ObjectKey.raw_head <tiercache.keys.ObjectKey.raw_head>` of the group's keys: every
+    #: lookup asks for them in their binary form.
+    raw_head: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "raw_head", ObjectKey.raw_head(self.fingerprint, self.object_group))
 
     @classmethod
     def sliding(
@@ -47,7 +53,7 @@ class GroupSpec:
     def needed_raw(self, hashes: Sequence[bytes], boundary: int) -> list[bytes]:
         """:meth:`needed`'s keys in their binary form (:attr:`ObjectKey.raw`), without building them."""
         chunks = restore.needed_chunks(self.kind, boundary, self.window_chunks)
-        return ObjectKey.raw_many(self.fingerprint, self.object_group, hashes[chunks.start : chunks.stop])
+        return ObjectKey.raw_under(self.raw_head, hashes[chunks.start : chunks.stop])
 
 
 def needed_keys(groups: Sequence[GroupSpec], hashes: Sequence[bytes], boundary: int) -> list[ObjectKey]:

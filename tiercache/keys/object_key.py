@@ -92,7 +92,18 @@ class ObjectKey:
     def raw_many(fingerprint: Fingerprint, object_group: int, hashes: Sequence[bytes]) -> list[bytes]:
         """The binary forms of :meth:`many`'s keys, without building the keys (checked as
         :meth:`many` checks): what an index keyed by :attr:`raw` is asked with."""
-        head = _head(fingerprint, object_group)
+        return ObjectKey.raw_under(_head(fingerprint, object_group), hashes)
+
+    @staticmethod
+    def raw_head(fingerprint: Fingerprint, object_group: int) -> bytes:
+        """The first bytes of the binary form of every key of ``object_group`` under
+        ``fingerprint`` (what :meth:`raw_under` takes); raises :class:`KeyFormatError` for a group
+        outside the range. Kept by whoever asks for one group's keys on every request."""
+        return _head(fingerprint, object_group)
+
+    @staticmethod
+    def raw_under(head: bytes, hashes: Sequence[bytes]) -> list[bytes]:
+        """:meth:`raw_many` for the group whose :meth:`raw_head` is ``head``."""
         if not set(map(len, hashes)) <= {HASH_BYTES}:  # the lengths gathered in C
             bad = next(h for h in hashes if len(h) != HASH_BYTES)
             raise KeyFormatError(f"a prefix hash is {HASH_BYTES} bytes, got {len(bad)}")

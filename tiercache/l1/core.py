@@ -19,6 +19,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import filterfalse
+from operator import attrgetter
 
 from tiercache.config.parts import L1Config
 from tiercache.config.units import format_bytes
@@ -51,6 +53,9 @@ class Slot:
     #: first pin (views are never released by their holders; a slot's bytes never change while
     #: it is visible or pinned): a hit costs no new view.
     view: memoryview | None = None
+
+
+_VISIBLE = attrgetter("visible")
 
 
 @dataclass(slots=True, eq=False)
@@ -213,8 +218,7 @@ class L1Core(FrontTier):
             held = self._held.pop(first, None) if first == last else None
             if held is not None:
                 self.stats.add("expired_leases", len(held[0]))
-                for one in held[0]:
-                    self._unpin(one)
+                self._unpin_all(held[0])
                 continue
             for token in range(first, last + 1):  # one batch's leases (those released are gone)
                 slot = self._leases.pop(token, None)
@@ -302,6 +306,15 @@ class L1Core(FrontTier):
         slot.pins -= 1
         if slot.pins == 0 and not slot.visible:
             self._free(slot)
+
+    def _unpin_all(self, slots: Sequence[Slot]) -> None:
+        """:meth:`_unpin` each of ``slots`` (a hold's: one may repeat), its rule batched: the
+        counts in one loop, then the hidden ones (rare) looked at, each once."""
+        for slot in slots:
+            slot.pins -= 1
+        for slot in dict.fromkeys(filterfalse(_VISIBLE, slots)):  # (slots hash by identity)
+            if slot.pins == 0:
+                self._free(slot)
 
     def _free(self, slot: Slot) -> None:
         slot.view = None  # its holders keep theirs; no new lease will hand it out

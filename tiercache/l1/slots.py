@@ -106,14 +106,16 @@ class L1Slots(L1Core):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            slots, _ = self._held.get(held.token, (None, ()))
+            slots, raws = self._held.get(held.token, (None, ()))
             if slots is None:
                 raise LeaseError(
                     f"read lease {held.token} of {held.count} objects is not open (released or "
                     f"expired after lease_ttl_s={self._config.lease_ttl_s}s); pin the keys again"
                 )
             token = held.token
-            return [build(slot.key.raw, slot.offset, slot.nbytes, token, slot.digest) for slot in slots]
+            return [
+                build(raw, slot.offset, slot.nbytes, token, slot.digest) for raw, slot in zip(raws, slots)
+            ]
 
     def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
         """Hold every object of ``raws`` (keys' binary forms) as one lease (one token, one
@@ -124,8 +126,7 @@ class L1Slots(L1Core):
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            get = self._objects.get
-            slots = [get(raw) for raw in raws]
+            slots = list(map(self._objects.get, raws))
             if not all(slots):  # (a slot is always true: no Python call per slot)
                 return None
             for slot in slots:
@@ -146,9 +147,7 @@ class L1Slots(L1Core):
             slots, raws = self._held.pop(held.token, (None, ()))
             if slots is None:
                 return held.count
-            unpin = self._unpin
-            for slot in slots:
-                unpin(slot)
+            self._unpin_all(slots)
             if read:
                 self._count_reads(slots, raws)
             return 0
