@@ -101,6 +101,9 @@ _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
 #: believed unsigned: the worst a forged one does is make the client say hello again or give up.
 _UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
+#: zmq's flags as plain ints: the enums' operators are Python calls, a few per request.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def ipc_listener_uid(endpoint: str) -> int | None:
@@ -313,23 +316,24 @@ class Transport:
         tag = None if seal is None or isinstance(msg, (p.Hello, p.Challenge)) else seal.seal(body)
         frames = request_frames(body, tag)
         if len(frames) == 1:  # (send_multipart's checks of its parts cost more than the send)
-            sock.send(frames[0], zmq.NOBLOCK)
+            sock.send(frames[0], _NOBLOCK)
         else:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            sock.send_multipart(frames, _NOBLOCK)
 
     def _drain(self, wait_s: float) -> None:
         """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
         sock = self._state.sock
         assert sock is not None
-        if wait_s > 0 and not sock.poll(int(wait_s * 1000) or 1, zmq.POLLIN):
+        # (zmq_poll itself: Socket.poll builds a Poller each call)
+        if wait_s > 0 and not zmq.zmq_poll([(sock, _POLLIN)], int(wait_s * 1000) or 1):
             return
         while True:
             # Asked, not tried: a recv that finds nothing raises, and that exception at the end
             # of every drain was a tenth of a lookup's CPU in the client.
-            if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # EVENTS is an int option
+            if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:  # EVENTS is an int option
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             frame = frames[0]

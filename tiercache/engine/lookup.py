@@ -112,7 +112,8 @@ class Locator:
         objects' binary keys; ``None`` where :meth:`lookup_front` would say ``None`` (nothing is
         then held). One pass over the front tier's index instead of a lookup's and a pin's. The
         result names no keys (none is built)."""
-        front, needed = self._front, self._front_needed(hashes, groups)
+        # Unprobed: the pin finds a missing object as cheaply as the probe would.
+        front, needed = self._front, self._front_needed(hashes, groups, probe=False)
         if front is None or needed is None:
             return None
         raws = list(dict.fromkeys(needed))
@@ -121,15 +122,17 @@ class Locator:
             return None
         return LookupResult(len(hashes), {front.name: len(needed)}, 0), held, raws
 
-    def _front_needed(self, hashes: Sequence[bytes], groups: Sequence[GroupSpec]) -> list[bytes] | None:
+    def _front_needed(
+        self, hashes: Sequence[bytes], groups: Sequence[GroupSpec], *, probe: bool = True
+    ) -> list[bytes] | None:
         """The binary keys of every object ``groups`` need to restore all of ``hashes`` (a key
-        may repeat), or ``None`` when there is no front tier or it lacks a group's object of the
-        last chunk: asked first, so a chain the front tier does not end with costs a few keys,
-        not all of them."""
+        may repeat), or ``None`` when there is no front tier or (``probe``) it lacks a group's
+        object of the last chunk: asked first, so a chain the front tier does not end with costs
+        a few keys, not all of them."""
         front = self._front
         if front is None or not groups or not hashes:
             return None
-        if not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
+        if probe and not all(front.committed_keys([r for g in groups for r in g.needed_raw(hashes[-1:], 1)])):
             return None
         n = len(hashes)
         if len(groups) == 1:

@@ -126,7 +126,10 @@ class L1Slots(L1Core):
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            slots = list(map(self._objects.get, raws))
+            get = self._objects.get
+            if raws and get(raws[-1]) is None:  # a chain's last object first: a partial hit reads one
+                return None
+            slots = list(map(get, raws))
             if not all(slots):  # (a slot is always true: no Python call per slot)
                 return None
             for slot in slots:

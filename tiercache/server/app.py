@@ -75,6 +75,10 @@ _RCVHWM = 64
 _ZMTP_HEARTBEAT_MS = 2000
 #: Milliseconds a tcp connection may take to finish its handshake before libzmq closes it.
 _HANDSHAKE_MS = 5000
+#: zmq's flags as plain ints: the enums' operators are Python calls, a few per message.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 @dataclass(slots=True)
@@ -347,11 +351,11 @@ class Server:
         for _ in range(256):  # bounded batch so completions are not starved by a flood
             # Asked, not tried: a recv that finds nothing raises, and an exception per loop turn
             # was a measurable share of a small request's CPU.
-            if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # EVENTS is an int option
+            if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:  # EVENTS is an int option
                 return
             try:
                 # The routing id as a frame: it carries the peer's address, which a failed hello names.
-                head = sock.recv(zmq.NOBLOCK, copy=False)
+                head = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
             identity = head.bytes
@@ -408,12 +412,12 @@ class Server:
         tag = None if session is None or session.seal is None else session.seal.seal(body)
         try:
             # Frame by frame: send_multipart's checks of each part cost more than the sends.
-            sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)
+            sock.send(identity, _NOBLOCK_MORE)
             if tag is None:
-                sock.send(body, zmq.NOBLOCK)
+                sock.send(body, _NOBLOCK)
             else:
-                sock.send(body, zmq.NOBLOCK | zmq.SNDMORE)
-                sock.send(tag, zmq.NOBLOCK)
+                sock.send(body, _NOBLOCK_MORE)
+                sock.send(tag, _NOBLOCK)
             self._counters["replies"] += 1
         except zmq.Again:
             log.debug("reply to a client dropped: its queue is full")
