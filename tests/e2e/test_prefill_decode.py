@@ -105,6 +105,22 @@ class PD:
         thread.start()
         return thread
 
+    def diagnosis(self, lines: int = 40) -> str:
+        """For a failure message: the server's counters, and each engine's connector metrics and
+        last tiercache log lines (a store skipped or failed, a link reset, a reservation that ended
+        without a commit)."""
+        with self.server.client() as c:
+            stats = c.stats()
+        parts = [f"server: {stats['server']}", f"engine: {stats['engine']}"]
+        for name, engine in (("producer", self.producer), ("consumer", self.consumer)):
+            metrics = httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines()
+            totals = (m.split(" ") for m in metrics if m.startswith("vllm:tiercache") and "_total{" in m)
+            counted = [f"{m[0].split('{')[0]} {m[-1]}" for m in totals if float(m[-1])]
+            said = [line for line in engine.log_text().splitlines() if "tiercache" in line]
+            parts.append(f"{name}'s connector metrics (non-zero): " + "; ".join(counted))
+            parts.append(f"{name}'s tiercache log lines (last {lines}):\n" + "\n".join(said[-lines:]))
+        return "\n".join(parts)
+
 
 @pytest.fixture(scope="module", params=[True], ids=["tails"])
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
@@ -194,13 +210,14 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
         f"{after['inflight_waits'] - before['inflight_waits']} (missed "
         f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})"
     )
-    assert [d.cached_tokens for d in decoded] == full  # the decode engine computed only the rest
+    # The decode engine computed only the rest (a failure says what the engines and server saw).
+    assert [d.cached_tokens for d in decoded] == full, pd.diagnosis()
     # Each engine said at start-up (in vLLM's own log format) what its role makes it do.
     assert "tiercache: kv_role kv_producer: stores every full prompt chunk" in pd.producer.log_text()
     assert "tiercache: kv_role kv_consumer: loads" in pd.consumer.log_text()
     # A lookup met a store in flight (the gate stayed shut until one did); none may have run out.
     assert after["inflight_waits"] > before["inflight_waits"]
-    assert after["inflight_wait_misses"] == before["inflight_wait_misses"]
+    assert after["inflight_wait_misses"] == before["inflight_wait_misses"], pd.diagnosis()
 
     # A single engine (the prefill one, asked for the whole completion) gives the same outputs.
     single = [pd.producer.complete(p, MAX_TOKENS) for p in pd.prompts]
