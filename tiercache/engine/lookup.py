@@ -112,7 +112,8 @@ class Locator:
         objects' binary keys; ``None`` where :meth:`lookup_front` would say ``None`` (nothing is
         then held). One pass over the front tier's index instead of a lookup's and a pin's. The
         result names no keys (none is built)."""
-        # Unprobed: the pin finds a missing object as cheaply as the probe would.
+        # Unprobed: the pin reads the chain's last object first, so a miss costs the keys' bytes
+        # and one read, not a lock round of its own.
         front, needed = self._front, self._front_needed(hashes, groups, probe=False)
         if front is None or needed is None:
             return None
