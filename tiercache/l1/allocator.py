@@ -101,6 +101,8 @@ class SlotAllocator:
         quick = self._quick.get(need)
         if quick:
             offset = quick.popleft()
+            if not quick:  # an empty list kept would make every miss below merge for nothing
+                del self._quick[need]
             self._quick_bytes -= need
             self._allocated[offset] = need
             return Extent(offset, need)
