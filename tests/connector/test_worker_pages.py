@@ -4,6 +4,7 @@ from vLLM's); skipped elsewhere."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ pytest.importorskip("vllm", reason="the worker half's metadata types come from v
 
 from tests.connector.fakes import link_to  # noqa: E402
 from tiercache.config.connector import ConnectorSettings  # noqa: E402
+from tiercache.connector import worker_saves  # noqa: E402
 from tiercache.connector.copy import CpuPageCopy  # noqa: E402
 from tiercache.connector.layout import GroupLayout, verify_kv_caches  # noqa: E402
 from tiercache.connector.metadata import (  # noqa: E402
@@ -278,6 +280,30 @@ def test_a_chunk_holding_the_null_block_stores_nothing(worker) -> None:  # type:
     w, client, _ = worker
     _store(w, ChunkSave("r", 0, b"z" * 16, [[3, 0]]))  # never read block 0 (vLLM's null block)
     assert not client.objects
+
+
+def test_a_store_that_ends_late_is_logged_once_a_minute_with_how_many_were_late(
+    worker: tuple[WorkerHalf, FakeClient, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that ends ``SLOW_STORE_S`` or more after its step queued it says so (a lookup waiting
+    for it as a store in flight may have given up); the next ones within a minute are counted and
+    the next line that goes out says how many."""
+    w, client, _ = worker
+    monkeypatch.setattr(worker_saves, "SLOW_STORE_S", 0.0)  # every store is "late"
+    with caplog.at_level(logging.WARNING, logger=worker_saves.__name__):
+        _store(w, ChunkSave("r", 0, b"a" * 16, [[1, 2]]))
+        _store(w, ChunkSave("r", 0, b"b" * 16, [[3, 4]]))
+    assert len(client.objects) == 2  # logged, still stored
+    [line] = [r.getMessage() for r in caplog.records if "after its step" in r.getMessage()]
+    assert "a store of 1 chunk(s) ended" in line and "1 slow store(s) since the last such line" in line
+    assert "inflight_wait_s" in line
+    w._slow_logged_at -= 60.0  # a minute later
+    with caplog.at_level(logging.WARNING, logger=worker_saves.__name__):
+        _store(w, ChunkSave("r", 0, b"c" * 16, [[5, 6]]))
+    lines = [r.getMessage() for r in caplog.records if "after its step" in r.getMessage()]
+    assert len(lines) == 2 and "2 slow store(s) since the last such line" in lines[1]
 
 
 class RecordingCopy(CpuPageCopy):

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -89,15 +89,41 @@ class PD:
     prompts: list[str]
     tails: bool
     gate: Path  # the prefill engine's stores wait until this file exists
+    #: What the gate's watcher saw, for a failure message: seconds since it started, then the
+    #: server's counters whenever one changed (and when it opened the gate).
+    timeline: list[str] = field(default_factory=list)
 
-    def open_gate_once_a_lookup_waits(self, before: int, timeout: float = 240.0) -> threading.Thread:
+    def open_gate_once_a_lookup_waits(
+        self, before: int, done: threading.Event, timeout: float = 240.0
+    ) -> threading.Thread:
         """Open the gate once the server counts more in-flight waits than ``before`` (or after
-        ``timeout`` seconds, so a run that never waits fails its assertion instead of hanging)."""
+        ``timeout`` seconds, so a run that never waits fails its assertion instead of hanging);
+        until ``done`` is set, note in :attr:`timeline` when the server's waits, misses, stores and
+        open reservations change."""
 
         def watch() -> None:
-            end = time.monotonic() + timeout
+            start = time.monotonic()
+            end = start + timeout
+            seen: tuple[int, ...] = ()
             with self.server.client() as c:
-                while time.monotonic() < end and c.stats()["engine"]["inflight_waits"] <= before:
+                while not done.is_set() and time.monotonic() < end + 60:
+                    stats = c.stats()
+                    engine = stats["engine"]
+                    now = (
+                        engine["inflight_waits"] - before,
+                        engine["inflight_wait_misses"],
+                        engine["stores"],
+                        stats["server"]["reservations"],
+                    )
+                    if now != seen:
+                        seen = now
+                        self.timeline.append(
+                            f"{time.monotonic() - start:7.2f} s: waits +{now[0]}, misses {now[1]}, "
+                            f"stores {now[2]}, open reservations {now[3]}"
+                        )
+                    if not self.gate.exists() and (now[0] > 0 or time.monotonic() >= end):
+                        self.gate.touch()
+                        self.timeline.append(f"{time.monotonic() - start:7.2f} s: gate opened")
                     time.sleep(0.05)
             self.gate.touch()
 
@@ -106,15 +132,21 @@ class PD:
         return thread
 
     def diagnosis(self, lines: int = 40) -> str:
-        """For a failure message: the server's counters, and each engine's connector metrics and
-        last tiercache log lines (a store skipped or failed, a link reset, a reservation that ended
-        without a commit)."""
+        """For a failure message: the server's counters and what the gate's watcher saw of them,
+        and each engine's connector metrics and last tiercache log lines (a store skipped or
+        failed, a link reset, a reservation that ended without a commit)."""
         with self.server.client() as c:
             stats = c.stats()
         parts = [f"server: {stats['server']}", f"engine: {stats['engine']}"]
+        parts.append("timeline (the gate's watcher):\n" + "\n".join(self.timeline))
         for name, engine in (("producer", self.producer), ("consumer", self.consumer)):
             metrics = httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines()
-            totals = (m.split(" ") for m in metrics if m.startswith("vllm:tiercache") and "_total{" in m)
+            # Counters, and the time histograms' sums and counts (how long each store took).
+            totals = (
+                m.split(" ")
+                for m in metrics
+                if m.startswith("vllm:tiercache") and any(f"{s}{{" in m for s in ("_total", "_sum", "_count"))
+            )
             counted = [f"{m[0].split('{')[0]} {m[-1]}" for m in totals if float(m[-1])]
             said = [line for line in engine.log_text().splitlines() if "tiercache" in line]
             parts.append(f"{name}'s connector metrics (non-zero): " + "; ".join(counted))
@@ -196,9 +228,11 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
     before = engine_stats(pd.server)
     # All at once, behind the shut gate: the prefill engine's responses return with every store in
     # flight, and the gate opens once a decode lookup waits for one.
-    watcher = pd.open_gate_once_a_lookup_waits(before["inflight_waits"])
+    done = threading.Event()
+    watcher = pd.open_gate_once_a_lookup_waits(before["inflight_waits"], done)
     with ThreadPoolExecutor(len(pd.prompts)) as pool:
         decoded = list(pool.map(lambda p: through_proxy(pd.proxy, p), pd.prompts))
+    done.set()
     watcher.join()
     assert pd.proxy.prefills == len(pd.prompts)
     full = [(n - 1) // (BLOCK if pd.tails else CHUNK) * (BLOCK if pd.tails else CHUNK) for n in LENGTHS]
@@ -208,7 +242,7 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
         f"\nP/D ({'tails' if pd.tails else 'chunks'}): cached {[d.cached_tokens for d in decoded]} of {LENGTHS} prompt tokens; "
         f"server stores {after['stores'] - before['stores']}, in-flight waits "
         f"{after['inflight_waits'] - before['inflight_waits']} (missed "
-        f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})"
+        f"{after['inflight_wait_misses'] - before['inflight_wait_misses']})\n" + "\n".join(pd.timeline)
     )
     # The decode engine computed only the rest (a failure says what the engines and server saw).
     assert [d.cached_tokens for d in decoded] == full, pd.diagnosis()

@@ -101,6 +101,8 @@ class WorkerCore:
         self._overlap = settings.overlap_loads
         self._queue: queue.Queue[Any] = queue.Queue()
         self._saver: threading.Thread | None = None
+        self._slow_stores = 0  # stores that ended late since the last line saying so (save thread)
+        self._slow_logged_at = -float("inf")
         # Checks of inline loads' copies, during the forward pass; started from the model-runner
         # thread, it moves off that thread's cores as the connector's other threads do.
         self._checker = ThreadPoolExecutor(

@@ -26,6 +26,10 @@ from tiercache.keys.digest import Digest
 log = logging.getLogger(__name__)
 
 _STOP = object()
+#: A store that ends this many seconds after its step queued it is logged (at most once a minute):
+#: a lookup waiting for it as a store in flight gives up after its ``inflight_wait_s``.
+SLOW_STORE_S = 10.0
+_SLOW_LOG_EVERY_S = 60.0
 
 
 @dataclass(eq=False)
@@ -64,7 +68,7 @@ class WorkerSaves(WorkerLoads):
         # A producer reserves here, on the engine thread, so it does not wait behind the copies
         # still queued before this batch: one round trip, bounded by timeout_s.
         early = self._reserve(batch) if self._reserve_before_return else None
-        self._queue.put((ready, batch, early))
+        self._queue.put((ready, batch, early, time.monotonic()))
 
     def _wait_idle(self, req_id: str | None) -> None:
         with self._idle:
@@ -77,8 +81,9 @@ class WorkerSaves(WorkerLoads):
             item = self._queue.get()
             if item is _STOP:
                 return
-            ready, batch, early = item
+            ready, batch, early, queued = item
             started = time.perf_counter()
+            behind = time.monotonic() - queued  # waiting for the stores queued before it
             saved, skipped, stored_bytes = self.stats["saved_chunks"], self.stats["save_skipped"], 0
             try:
                 stored_bytes = self._save_batch(batch, ready, early)
@@ -86,19 +91,40 @@ class WorkerSaves(WorkerLoads):
                 log.warning("tiercache: storing %d chunk(s) failed: %s", len(batch), exc)
                 self.stats["save_skipped"] += len(batch)
             finally:
+                seconds = time.perf_counter() - started
                 # This thread is the only writer of the store counters: the deltas are this batch's.
                 self._record_store(
                     self.stats["saved_chunks"] - saved,
                     self.stats["save_skipped"] - skipped,
                     stored_bytes,
-                    time.perf_counter() - started,
+                    seconds,
                 )
+                if behind + seconds >= SLOW_STORE_S:
+                    self._slow_store(len(batch), behind, seconds)
                 with self._idle:
                     for save in batch:
                         self._pending[save.req_id] -= 1
                         if self._pending[save.req_id] <= 0:
                             del self._pending[save.req_id]
                     self._idle.notify_all()
+
+    def _slow_store(self, chunks: int, behind: float, seconds: float) -> None:
+        """Log a store that ended late (the first, then at most one a minute, with the count)."""
+        self._slow_stores += 1
+        now = time.monotonic()
+        if now - self._slow_logged_at < _SLOW_LOG_EVERY_S:
+            return
+        log.warning(
+            "tiercache: a store of %d chunk(s) ended %.1f s after its step (%.1f s queued behind "
+            "earlier stores, %.1f s copying and committing; %d slow store(s) since the last such "
+            "line): a lookup waiting for it as a store in flight gives up after its inflight_wait_s",
+            chunks,
+            behind + seconds,
+            behind,
+            seconds,
+            self._slow_stores,
+        )
+        self._slow_logged_at, self._slow_stores = now, 0
 
     def _record_store(self, stored: int, skipped: int, nbytes: int, seconds: float) -> None:
         if stored:
