@@ -75,19 +75,36 @@ def cpu_set(spec: str) -> set[int]:
     return out
 
 
-def placement(engine_cpus: str, pin: bool) -> tuple[str | None, str | None]:
-    """``(engine CPUs, cache CPUs)`` for ``taskset``: with ``pin``, every vLLM process on
-    ``engine_cpus`` and every cache server (and the load generator) on the CPUs left; ``(None,
-    None)`` unpinned or with ``auto``. Raises :class:`ValueError` when no CPU is left."""
-    if not pin or engine_cpus == "auto":
+#: ``--pin``'s choices: where the vLLM servers, the cache servers and the load generator run.
+PIN_CHOICES = ("all", "engine", "none")
+PIN_HELP = (
+    "where each process runs, the same for every system: 'all' runs every vLLM server (front-end, "
+    "scheduler, worker and the connector's threads in it) on --engine-cpus, 'engine' binds only the "
+    "engines' compute threads there (VLLM_CPU_OMP_THREADS_BIND) and lets vLLM's other threads run on "
+    "any CPU; with both, every cache server and the load generator run on the CPUs left (taskset). "
+    "'none' pins nothing: a cache server's work (a write to disk for every chunk stored) then takes "
+    "CPU time from the engine"
+)
+
+
+def placement(engine_cpus: str, pin: str) -> tuple[str | None, str | None]:
+    """``(vLLM CPUs, cache CPUs)`` for ``taskset`` (:data:`PIN_CHOICES`): every vLLM process on
+    ``engine_cpus`` (``all``) or on every CPU this process may use (``engine``: a vLLM server is
+    started from the load generator's process, whose CPUs it would inherit), and every cache server
+    (and the load generator) on the CPUs left; ``None`` where nothing is pinned (``none``, or
+    ``auto`` CPUs). Raises :class:`ValueError` when no CPU is left."""
+    if pin not in PIN_CHOICES:
+        raise ValueError(f"--pin is one of {', '.join(PIN_CHOICES)}, got {pin!r}")
+    if pin == "none" or engine_cpus == "auto":
         return None, None
-    rest = sorted(set(os.sched_getaffinity(0)) - cpu_set(engine_cpus))
+    every = sorted(os.sched_getaffinity(0))
+    rest = sorted(set(every) - cpu_set(engine_cpus))
     if not rest:
         raise ValueError(
-            f"--pin needs a CPU besides --engine-cpus {engine_cpus} for the cache servers and the "
-            "load generator; give the engines fewer CPUs or pass --no-pin"
+            f"--pin {pin} needs a CPU besides --engine-cpus {engine_cpus} for the cache servers and the "
+            "load generator; give the engines fewer CPUs or pass --pin none"
         )
-    return engine_cpus, ",".join(map(str, rest))
+    return (engine_cpus if pin == "all" else ",".join(map(str, every))), ",".join(map(str, rest))
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:

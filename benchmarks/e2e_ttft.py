@@ -47,6 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tiercache and the helpers from the checkout
 
 from benchmarks.common import (  # noqa: E402
+    PIN_CHOICES,
+    PIN_HELP,
     engine_env,
     lmcache_server_argv,
     pinned,
@@ -492,12 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the CPUs every engine computes on, whatever the system (VLLM_CPU_OMP_THREADS_BIND); "
         "'auto' leaves vLLM to choose, which gives an engine with a connector more compute threads",
     )
-    e.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run every engine process on --engine-cpus and the cache servers on the CPUs left (taskset)",
-    )
+    e.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP + " (default: all)")
+    e.add_argument("--no-pin", dest="pin", action="store_const", const="none", help="--pin none")
     s = ap.add_argument_group("systems")
     s.add_argument(
         "--systems",
@@ -698,7 +696,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, {args.kv_heads} KV heads, {args.dtype}, "
         f"block {args.block_size}, chunk {args.chunk_size}, {'multiprocess' if args.multiprocess else 'in-process'} engine; "
         f"engine CPUs {args.engine_cpus}"
-        + (f" (engines on {args.engine_pin}, cache servers on {args.cache_pin})" if args.engine_pin else "")
+        + (
+            f" (engine processes on {args.engine_pin}, cache servers on {args.cache_pin})"
+            if args.cache_pin
+            else ""
+        )
         + "; "
         "medians; hit = fresh engine process\n"
     )

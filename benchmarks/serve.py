@@ -73,6 +73,8 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
 from benchmarks.common import (  # noqa: E402
+    PIN_CHOICES,
+    PIN_HELP,
     cpu_seconds,
     cpu_set,
     engine_env,
@@ -894,14 +896,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "list such as 0 or 0-3); 'auto' leaves vLLM to choose, which gives an engine with a connector "
         "more compute threads than one without",
     )
-    m.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run every vLLM server (front-end and engine) on --engine-cpus with taskset, and every cache "
-        "server and the load generator on the CPUs left, whatever the system: without it the cache "
-        "server's work (a write to disk for every chunk stored) takes CPU time from the engine",
-    )
+    m.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP + " (default: all)")
+    m.add_argument("--no-pin", dest="pin", action="store_const", const="none", help="--pin none")
     e = ap.add_argument_group("environments and output")
     e.add_argument(
         "--python",
@@ -1043,12 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, cpu_set(args.cache_pin))  # the load generator runs in this process
     log(
         f"every vLLM engine computes on CPUs {args.engine_cpus} (VLLM_CPU_OMP_THREADS_BIND)"
-        + (
-            f"; vLLM servers run on CPUs {args.engine_pin}, cache servers and the load generator on "
-            f"{args.cache_pin} (taskset)"
-            if args.engine_pin
-            else ""
-        )
+        + (f"; vLLM servers run on CPUs {args.engine_pin} (taskset)" if args.engine_pin else "")
+        + (f"; cache servers and the load generator on {args.cache_pin} (taskset)" if args.cache_pin else "")
         if args.engine_cpus != "auto"
         else "vLLM chooses each engine's CPUs (--engine-cpus auto): a connector adds a compute thread"
     )
@@ -1098,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
         f"every system on {install.vllm_version()}, engine CPUs {args.engine_cpus}"
         + (
             f" (vLLM servers on {args.engine_pin}, cache servers on {args.cache_pin})"
-            if args.engine_pin
+            if args.cache_pin
             else ""
         )
         + (

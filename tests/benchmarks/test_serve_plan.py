@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.common import placement
 from benchmarks.serve_figure import MISSING, write_figure
 from benchmarks.serve_plan import (
     ONE_INSTALL,
@@ -324,3 +326,34 @@ def test_without_matplotlib_the_figure_is_skipped_with_a_message(
     assert write_figure(rows_of(phases()), path, "test") == MISSING
     assert not path.exists()
     assert "pip install -e '.[bench]'" in MISSING
+
+
+# -- where each process runs (--pin), the same for every system ----------------------------------
+def test_pin_all_puts_vllm_on_the_engine_cpus_and_the_cache_servers_on_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert placement("0", "all") == ("0", "1,2,3")
+    assert placement("0-1", "all") == ("0-1", "2,3")
+
+
+def test_pin_engine_lets_vllm_use_every_cpu_and_still_keeps_the_cache_servers_off_the_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the engines' compute threads are bound (VLLM_CPU_OMP_THREADS_BIND); a vLLM server is
+    started from the load generator's process, so it is given every CPU rather than inheriting the
+    cache CPUs that process runs on."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert placement("0", "engine") == ("0,1,2,3", "1,2,3")
+
+
+def test_pin_none_or_auto_cpus_pin_nothing_and_a_full_engine_set_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert placement("0", "none") == (None, None)
+    assert placement("auto", "all") == (None, None)
+    with pytest.raises(ValueError, match="--pin none"):
+        placement("0-1", "engine")
+    with pytest.raises(ValueError, match="one of all, engine, none"):
+        placement("0", "yes")
