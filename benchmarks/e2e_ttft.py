@@ -494,8 +494,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the CPUs every engine computes on, whatever the system (VLLM_CPU_OMP_THREADS_BIND); "
         "'auto' leaves vLLM to choose, which gives an engine with a connector more compute threads",
     )
-    e.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP + " (default: all)")
-    e.add_argument("--no-pin", dest="pin", action="store_const", const="none", help="--pin none")
+    e.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP)
+    e.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_const",
+        const="none",
+        default=argparse.SUPPRESS,
+        help="--pin none",
+    )
     s = ap.add_argument_group("systems")
     s.add_argument(
         "--systems",

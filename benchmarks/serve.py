@@ -896,8 +896,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "list such as 0 or 0-3); 'auto' leaves vLLM to choose, which gives an engine with a connector "
         "more compute threads than one without",
     )
-    m.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP + " (default: all)")
-    m.add_argument("--no-pin", dest="pin", action="store_const", const="none", help="--pin none")
+    m.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP)
+    m.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_const",
+        const="none",
+        default=argparse.SUPPRESS,
+        help="--pin none",
+    )
     e = ap.add_argument_group("environments and output")
     e.add_argument(
         "--python",
