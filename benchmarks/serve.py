@@ -13,9 +13,10 @@ same prompts and the same seed, with vLLM's own KV cache capped below the workin
 Fair to every system (``benchmarks/serve_plan.py``): every server, vLLM's and the cache servers',
 starts from one interpreter (``--python``; checked before anything starts, with the command that
 installs tiercache and LMCache side by side if a system cannot import there), every engine computes
-on the same CPUs (``--engine-cpus``) and, with ``--pin``, every vLLM server runs there and every cache
-server and the load generator on the CPUs left, the systems' order is rotated across ``--runs``, and
-every system settles the same way between its phases.
+on the same CPUs (``--engine-cpus``) and, with ``--pin all`` (the default), every vLLM server runs
+there and every cache server and the load generator on the CPUs left (``--pin engine``: only the
+engines' compute threads are bound), the systems' order is rotated across ``--runs``, and every
+system settles the same way between its phases.
 
 Workloads: ``prefix`` (shared documents: ``vllm.benchmarks.serve`` with ``--dataset-name
 prefix_repetition``, several questions per document, shuffled), ``chat`` (multi-turn chat: users
