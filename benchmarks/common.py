@@ -4,6 +4,7 @@ Standard library only, so each benchmark keeps its own imports."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -85,6 +86,19 @@ PIN_HELP = (
     "'none' pins nothing: a cache server's work (a write to disk for every chunk stored) then takes "
     "CPU time from the engine"
 )
+
+
+def add_pin_arguments(group: argparse._ActionsContainer) -> None:
+    """``--pin`` (:data:`PIN_CHOICES`, default ``all``) and ``--no-pin`` (``--pin none``)."""
+    group.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP)
+    group.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_const",
+        const="none",
+        default=argparse.SUPPRESS,
+        help="--pin none",
+    )
 
 
 def placement(engine_cpus: str, pin: str) -> tuple[str | None, str | None]:

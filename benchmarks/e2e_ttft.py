@@ -47,8 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tiercache and the helpers from the checkout
 
 from benchmarks.common import (  # noqa: E402
-    PIN_CHOICES,
-    PIN_HELP,
+    add_pin_arguments,
     engine_env,
     lmcache_server_argv,
     pinned,
@@ -494,15 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the CPUs every engine computes on, whatever the system (VLLM_CPU_OMP_THREADS_BIND); "
         "'auto' leaves vLLM to choose, which gives an engine with a connector more compute threads",
     )
-    e.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP)
-    e.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_const",
-        const="none",
-        default=argparse.SUPPRESS,
-        help="--pin none",
-    )
+    add_pin_arguments(e)
     s = ap.add_argument_group("systems")
     s.add_argument(
         "--systems",

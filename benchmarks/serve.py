@@ -74,8 +74,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402  (the vLLM venv has it; after the path so tests/ imports from the checkout)
 
 from benchmarks.common import (  # noqa: E402
-    PIN_CHOICES,
-    PIN_HELP,
+    add_pin_arguments,
     cpu_seconds,
     cpu_set,
     engine_env,
@@ -897,15 +896,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "list such as 0 or 0-3); 'auto' leaves vLLM to choose, which gives an engine with a connector "
         "more compute threads than one without",
     )
-    m.add_argument("--pin", choices=PIN_CHOICES, default="all", help=PIN_HELP)
-    m.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_const",
-        const="none",
-        default=argparse.SUPPRESS,
-        help="--pin none",
-    )
+    add_pin_arguments(m)
     e = ap.add_argument_group("environments and output")
     e.add_argument(
         "--python",
