@@ -98,28 +98,38 @@ class SlotAllocator:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         need = self.slot_size(nbytes)
-        quick = self._quick.get(need)
+        offset = self.take(need)
+        return None if offset is None else Extent(offset, need)
+
+    def take(self, size: int) -> int | None:
+        """The offset of a slot of exactly ``size`` bytes, a :meth:`slot_size` (what
+        :meth:`allocate` does once the size is rounded: a store of many chunks of one size rounds
+        it once), or ``None`` if no free extent is large enough. O(1) from a quick list, else
+        O(log n)."""
+        quick = self._quick.get(size)
         if quick:
             offset = quick.popleft()
             if not quick:  # an empty list kept would make every miss below merge for nothing
-                del self._quick[need]
-            self._quick_bytes -= need
-            self._allocated[offset] = need
-            return Extent(offset, need)
-        i = self._by_size.bisect_left((need, -1))
+                del self._quick[size]
+            self._quick_bytes -= size
+            self._allocated[offset] = size
+            return offset
+        i = self._by_size.bisect_left((size, -1))
         if i == len(self._by_size):
             if not self._quick:
                 return None
             self._merge_quick()
-            i = self._by_size.bisect_left((need, -1))
+            i = self._by_size.bisect_left((size, -1))
             if i == len(self._by_size):
                 return None
-        size, offset = self._by_size[i]
-        self._remove_free(offset, size)
-        if size > need:
-            self._add_free(offset + need, size - need)
-        self._allocated[offset] = need
-        return Extent(offset, need)
+        free: int
+        start: int
+        free, start = self._by_size[i]  # (SortedList's items are untyped)
+        self._remove_free(start, free)
+        if free > size:
+            self._add_free(start + size, free - size)
+        self._allocated[start] = size
+        return start
 
     def free(self, offset: int) -> None:
         """Return the slot at ``offset`` to its size's quick list. O(1).

@@ -127,7 +127,7 @@ class L1Core(FrontTier):
         # compare in C, where an ObjectKey would call its Python __hash__ and __eq__ on every probe.
         self._objects: dict[bytes, Slot] = {}
         self._reservations: dict[int, Ticket] = {}  # token -> open reservation
-        self._writing: dict[ObjectKey, int] = {}  # key -> how many of its reservations are open
+        self._writing: dict[bytes, int] = {}  # key's binary form -> how many of its reservations are open
         # Notified whenever a reservation ends (committed, aborted, expired): wait_written waits on it.
         self._written = threading.Condition(self._lock)
         # token -> the slot of an open read lease (its deadline is in _lease_deadlines)
@@ -135,9 +135,9 @@ class L1Core(FrontTier):
         # token -> the slots of an open pin_all hold, each pinned once, and their keys' binary
         # forms (its deadline is in _lease_deadlines as (expires_at, token, token))
         self._held: dict[int, tuple[list[Slot], Sequence[bytes]]] = {}
-        self._reservation_deadlines: list[tuple[float, int]] = []  # heap of (expires_at, token)
-        # Heap of (expires_at, first token, last token): the leases of one batch (tokens drawn in a
-        # row under the lock, one deadline) share an entry.
+        # Heaps of (expires_at, first token, last token): the reservations or the leases of one
+        # batch (tokens drawn in a row under the lock, one deadline) share an entry.
+        self._reservation_deadlines: list[tuple[float, int, int]] = []
         self._lease_deadlines: list[tuple[float, int, int]] = []
         # Keyed by ObjectKey.raw, as the index: bytes hash in C (an ObjectKey calls its Python
         # __hash__ on every reordering, and a ticket's release reorders every object it read).
@@ -199,12 +199,13 @@ class L1Core(FrontTier):
         """Expire reservations and leases whose deadline passed. O(k log n) for k expired."""
         heap = self._reservation_deadlines
         while heap and heap[0][0] <= now:
-            _, token = heapq.heappop(heap)
-            ticket = self._end_reservation(token)
-            if ticket is not None:
-                # Its writer never said it is done: it may be stalled mid-copy.
-                self._quarantine_slot(ticket.slot, token, now, "expired")
-                self.stats.add("expired_reservations")
+            _, first, last = heapq.heappop(heap)
+            for token in range(first, last + 1):  # one batch's (those committed or aborted are gone)
+                ticket = self._end_reservation(token)
+                if ticket is not None:
+                    # Its writer never said it is done: it may be stalled mid-copy.
+                    self._quarantine_slot(ticket.slot, token, now, "expired")
+                    self.stats.add("expired_reservations")
         quarantine = self._quarantine
         while quarantine:
             token, (_, until) = next(iter(quarantine.items()))
@@ -260,16 +261,23 @@ class L1Core(FrontTier):
     def _end_reservation(self, token: int) -> Ticket | None:
         """Close reservation ``token`` (the caller frees or publishes its slot) and wake the waiters
         of :meth:`wait_written`."""
+        ticket = self._close_reservation(token)
+        if ticket is not None:
+            self._written.notify_all()
+        return ticket
+
+    def _close_reservation(self, token: int) -> Ticket | None:
+        """:meth:`_end_reservation` without the wake-up: for a batch, whose caller wakes the
+        waiters once."""
         ticket = self._reservations.pop(token, None)
         if ticket is None:
             return None
-        key = ticket.slot.key
-        left = self._writing[key] - 1
+        raw = ticket.slot.key.raw
+        left = self._writing[raw] - 1
         if left:
-            self._writing[key] = left
+            self._writing[raw] = left
         else:
-            del self._writing[key]
-        self._written.notify_all()
+            del self._writing[raw]
         return ticket
 
     def _can_evict(self, raw: bytes) -> bool:

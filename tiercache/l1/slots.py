@@ -94,7 +94,7 @@ class L1Slots(L1Core):
             out = []
             for handle in handles:
                 ticket = reservations.get(handle.token)
-                if ticket is None or ticket.slot.key != handle.key:
+                if ticket is None or (ticket.slot.key is not handle.key and ticket.slot.key != handle.key):
                     raise ReservationError(self._reservation_gone(handle))
                 slot = ticket.slot
                 out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token))
@@ -165,60 +165,96 @@ class L1Slots(L1Core):
         """
         if tenants and len(tenants) != len(items):
             raise ValueError(f"{len(items)} items but {len(tenants)} tenants")
-        handles: list[WriteHandle] = []
         evicted: list[ObjectKey] = []  # told to the stats once, for the whole batch
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
             try:
-                for i, (key, nbytes) in enumerate(items):
-                    tenant = tenants[i] if tenants else DEFAULT_TENANT
-                    handles.append(self._reserve_locked(key, nbytes, now, tenant, evicted))
-            except BaseException:
-                for handle in handles:
-                    ticket = self._end_reservation(handle.token)
-                    if ticket is not None:
-                        self._free(ticket.slot)
-                raise
+                return self._reserve_locked(items, tenants, now, evicted)
             finally:
                 if evicted:
                     self.stats.evicted(EvictionReason.CAPACITY, len(evicted), evicted)
-        return handles
 
     def _reserve_locked(
-        self, key: ObjectKey, nbytes: int, now: float, tenant: bytes, evicted: list[ObjectKey]
-    ) -> WriteHandle:
-        """Reserve ``key``'s slot, evicting for room; appends the evicted keys to ``evicted``."""
-        if nbytes < 0:
-            raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
-        capacity = self._allocator.capacity
-        if self._allocator.slot_size(nbytes) > capacity:
-            self.stats.add("skipped")
-            raise TierFullError(
-                f"object {key} of {nbytes} bytes is larger than the L1 arena ({capacity} usable "
-                "bytes); raise --l1-size-gb or use a smaller --chunk-size"
-            )
-        extent = self._allocator.allocate(nbytes)
-        while extent is None:
-            victim = self._tenants.choose_victim(
-                tenant, nbytes, self._policy, self._can_evict, self._tenant_of
-            )
-            if victim is None:
-                self.stats.add("skipped")
-                raise TierFullError(self._full_message(key, nbytes, tenant))
-            evicted.append(self._evict(victim))
-            extent = self._allocator.allocate(nbytes)
-        slot = Slot(key, extent.offset, nbytes, tenant)
-        self._bytes_held += nbytes
-        self._tenants.charge(tenant, nbytes)
-        token = next(self._tokens)
+        self,
+        items: Sequence[tuple[ObjectKey, int]],
+        tenants: Sequence[bytes],
+        now: float,
+        evicted: list[ObjectKey],
+    ) -> list[WriteHandle]:
+        """:meth:`reserve_many` under the lock; appends the keys it evicts to ``evicted``.
+
+        A store's chunks are a few sizes, each rounded once; without quotas, room for the whole
+        batch is made first, in the policy's order, so that no allocation fails before its
+        eviction (one allocation per object, one heap entry for the batch: its tokens are drawn in
+        a row under the lock, as a lease batch's are)."""
+        allocator = self._allocator
+        sizes: dict[int, int] = {}  # nbytes -> slot size
+        needs: list[int] = []
+        for key, nbytes in items:
+            need = sizes.get(nbytes)
+            if need is None:
+                if nbytes < 0:
+                    raise ValueError(f"cannot reserve a negative size ({nbytes}) for {key}")
+                need = sizes[nbytes] = allocator.slot_size(nbytes)
+                if need > allocator.capacity:
+                    self.stats.add("skipped")
+                    raise TierFullError(
+                        f"object {key} of {nbytes} bytes is larger than the L1 arena "
+                        f"({allocator.capacity} usable bytes); raise --l1-size-gb or use a smaller "
+                        "--chunk-size"
+                    )
+            needs.append(need)
+        if not self._tenants.enforcing:  # quotas choose victims per object, below
+            self._make_room(sum(needs), evicted)
         expires_at = now + self._config.reservation_ttl_s
-        self._reservations[token] = Ticket(slot, expires_at)
-        self._writing[key] = self._writing.get(key, 0) + 1
-        heapq.heappush(self._reservation_deadlines, (expires_at, token))
-        buffer = self._arena.view(slot.offset, nbytes)
-        return WriteHandle(key=key, nbytes=nbytes, buffer=buffer, token=token, expires_at=expires_at)
+        whole = self._arena.view(0, self._arena.size)  # one bounds check: slots lie in the arena
+        reservations, writing, tokens = self._reservations, self._writing, self._tokens
+        charge = self._tenants.charge
+        handles: list[WriteHandle] = []
+        try:
+            for i, (key, nbytes) in enumerate(items):
+                tenant = tenants[i] if tenants else DEFAULT_TENANT
+                need = needs[i]
+                offset = allocator.take(need)
+                while offset is None:  # quotas, or room made ahead but fragmented
+                    victim = self._tenants.choose_victim(
+                        tenant, nbytes, self._policy, self._can_evict, self._tenant_of
+                    )
+                    if victim is None:
+                        self.stats.add("skipped")
+                        raise TierFullError(self._full_message(key, nbytes, tenant))
+                    evicted.append(self._evict(victim))
+                    offset = allocator.take(need)
+                slot = Slot(key, offset, nbytes, tenant)
+                self._bytes_held += nbytes
+                charge(tenant, nbytes)
+                token = next(tokens)
+                reservations[token] = Ticket(slot, expires_at)
+                raw = key.raw
+                writing[raw] = writing.get(raw, 0) + 1
+                buffer = whole[offset : offset + nbytes]
+                handles.append(_new_tuple(WriteHandle, (key, nbytes, buffer, token, expires_at)))
+        except BaseException:
+            for handle in handles:
+                ticket = self._end_reservation(handle.token)
+                if ticket is not None:
+                    self._free(ticket.slot)
+            raise
+        if handles:
+            heapq.heappush(self._reservation_deadlines, (expires_at, handles[0].token, handles[-1].token))
+        return handles
+
+    def _make_room(self, need: int, evicted: list[ObjectKey]) -> None:
+        """Evict in the policy's order until ``need`` bytes are free (not necessarily in one
+        extent), or nothing more may go; appends the keys to ``evicted``."""
+        allocator, evict_one, can_evict = self._allocator, self._policy.evict_one, self._can_evict
+        while allocator.free_bytes() < need:
+            victim = evict_one(can_evict)
+            if victim is None:
+                return
+            evicted.append(self._evict(victim))
 
     def commit_many(
         self,
@@ -243,8 +279,9 @@ class L1Slots(L1Core):
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
-            for handle in handles:
-                self._writer_done(handle.token)
+            if self._quarantine:  # a writer's late commit frees its quarantined slot (rare)
+                for handle in handles:
+                    self._writer_done(handle.token)
             done = nbytes = 0
             try:
                 for handle, digest in zip(handles, known):
@@ -254,16 +291,19 @@ class L1Slots(L1Core):
                 exc.committed = done
                 raise
             finally:
-                if done:  # one stats update per batch, also when a later handle was refused
+                if done:  # one wake-up and one stats update per batch, also when one was refused
+                    self._written.notify_all()
                     self.stats.put(
                         nbytes, done, [h.key for h in handles[:done]] if self.stats.arrival else ()
                     )
 
     def _commit_locked(self, handle: WriteHandle, owed: bool, digest: int) -> int:
+        """Publish reservation ``handle`` (under the lock; the caller wakes the waiters of
+        :meth:`wait_written`); its payload bytes."""
         ticket = self._reservations.get(handle.token)
-        if ticket is None or ticket.slot.key != handle.key:
+        if ticket is None or (ticket.slot.key is not handle.key and ticket.slot.key != handle.key):
             raise ReservationError(self._reservation_gone(handle))
-        self._end_reservation(handle.token)
+        self._close_reservation(handle.token)
         slot = ticket.slot
         slot.owed = owed
         slot.visible = True

@@ -195,7 +195,7 @@ class L1Tier(L1Slots):
             self._check_open()
             self._sweep(self._clock())
             writing = self._writing
-            return [key in writing for key in keys]
+            return [key.raw in writing for key in keys]
 
     def wait_written(self, keys: Sequence[ObjectKey], timeout: float) -> bool:
         """Block until no reservation of ``keys`` is open (each was committed, aborted or expired),
@@ -207,7 +207,7 @@ class L1Tier(L1Slots):
                 if self._closed:
                     return True
                 self._sweep(self._clock())
-                if not any(key in self._writing for key in keys):
+                if not any(key.raw in self._writing for key in keys):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
