@@ -163,6 +163,23 @@ def test_out_of_order_messages_are_refused_and_the_loop_goes_on(server: ServerPr
             alice.lookup([b"h" * 16], [p.GroupRef(b"Z" * 16, 0)])  # never registered
 
 
+def test_a_commit_naming_a_reservation_twice_is_refused_and_leaves_both_open(
+    server: ServerProcess,
+) -> None:
+    with server.client() as bob:
+        slots = bob.reserve([(key(3), 4096), (key(4), 4096)])
+        for slot in slots:
+            bob.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
+        first, second = (slot.token for slot in slots)
+        with pytest.raises(ServerError) as err:
+            bob.commit([first, first, second], [digest(bytes(4096))] * 3)
+        assert err.value.code == "invalid"
+        assert bob.commit([first, second], [digest(bytes(4096))] * 2) == 2
+        leases = bob.pin([key(3), key(4)])
+        assert all(leases)
+        assert bob.release([lease.token for lease in leases if lease]) == 2
+
+
 def test_version_mismatch_surfaces_as_a_protocol_error(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -132,7 +132,8 @@ class ObjectKey:
         if cls is not ObjectKey:
             return [cls.from_bytes(raw) for raw in raws]
         fp_end = 1 + FINGERPRINT_BYTES
-        fingerprints: dict[bytes, Fingerprint] = {}
+        head_end = fp_end + 2
+        heads: dict[bytes, tuple[Fingerprint, int]] = {}  # a request's keys share one or two heads
         new = object.__new__
         set_fp, set_group, set_hash = _FINGERPRINT.__set__, _GROUP.__set__, _PREFIX.__set__
         set_raw, set_code = _RAW.__set__, _CODE.__set__
@@ -142,14 +143,17 @@ class ObjectKey:
                 out.append(cls.from_bytes(raw))  # raises, naming what is wrong
                 continue
             raw = bytes(raw)
-            fp_raw = raw[1:fp_end]
-            fingerprint = fingerprints.get(fp_raw)
-            if fingerprint is None:
-                fingerprint = fingerprints[fp_raw] = Fingerprint(fp_raw)
+            head = raw[:head_end]
+            parsed = heads.get(head)
+            if parsed is None:
+                parsed = heads[head] = (
+                    Fingerprint(raw[1:fp_end]),
+                    int.from_bytes(raw[fp_end:head_end], "big"),
+                )
             key = new(cls)
-            set_fp(key, fingerprint)
-            set_group(key, int.from_bytes(raw[fp_end : fp_end + 2], "big"))
-            set_hash(key, raw[fp_end + 2 :])
+            set_fp(key, parsed[0])
+            set_group(key, parsed[1])
+            set_hash(key, raw[head_end:])
             set_raw(key, raw)
             set_code(key, hash(raw))
             out.append(key)

@@ -317,8 +317,7 @@ class DataOps:
         handles = self._engine.reserve_many(items, tenants=tenants)  # counts a batch L1 has no room for
         for target, blocks in msg.holds:
             self._engine.index_blocks(target, blocks)
-        for handle in handles:
-            self._sessions.hold_reservation(session, handle)
+        self._sessions.hold_reservations(session, handles)
         slots: list[p.Slot | None] = list(self._l1.reservation_slots(handles, p.Slot))  # one lock
         return p.SlotsReply(slots=slots)
 
@@ -337,8 +336,7 @@ class DataOps:
         except ReservationError as exc:
             # Those before it are committed; it expired before its commit: whatever the client
             # wrote landed in a quarantined slot. Those after it stay the client's, as they were.
-            for handle in handles[: exc.committed + 1]:
-                self._sessions.forget_reservation(session, handle)
+            self._sessions.forget_reservations(session, handles[: exc.committed + 1])
             late = handles[exc.committed]
             held = self._late_commits.allow()
             if held is not None:
@@ -353,8 +351,7 @@ class DataOps:
                     f" ({held} more since the last such warning)" if held else "",
                 )
             raise
-        for handle in handles:
-            self._sessions.forget_reservation(session, handle)
+        self._sessions.forget_reservations(session, handles)
         done = p.Done(count=len(handles))
         if not covered:
             return done
@@ -368,8 +365,8 @@ class DataOps:
 
     def abort(self, session: Session, msg: p.Abort) -> p.Message:
         handles = self._sessions.claim_reservations(session, msg.tokens)
+        self._sessions.forget_reservations(session, handles)
         for handle in handles:
-            self._sessions.forget_reservation(session, handle)
             self._engine.abort(handle)
         return p.Done(count=len(handles))
 

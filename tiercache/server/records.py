@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from tiercache.keys.object_key import ObjectKey
 from tiercache.tier import EvictionReason
@@ -37,27 +38,32 @@ class EvictionRecord:
         self._capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
-        self._notes: OrderedDict[ObjectKey, EvictionNote] = OrderedDict()  # guarded by _lock
+        # By the key's binary form: bytes hash in C, where an ObjectKey calls its Python
+        # __hash__ (a store into a full L1 notes as many evictions as it has chunks).
+        self._notes: OrderedDict[bytes, EvictionNote] = OrderedDict()  # guarded by _lock
 
     def listener(self, tier: str) -> Callable[[Sequence[ObjectKey], EvictionReason], None]:
         """The callback to install as ``tier.stats.listener`` for the tier named ``tier``."""
 
         def note(keys: Sequence[ObjectKey], reason: EvictionReason) -> None:
             entry = EvictionNote(tier, reason.value, self._clock())  # one note for the batch
+            raws = [key.raw for key in keys]
             notes = self._notes
-            with self._lock:
-                for key in keys:
-                    notes[key] = entry
-                    notes.move_to_end(key)
-                while len(notes) > self._capacity:
-                    notes.popitem(last=False)
+            with self._lock:  # the loops in C, but for keys evicted again (moved to the new end)
+                again = notes.keys() & raws
+                notes.update(zip(raws, repeat(entry)))
+                for raw in again:
+                    notes.move_to_end(raw)
+                excess = len(notes) - self._capacity
+                if excess > 0:
+                    deque(map(notes.popitem, repeat(False, excess)), maxlen=0)  # the oldest
 
         return note
 
     def get(self, key: ObjectKey) -> EvictionNote | None:
         """The last eviction of ``key`` still remembered, if any."""
         with self._lock:
-            return self._notes.get(key)
+            return self._notes.get(key.raw)
 
     def age(self, note: EvictionNote) -> float:
         """Seconds since ``note`` was taken."""

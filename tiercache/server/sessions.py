@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from tiercache import __version__ as SERVER_VERSION
@@ -32,6 +33,8 @@ from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, check_proof, session_key
 
 log = logging.getLogger(__name__)
+_TOKEN = attrgetter("token")
+_NBYTES = attrgetter("nbytes")
 
 #: Challenges handed out but not yet used (a stranger cannot grow this without bound).
 _MAX_PENDING_NONCES = 4096
@@ -232,10 +235,12 @@ class Sessions:
         self.tickets_expired += len(ended)
 
     # -- what sessions hold --------------------------------------------------------------------
-    def hold_reservation(self, session: Session, handle: WriteHandle) -> None:
-        session.reservations[handle.token] = handle
-        session.reserved_bytes += handle.nbytes
-        self._owner[handle.token] = session.identity
+    def hold_reservations(self, session: Session, handles: Sequence[WriteHandle]) -> None:
+        """``session`` holds the reservations ``handles`` (a store's: the loops run in C)."""
+        tokens = list(map(_TOKEN, handles))
+        session.reservations.update(zip(tokens, handles))
+        session.reserved_bytes += sum(map(_NBYTES, handles))
+        self._owner.update(dict.fromkeys(tokens, session.identity))
 
     def hold_lease(self, session: Session, handle: ReadHandle) -> None:
         session.leases[handle.token] = handle
@@ -253,6 +258,8 @@ class Sessions:
         """The reservations behind ``tokens``, if all are this client's (checked before any is used).
         Tokens of reservations abandoned when this client's earlier session was dropped free their
         quarantined slots (it is done writing them) and are refused."""
+        if len(set(tokens)) != len(tokens):
+            raise Refused(p.ErrorCode.INVALID, "a commit or abort names one reservation twice")
         handles: list[WriteHandle] = self._claim(
             session.reservations, tokens, "reservation", session.identity
         )
@@ -292,11 +299,13 @@ class Sessions:
         handles: list[ReadHandle] = self._claim(session.leases, tokens, "lease")
         return handles
 
-    def forget_reservation(self, session: Session, handle: WriteHandle) -> None:
-        """The client is done with ``handle`` (committed or aborted)."""
-        del session.reservations[handle.token]
-        session.reserved_bytes -= handle.nbytes
-        self._owner.pop(handle.token, None)
+    def forget_reservations(self, session: Session, handles: Sequence[WriteHandle]) -> None:
+        """The client is done with ``handles`` (committed or aborted), its own (:meth:`claim_reservations`)."""
+        mine, owner = session.reservations, self._owner
+        for handle in handles:
+            del mine[handle.token]
+            owner.pop(handle.token, None)
+        session.reserved_bytes -= sum(map(_NBYTES, handles))
 
     def forget_lease(self, session: Session, handle: ReadHandle) -> None:
         """The client released ``handle``."""
