@@ -92,6 +92,30 @@ def test_without_quotas_one_global_order_decides_and_usage_is_still_counted(make
     assert usage[tenant_label(FLOOD)]["quota_bytes"] == 16 * UNIT
 
 
+def test_a_store_of_many_that_evicts_for_the_whole_batch_keeps_every_tenants_books(make_l1) -> None:
+    tier = make_l1(size_bytes=16 * UNIT)
+    store(tier, ALICE, range(0, 6))
+    store(tier, FLOOD, range(100, 110))  # the arena is full
+    handles = tier.reserve_many(
+        [(make_key(i), UNIT) for i in range(200, 210)], tenants=[FLOOD] * 10
+    )  # room for all ten made first: Alice's six (the oldest), then four of the flood's
+    for handle in handles:
+        handle.buffer[:] = payload_for(handle.key, UNIT)
+    tier.commit_many(handles)
+    usage = tier.tenants()
+    assert usage[tenant_label(ALICE)] | {"quota_bytes": 0} == {
+        "bytes": 0,
+        "objects": 0,
+        "quota_bytes": 0,
+        "evictions": 6,
+        "puts": 6,
+    }
+    assert (usage[tenant_label(FLOOD)]["objects"], usage[tenant_label(FLOOD)]["evictions"]) == (16, 4)
+    assert usage[tenant_label(FLOOD)]["bytes"] == 16 * UNIT == tier.usage().bytes_used
+    assert held(tier, range(100, 110)) == 6 and held(tier, range(200, 210)) == 10
+    assert tier.stats.evictions == {"capacity": 10}
+
+
 def test_overwrites_deletes_and_pinned_old_versions_keep_the_books_right(make_l1) -> None:
     tier = make_l1(size_bytes=16 * UNIT, tenant_share=0.5)
     store(tier, ALICE, range(0, 2))

@@ -131,8 +131,8 @@ class SlotAllocator:
         self._allocated[start] = size
         return start
 
-    def free(self, offset: int) -> None:
-        """Return the slot at ``offset`` to its size's quick list. O(1).
+    def free(self, offset: int) -> int:
+        """Return the slot at ``offset`` to its size's quick list; its size. O(1).
 
         Freeing an offset that is not a live slot is a bug in the caller and raises ``ValueError``.
         """
@@ -141,6 +141,7 @@ class SlotAllocator:
             raise ValueError(f"no live slot at offset {offset} (double free?)")
         self._quick.setdefault(size, deque()).append(offset)
         self._quick_bytes += size
+        return size
 
     def _merge_quick(self) -> None:
         """Merge every quick-list slot into the free list, coalescing neighbours."""

@@ -248,13 +248,31 @@ class L1Slots(L1Core):
 
     def _make_room(self, need: int, evicted: list[ObjectKey]) -> None:
         """Evict in the policy's order until ``need`` bytes are free (not necessarily in one
-        extent), or nothing more may go; appends the keys to ``evicted``."""
-        allocator, evict_one, can_evict = self._allocator, self._policy.evict_one, self._can_evict
-        while allocator.free_bytes() < need:
+        extent), or nothing more may go; appends the keys to ``evicted``. :meth:`_evict` of each,
+        its accounts kept once for the batch (a store into a full L1 evicts one object per chunk)."""
+        allocator = self._allocator
+        short = need - allocator.free_bytes()
+        if short <= 0:
+            return
+        objects, evict_one, can_evict, free = (
+            self._objects,
+            self._policy.evict_one,
+            self._can_evict,
+            allocator.free,
+        )
+        gone: list[tuple[bytes, int]] = []
+        while short > 0:
             victim = evict_one(can_evict)
             if victim is None:
-                return
-            evicted.append(self._evict(victim))
+                break
+            slot = objects.pop(victim)
+            slot.visible = False
+            slot.view = None  # as _free: no new lease will hand it out
+            short -= free(slot.offset)
+            gone.append((slot.tenant, slot.nbytes))
+            evicted.append(slot.key)
+        self._bytes_held -= sum(nbytes for _, nbytes in gone)
+        self._tenants.evicted_many(gone)
 
     def commit_many(
         self,

@@ -21,7 +21,7 @@ their quota. Not thread-safe: :class:`~tiercache.l1.tier.L1Tier` calls it under 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiercache.config.parts import L1Config
@@ -111,6 +111,19 @@ class TenantLedger:
         u = self._usage[tenant]
         u.objects -= 1
         u.evictions += 1
+
+    def evicted_many(self, gone: Sequence[tuple[bytes, int]]) -> None:
+        """:meth:`evicted` and :meth:`refund` of each ``(tenant, nbytes)`` in ``gone``, in the
+        global order's batch (one refund per tenant)."""
+        freed: dict[bytes, int] = {}
+        usage = self._usage
+        for tenant, nbytes in gone:
+            u = usage[tenant]
+            u.objects -= 1
+            u.evictions += 1
+            freed[tenant] = freed.get(tenant, 0) + nbytes
+        for tenant, nbytes in freed.items():
+            self.refund(tenant, nbytes)
 
     # -- who leaves --------------------------------------------------------------------------------
     def choose_victim(
