@@ -50,7 +50,7 @@ class EvictionRecord:
             raws = [key.raw for key in keys]
             notes = self._notes
             with self._lock:  # the loops in C, but for keys evicted again (moved to the new end)
-                again = notes.keys() & raws
+                again = list(filter(notes.__contains__, raws))  # (keys() & raws would copy them all)
                 notes.update(zip(raws, repeat(entry)))
                 for raw in again:
                     notes.move_to_end(raw)
