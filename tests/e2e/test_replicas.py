@@ -101,6 +101,8 @@ RETRY_S = 1.0  # how often vLLM B's connector tries a server it lost again
 # A round trip bound far above the 2 s default: in CI two vLLM engines (and another shard's) share two
 # cores, and a write-through commit late by 2 s would take the link down and skip the next stores.
 TIMEOUT_S = 10.0
+#: How long a lookup waits for the bucket (the server's --remote-lookup-budget-s; default 1 s).
+REMOTE_BUDGET_S = 5.0
 #: What a connector half's link logs (tiercache/client/link.py): on each (re)connect, and once per
 #: outage when a call fails. vLLM B has two halves (scheduler and worker), each connected at start.
 CONNECTED = "tiercache: connected to"
@@ -221,7 +223,10 @@ def node_spec(tmp: Path, name: str, disk: str, s3: S3Endpoint, bucket: str) -> S
         s3_bucket=bucket,
         options={"chunk_size": CHUNK},
         s3_options={"prefix": PREFIX},
-        engine_options={"l3_write_policy": L3WritePolicy.THROUGH},
+        # The claims are about what the nodes share, not how fast the bucket answers: with the
+        # default 1 s budget, a first answer from the bucket slowed by a loaded CI machine would make
+        # that lookup a miss (rightly; tests/reliability/test_s3_outage.py holds the budget).
+        engine_options={"l3_write_policy": L3WritePolicy.THROUGH, "remote_lookup_budget_s": REMOTE_BUDGET_S},
     )
 
 
@@ -405,7 +410,9 @@ def test_node_b_found_the_chunks_in_s3_only_and_holds_them_in_its_l1(
         f"\n[replicas B] connector hits by tier {node_b.by_tier}; server: tier hits {per_tier}, "
         f"disk misses {delta(b, a, 'tiers', 'disk', 'misses')}, "
         f"promotions {delta(b, a, 'engine', 'promotions')}, lookup chunks hit "
-        f"{delta(b, a, 'engine', 'lookup_chunks_hit')}, stores {delta(b, a, 'engine', 'stores')}; "
+        f"{delta(b, a, 'engine', 'lookup_chunks_hit')}, stores {delta(b, a, 'engine', 'stores')}, "
+        f"S3 questions past the budget {delta(b, a, 'engine', 'remote_lookups_late')} or refused "
+        f"busy {delta(b, a, 'engine', 'remote_lookups_busy')}; "
         f"L1 objects {a['tiers']['l1']['objects']}, disk objects {a['tiers']['disk']['objects']}"
     )
     # B's server started empty: every chunk it served came from the bucket, its own disk had none.
