@@ -193,6 +193,18 @@ def test_lookup_of_a_long_prompt_costs_logarithmic_requests(s3: S3Endpoint, cloc
         assert counter.total == 0
 
 
+def test_the_first_lookup_builds_no_client_both_are_built_at_start(
+    tier: S3Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def late(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an S3 client built on the lookups' path")
+
+    monkeypatch.setattr("tiercache.l3_s3.core.make_client", late)
+    assert tier.lookup_prefix([make_key(i) for i in range(4)]) == 0
+    assert not tier.contains(make_key(9))
+    assert tier.stats.errors == 0
+
+
 def test_lookup_with_the_first_chunk_missing_costs_one_request(tier: S3Tier) -> None:
     counter = RequestCounter(tier.client, tier.head_client)
     assert tier.lookup_prefix([make_key(i) for i in range(512)]) == 0
