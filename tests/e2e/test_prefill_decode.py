@@ -94,12 +94,12 @@ class PD:
     timeline: list[str] = field(default_factory=list)
 
     def open_gate_once_a_lookup_waits(
-        self, before: int, done: threading.Event, timeout: float = 240.0
+        self, before: dict[str, int], done: threading.Event, timeout: float = 240.0
     ) -> threading.Thread:
-        """Open the gate once the server counts more in-flight waits than ``before`` (or after
-        ``timeout`` seconds, so a run that never waits fails its assertion instead of hanging);
-        until ``done`` is set, note in :attr:`timeline` when the server's waits, misses, stores and
-        open reservations change."""
+        """Open the gate once the server counts more in-flight waits than its engine counters
+        ``before`` did (or after ``timeout`` seconds, so a run that never waits fails its assertion
+        instead of hanging); until ``done`` is set, note in :attr:`timeline` when the server's waits,
+        misses and stores since ``before``, and its open reservations, change."""
 
         def watch() -> None:
             start = time.monotonic()
@@ -110,16 +110,16 @@ class PD:
                     stats = c.stats()
                     engine = stats["engine"]
                     now = (
-                        engine["inflight_waits"] - before,
-                        engine["inflight_wait_misses"],
-                        engine["stores"],
+                        engine["inflight_waits"] - before["inflight_waits"],
+                        engine["inflight_wait_misses"] - before["inflight_wait_misses"],
+                        engine["stores"] - before["stores"],
                         stats["server"]["reservations"],
                     )
                     if now != seen:
                         seen = now
                         self.timeline.append(
-                            f"{time.monotonic() - start:7.2f} s: waits +{now[0]}, misses {now[1]}, "
-                            f"stores {now[2]}, open reservations {now[3]}"
+                            f"{time.monotonic() - start:7.2f} s: waits +{now[0]}, misses +{now[1]}, "
+                            f"stores +{now[2]}, open reservations {now[3]}"
                         )
                     if not self.gate.exists() and (now[0] > 0 or time.monotonic() >= end):
                         self.gate.touch()
@@ -229,7 +229,7 @@ def test_the_decode_engine_loads_every_full_chunk_the_prefill_engine_computed(pd
     # All at once, behind the shut gate: the prefill engine's responses return with every store in
     # flight, and the gate opens once a decode lookup waits for one.
     done = threading.Event()
-    watcher = pd.open_gate_once_a_lookup_waits(before["inflight_waits"], done)
+    watcher = pd.open_gate_once_a_lookup_waits(before, done)
     with ThreadPoolExecutor(len(pd.prompts)) as pool:
         decoded = list(pool.map(lambda p: through_proxy(pd.proxy, p), pd.prompts))
     done.set()
