@@ -180,6 +180,19 @@ def test_a_commit_naming_a_reservation_twice_is_refused_and_leaves_both_open(
         assert bob.release([lease.token for lease in leases if lease]) == 2
 
 
+def test_a_reserve_of_a_size_outside_the_arena_is_refused_and_reserves_nothing(
+    server: ServerProcess,
+) -> None:
+    with server.client() as bob:
+        for nbytes in (1 << 40, -1):
+            with pytest.raises(ServerError, match=f"cannot reserve {nbytes} bytes in an arena of") as err:
+                bob.reserve([(key(5), 4096), (key(6), nbytes)])
+            assert err.value.code == "invalid"
+        [slot] = bob.reserve([(key(5), 4096)])  # nothing was left reserved for it
+        bob.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
+        assert bob.commit([slot.token], [digest(bytes(4096))]) == 1
+
+
 def test_version_mismatch_surfaces_as_a_protocol_error(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

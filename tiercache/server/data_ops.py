@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from operator import itemgetter
 
 from tiercache.config.connector import MAX_INFLIGHT_WAIT_S
 from tiercache.config.parts import ServerOptions
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 #: A ticket's state as the wire names it (an enum's call by value costs a lookup's microseconds).
 _STATE_NAMES = {state: p.TicketStateName(state.value) for state in TicketState}
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)  # a store's (key, nbytes) items
 
 #: Outcomes a lookup's latency is recorded under (``tiercache_lookup_duration_seconds{outcome}``).
 LOOKUP_OUTCOMES = ("hit", "miss", "error")
@@ -302,16 +304,14 @@ class DataOps:
     # -- store path (L1 only: never blocks) -----------------------------------------------------
     def reserve(self, session: Session, msg: p.Reserve) -> p.Message:
         tenants = [parse_tenant_id(raw) for raw in msg.tenants]
-        for _, nbytes in msg.items:
-            if not 0 <= nbytes <= self._l1.arena.size:
-                raise Refused(
-                    p.ErrorCode.INVALID, f"cannot reserve {nbytes} bytes in an arena of {self._l1.arena.size}"
-                )
-        self._sessions.room_for_reserve(
-            session, len(msg.items), sum(nbytes for _, nbytes in msg.items), time.monotonic()
-        )
-        keys = parse_keys([raw for raw, _ in msg.items])
-        items = [(key, nbytes) for key, (_, nbytes) in zip(keys, msg.items)]
+        sizes = list(map(_SECOND, msg.items))  # (the loops over a store's items in C)
+        arena = self._l1.arena.size
+        if sizes and not (min(sizes) >= 0 and max(sizes) <= arena):
+            bad = next(nbytes for nbytes in sizes if not 0 <= nbytes <= arena)
+            raise Refused(p.ErrorCode.INVALID, f"cannot reserve {bad} bytes in an arena of {arena}")
+        self._sessions.room_for_reserve(session, len(sizes), sum(sizes), time.monotonic())
+        keys = parse_keys(list(map(_FIRST, msg.items)))
+        items = list(zip(keys, sizes))
         for target, blocks in msg.holds:
             check_hashes([target, *blocks])
         handles = self._engine.reserve_many(items, tenants=tenants)  # counts a batch L1 has no room for
