@@ -19,18 +19,27 @@ def test_each_evicted_key_is_noted_with_its_tier_reason_and_time() -> None:
     assert record.get(make_key(3)) is None
 
 
-def test_the_oldest_notes_go_past_the_capacity_and_a_key_evicted_again_is_new() -> None:
+def test_the_record_keeps_the_last_evictions_and_tells_a_key_by_its_newest() -> None:
     clock = FakeClock(100.0)
     record = EvictionRecord(capacity=4, clock=clock)
     l1, disk = record.listener("l1"), record.listener("disk")
     l1([make_key(1), make_key(2), make_key(3)], EvictionReason.CAPACITY)
     clock.advance(1)
-    disk([make_key(1), make_key(4), make_key(5)], EvictionReason.CAPACITY)  # key 1 again: the newest
-    assert len(record) == 4
-    assert record.get(make_key(2)) is None  # the oldest went
+    disk([make_key(1), make_key(4), make_key(5)], EvictionReason.CAPACITY)  # key 1 again
+    assert len(record) == 4  # the last four evictions: 3 (of the first batch), 1, 4, 5
+    assert record.get(make_key(2)) is None
     assert [record.get(make_key(i)) is not None for i in (1, 3, 4, 5)] == [True] * 4
     again = record.get(make_key(1))
     assert again is not None and (again.tier, again.at) == ("disk", 101.0)
     l1([make_key(6), make_key(7)], EvictionReason.CAPACITY)
-    assert record.get(make_key(3)) is None and record.get(make_key(4)) is None
-    assert record.get(make_key(1)) is not None  # kept: noted after 3 and 4
+    assert record.get_many([make_key(i) for i in range(1, 8)]) == [None, None, None] + [
+        record.get(make_key(i)) for i in (4, 5, 6, 7)
+    ]
+    assert None not in record.get_many([make_key(i) for i in (4, 5, 6, 7)])
+
+
+def test_a_batch_larger_than_the_record_keeps_its_last_keys() -> None:
+    record = EvictionRecord(capacity=3, clock=FakeClock(0.0))
+    record.listener("l1")([make_key(i) for i in range(10)], EvictionReason.CAPACITY)
+    assert len(record) == 3
+    assert [record.get(make_key(i)) is not None for i in range(10)] == [False] * 7 + [True] * 3

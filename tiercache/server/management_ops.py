@@ -140,13 +140,15 @@ class ManagementOps:
         entries = []
         for spec in specs:
             others = [Fingerprint(raw) for raw in sorted(known) if raw != spec.fingerprint.raw]
-            for i, h in enumerate(msg.hashes):
-                key = spec.key(h)
-                holder = next((t.name for t in tiers if t.contains(key)), None)
+            keys = [spec.key(h) for h in msg.hashes]
+            holders = [next((t.name for t in tiers if t.contains(key)), None) for key in keys]
+            gone = [key for key, holder in zip(keys, holders) if holder is None]
+            notes = iter(self._evictions.get_many(gone))  # one pass over the record for all
+            for i, (h, holder) in enumerate(zip(msg.hashes, holders)):
                 if holder is not None:
                     entries.append(p.ExplainEntry(i, spec.object_group, holder))
                     continue
-                note = self._evictions.get(key)
+                note = next(notes)
                 if note is not None:
                     entries.append(
                         p.ExplainEntry(

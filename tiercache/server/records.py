@@ -1,21 +1,30 @@
 """A bounded record of recent evictions, so ``explain`` can say *why* a chunk is gone.
 
 Every tier reports evicted keys through :attr:`TierStats.listener`; the server points each tier's
-listener at one :class:`EvictionRecord`. It keeps the last ``capacity`` keys (an LRU: a key evicted
-again moves to the front) with the tier, the reason and the time. ~100k entries cost ~20 MiB.
+listener at one :class:`EvictionRecord`. It keeps the last ``capacity`` evictions with the tier, the
+reason and the time; a key evicted more than once is told by its newest.
+
+A store into a full L1 evicts as many objects as it has chunks, and the listener runs under the
+tier's lock on the request loop: an eviction batch is kept as one note and its keys' binary forms
+joined into one ``bytes`` (35 bytes a key; ~4 MiB for 100,000). Asking is the rare side:
+:meth:`EvictionRecord.get_many` splits the batches into keys (milliseconds for a full record).
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from operator import itemgetter
 
-from tiercache.keys.object_key import ObjectKey
+from tiercache.keys.object_key import KEY_BYTES, ObjectKey
 from tiercache.tier import EvictionReason
+
+_KEY = struct.Struct(f"{KEY_BYTES}s")  # one key's binary form inside a batch's joined bytes
+_FIRST = itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,47 +37,70 @@ class EvictionNote:
 
 
 class EvictionRecord:
-    """Thread-safe bounded LRU of :class:`EvictionNote` by key.
+    """Thread-safe bounded record of the last ``capacity`` evictions, by batch.
 
-    :meth:`listener` runs under the tiers' own locks (see ``TierStats.listener``): it is one dict
-    operation under a private lock and never calls into a tier.
+    :meth:`listener` runs under the tiers' own locks (see ``TierStats.listener``): it joins the
+    batch's keys, appends under a private lock and never calls into a tier.
     """
 
     def __init__(self, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         self._capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
-        # By the key's binary form: bytes hash in C, where an ObjectKey calls its Python
-        # __hash__ (a store into a full L1 notes as many evictions as it has chunks).
-        self._notes: OrderedDict[bytes, EvictionNote] = OrderedDict()  # guarded by _lock
+        # Oldest first: one note per eviction batch and its keys' binary forms, joined.
+        self._batches: deque[tuple[EvictionNote, bytes]] = deque()  # guarded by _lock
+        self._count = 0  # evictions in _batches; guarded by _lock
 
     def listener(self, tier: str) -> Callable[[Sequence[ObjectKey], EvictionReason], None]:
         """The callback to install as ``tier.stats.listener`` for the tier named ``tier``."""
 
         def note(keys: Sequence[ObjectKey], reason: EvictionReason) -> None:
-            entry = EvictionNote(tier, reason.value, self._clock())  # one note for the batch
-            raws = [key.raw for key in keys]
-            notes = self._notes
-            with self._lock:  # the loops in C, but for keys evicted again (moved to the new end)
-                again = list(filter(notes.__contains__, raws))  # (keys() & raws would copy them all)
-                notes.update(zip(raws, repeat(entry)))
-                for raw in again:
-                    notes.move_to_end(raw)
-                excess = len(notes) - self._capacity
-                if excess > 0:
-                    deque(map(notes.popitem, repeat(False, excess)), maxlen=0)  # the oldest
+            if not keys:
+                return
+            batch = (EvictionNote(tier, reason.value, self._clock()), b"".join([key.raw for key in keys]))
+            batches = self._batches
+            with self._lock:
+                batches.append(batch)
+                self._count += len(keys)
+                excess = self._count - self._capacity
+                while excess > 0:  # the oldest go; a batch partly
+                    oldest_note, oldest = batches[0]
+                    n = len(oldest) // KEY_BYTES
+                    if n <= excess:
+                        batches.popleft()
+                        self._count -= n
+                        excess -= n
+                    else:
+                        batches[0] = (oldest_note, oldest[excess * KEY_BYTES :])
+                        self._count -= excess
+                        excess = 0
 
         return note
 
-    def get(self, key: ObjectKey) -> EvictionNote | None:
-        """The last eviction of ``key`` still remembered, if any."""
+    def get_many(self, keys: Sequence[ObjectKey]) -> list[EvictionNote | None]:
+        """The newest eviction still remembered of each of ``keys`` (``None``: none). Splits every
+        batch (outside the lock, which evictions take under the tiers' locks): ask once for all
+        the keys of a question."""
         with self._lock:
-            return self._notes.get(key.raw)
+            batches = list(self._batches)
+        wanted = {key.raw for key in keys}
+        found: dict[bytes, EvictionNote] = {}
+        for note, joined in reversed(batches):  # the newest first: a key's newest note wins
+            if len(found) == len(wanted):
+                break
+            for raw in wanted.intersection(map(_FIRST, _KEY.iter_unpack(joined))):
+                found.setdefault(raw, note)
+        return [found.get(key.raw) for key in keys]
+
+    def get(self, key: ObjectKey) -> EvictionNote | None:
+        """The last eviction of ``key`` still remembered, if any (:meth:`get_many` of one)."""
+        return self.get_many([key])[0]
 
     def age(self, note: EvictionNote) -> float:
         """Seconds since ``note`` was taken."""
         return max(0.0, self._clock() - note.at)
 
     def __len__(self) -> int:
+        """Evictions remembered (a key evicted twice counts twice)."""
         with self._lock:
-            return len(self._notes)
+            return self._count
