@@ -140,6 +140,28 @@ def test_from_bytes_many_parses_each_key_as_from_bytes_does(keys: list[ObjectKey
     ]
 
 
+@given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=70), st.integers(0, 0xFFFF))
+def test_from_bytes_many_parses_a_store_of_one_group_as_from_bytes_does(
+    hashes: list[bytes], group: int
+) -> None:
+    raws = [k.to_bytes() for k in ObjectKey.many(Fingerprint(bytes(range(16))), group, hashes)]
+    parsed = ObjectKey.from_bytes_many(raws)
+    assert parsed == [ObjectKey.from_bytes(raw) for raw in raws]
+    assert [(k.fingerprint, k.object_group, k.prefix_hash, k.raw, hash(k)) for k in parsed] == [
+        (k.fingerprint, k.object_group, k.prefix_hash, k.raw, hash(k))
+        for k in map(ObjectKey.from_bytes, raws)
+    ]
+
+
+def test_from_bytes_many_refuses_keys_of_one_head_in_another_version() -> None:
+    raws = [
+        b"\x02" + ObjectKey(Fingerprint(bytes(range(16))), 1, bytes([i]) * 16).to_bytes()[1:]
+        for i in range(4)
+    ]
+    with pytest.raises(KeyFormatError, match="version 2 is not 1"):
+        ObjectKey.from_bytes_many(raws)
+
+
 @pytest.mark.parametrize(
     ("bad", "says"), [(b"short", "35 bytes, got 5"), (b"\x02" + bytes(34), "version 2 is not 1")]
 )

@@ -13,8 +13,11 @@ lists them. Text form: ``<fingerprint hex>/g<group>/<prefix hash hex>`` — used
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from tiercache.errors import KeyFormatError
@@ -25,6 +28,9 @@ KEY_VERSION = 1
 KEY_BYTES = 1 + FINGERPRINT_BYTES + 2 + HASH_BYTES
 MAX_OBJECT_GROUP = 0xFFFF
 _TEXT = re.compile(r"^([0-9a-f]{32})/g(\d{1,5})/([0-9a-f]{32})$")
+_HEAD = itemgetter(slice(0, 1 + FINGERPRINT_BYTES + 2))  # version, fingerprint, group
+_IS_BYTES = bytes.__instancecheck__
+_HASH_PART = itemgetter(slice(1 + FINGERPRINT_BYTES + 2, None))
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -133,6 +139,13 @@ class ObjectKey:
             return [cls.from_bytes(raw) for raw in raws]
         fp_end = 1 + FINGERPRINT_BYTES
         head_end = fp_end + 2
+        if all(map(_IS_BYTES, raws)) and set(map(len, raws)) == {KEY_BYTES}:
+            one_head = set(map(_HEAD, raws))
+            if len(one_head) == 1:  # the usual store: one engine layout's group; the loops in C
+                (head,) = one_head
+                if head[0] == KEY_VERSION:
+                    fingerprint = Fingerprint(head[1:fp_end])
+                    return _under_one_head(raws, fingerprint, int.from_bytes(head[fp_end:head_end], "big"))
         heads: dict[bytes, tuple[Fingerprint, int]] = {}  # a request's keys share one or two heads
         new = object.__new__
         set_fp, set_group, set_hash = _FINGERPRINT.__set__, _GROUP.__set__, _PREFIX.__set__
@@ -184,6 +197,23 @@ class ObjectKey:
 
     def __str__(self) -> str:
         return self.text()
+
+
+def _under_one_head(raws: Sequence[bytes], fingerprint: Fingerprint, object_group: int) -> list[ObjectKey]:
+    """The keys of ``raws`` (checked: 35 bytes each, every one of ``fingerprint`` and
+    ``object_group``), each field set by its slot's descriptor in a C loop (~0.7 µs a key
+    instead of ~1.1 in a Python loop)."""
+    n = len(raws)
+    keys: list[ObjectKey] = list(map(object.__new__, repeat(ObjectKey, n)))
+    for descriptor, values in (
+        (_FINGERPRINT, repeat(fingerprint, n)),
+        (_GROUP, repeat(object_group, n)),
+        (_PREFIX, map(_HASH_PART, raws)),
+        (_RAW, raws),
+        (_CODE, map(hash, raws)),
+    ):
+        deque(map(descriptor.__set__, keys, values), maxlen=0)
+    return keys
 
 
 def _head(fingerprint: Fingerprint, object_group: int) -> bytes:
