@@ -206,7 +206,10 @@ class L1Slots(L1Core):
                         "--chunk-size"
                     )
             needs.append(need)
-        if not self._tenants.enforcing:  # quotas choose victims per object, below
+        # Without quotas, room for the batch is made first and its bytes charged once at the end;
+        # with them, victims are chosen per object for its tenant, each charge seen as it comes.
+        per_object = self._tenants.enforcing
+        if not per_object:
             self._make_room(sum(needs), evicted)
         expires_at = now + self._config.reservation_ttl_s
         whole = self._arena.view(0, self._arena.size)  # one bounds check: slots lie in the arena
@@ -228,8 +231,9 @@ class L1Slots(L1Core):
                     evicted.append(self._evict(victim))
                     offset = allocator.take(need)
                 slot = Slot(key, offset, nbytes, tenant)
-                self._bytes_held += nbytes
-                charge(tenant, nbytes)
+                if per_object:
+                    self._bytes_held += nbytes
+                    charge(tenant, nbytes)
                 token = next(tokens)
                 reservations[token] = Ticket(slot, expires_at)
                 raw = key.raw
@@ -237,14 +241,33 @@ class L1Slots(L1Core):
                 buffer = whole[offset : offset + nbytes]
                 handles.append(_new_tuple(WriteHandle, (key, nbytes, buffer, token, expires_at)))
         except BaseException:
+            if not per_object:
+                self._charge_batch(handles, tenants)  # what the undo refunds
             for handle in handles:
                 ticket = self._end_reservation(handle.token)
                 if ticket is not None:
                     self._free(ticket.slot)
             raise
+        if not per_object:
+            self._charge_batch(handles, tenants)
         if handles:
             heapq.heappush(self._reservation_deadlines, (expires_at, handles[0].token, handles[-1].token))
         return handles
+
+    def _charge_batch(self, handles: Sequence[WriteHandle], tenants: Sequence[bytes]) -> None:
+        """Hold and charge the bytes of ``handles``, reserved for ``tenants`` in order (empty: the
+        default tenant), once per tenant."""
+        if not tenants:
+            total = sum(map(_NBYTES, handles))
+            self._bytes_held += total
+            self._tenants.charge(DEFAULT_TENANT, total)
+            return
+        per_tenant: dict[bytes, int] = {}
+        for handle, tenant in zip(handles, tenants):
+            per_tenant[tenant] = per_tenant.get(tenant, 0) + handle.nbytes
+        for tenant, nbytes in per_tenant.items():
+            self._bytes_held += nbytes
+            self._tenants.charge(tenant, nbytes)
 
     def _make_room(self, need: int, evicted: list[ObjectKey]) -> None:
         """Evict in the policy's order until ``need`` bytes are free (not necessarily in one
