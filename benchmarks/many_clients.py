@@ -10,7 +10,12 @@ clients at once, with 64 more clients connected and idle (heartbeating) througho
   next lookup as the connector's scheduler does (``Lookup.releases``: no message of its own, no
   reply);
 * ``load``: pin the 64 chunks, copy them out of the arena, check their digests, release;
-* ``store``: reserve 64 new chunks, copy them in, commit them with their digests.
+* ``store``: reserve 64 new chunks, copy them in, commit them with their digests;
+* ``ping`` (not run by default): one round trip that touches no tier, what any request costs the
+  server;
+* ``zmq`` (not run by default): the same round trip to a bare pyzmq ROUTER in a process of its own
+  that reads and answers as the server's loop does (poll, then non-blocking receives and sends):
+  the transport's floor under every request, the baseline for ``ping``.
 
 For each operation and client count it prints operations per second (all clients together), the
 p50 / p99 latency of one operation as its client saw it, the server's CPU time per operation and per
@@ -19,6 +24,7 @@ one client's, measured in the same run. Usage::
 
     python benchmarks/many_clients.py [--clients 1,2,4,8,16,32] [--idle 64] [--seconds 3]
                                       [--ops lookup,load,store] [--chunk-kb 16]
+    python benchmarks/many_clients.py --ops ping,zmq
     python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
 
 ``--size`` runs lookups on a small server (L1 0.5 GiB, an empty disk tier) and then on a large one
@@ -41,6 +47,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_seconds, pct
@@ -54,6 +62,9 @@ from tiercache.wire.protocol import GroupRef
 MiB = 1 << 20
 CHUNKS = 64
 CHUNK_TOKENS = 256
+#: What --ops may name; the last two touch no tier (the µs/chunk column is empty for them).
+OPS = ("lookup", "load", "store", "ping", "zmq")
+ROUND_TRIPS = ("ping", "zmq")
 #: Prompts stored before the runs; the clients look them up and load them round-robin.
 PROMPTS = 16
 MANIFEST = manifest(model_id="bench-many-clients", chunk_size=CHUNK_TOKENS)
@@ -65,10 +76,33 @@ def prompt_keys(group: GroupRef, prompt: int) -> tuple[list[bytes], list[ObjectK
     return hashes, [ObjectKey(Fingerprint(group.fingerprint), group.object_group, h) for h in hashes]
 
 
-def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.connection.Connection) -> None:
+def echo(endpoint: str) -> None:
+    """The ``zmq`` op's server: a bare ROUTER answering each request with its body, read and
+    answered as the server's loop does (poll, then non-blocking receives and sends)."""
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        poller.poll(1000)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            sock.send_multipart(sock.recv_multipart(zmq.NOBLOCK), zmq.NOBLOCK)
+
+
+def worker(
+    endpoint: str,
+    echo_endpoint: str | None,
+    index: int,
+    chunk_bytes: int,
+    conn: multiprocessing.connection.Connection,
+) -> None:
     """A client process: on each ``(op, start, until)`` it repeats ``op`` from ``start`` until
     ``until`` (wall clock) and sends back its latencies in seconds; ``None`` ends it."""
     inflight_wait_s = ConnectorSettings().inflight_wait_s
+    bare = None
+    if echo_endpoint is not None:
+        bare = zmq.Context().socket(zmq.DEALER)
+        bare.connect(echo_endpoint)
     with Client(endpoint, timeout=30, client_name=f"bench-{index}") as client:
         [group] = client.register([(0, MANIFEST)])
         prompts = [prompt_keys(group, i) for i in range(PROMPTS)]
@@ -90,6 +124,14 @@ def worker(endpoint: str, index: int, chunk_bytes: int, conn: multiprocessing.co
                     assert found.ready_chunks == CHUNKS, found.state
                     # As the connector does: the release rides this client's next lookup.
                     client.release_ticket_later(found.ticket, read=True)
+                elif op == "ping":
+                    client.ping()
+                    samples.append(time.perf_counter() - t0)
+                elif op == "zmq":
+                    assert bare is not None
+                    bare.send(b"ping")
+                    bare.recv()
+                    samples.append(time.perf_counter() - t0)
                 elif op == "load":
                     copies = client.load_chunks(keys)
                     samples.append(time.perf_counter() - t0)
@@ -157,6 +199,11 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     start_s = time.perf_counter() - t0
     pid = server.process.pid
     assert pid is not None
+    echo_proc = echo_endpoint = None
+    if "zmq" in ops:
+        echo_endpoint = spec.listen + ".echo"
+        echo_proc = ctx.Process(target=echo, args=(echo_endpoint,), daemon=True)
+        echo_proc.start()
     idle = [Client(server.endpoint, timeout=30, client_name=f"idle-{i}") for i in range(args.idle)]
     with server.client(timeout=60) as setup:
         [group] = setup.register([(0, MANIFEST)])
@@ -166,7 +213,9 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     workers = []
     for index in range(max(counts)):
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(server.endpoint, index, chunk_bytes, there), daemon=True)
+        proc = ctx.Process(
+            target=worker, args=(server.endpoint, echo_endpoint, index, chunk_bytes, there), daemon=True
+        )
         proc.start()
         workers.append((proc, here))
     for _, conn in workers:
@@ -180,9 +229,11 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
                 for _, conn in workers[:n]:
                     conn.send((op, start, start + args.seconds))
                 time.sleep(max(0.0, start - time.time()))
-                cpu0 = cpu_seconds(pid)
+                measured = echo_proc.pid if op == "zmq" and echo_proc is not None else pid
+                assert measured is not None
+                cpu0 = cpu_seconds(measured)
                 samples = [s for _, conn in workers[:n] for s in conn.recv()]
-                cpu = cpu_seconds(pid) - cpu0
+                cpu = cpu_seconds(measured) - cpu0
                 rate = len(samples) / args.seconds
                 single = single or rate
                 per_op = cpu / max(1, len(samples)) * 1e6
@@ -190,9 +241,10 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
                     "p50_ms": statistics.median(samples) * 1e3,
                     "p99_ms": pct(samples, 0.99) * 1e3,
                 }
+                per_chunk = "–" if op in ROUND_TRIPS else f"{per_op / CHUNKS:.1f}"
                 print(
                     f"| {op} | {n} | {rate:,.0f} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {per_op:.0f} | "
-                    f"{per_op / CHUNKS:.1f} | {rate / single:.2f} |",
+                    f"{per_chunk} | {rate / single:.2f} |",
                     flush=True,
                 )
         memory = memory_kib(pid)  # after the runs: the arena populated, the indexes built
@@ -203,6 +255,9 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
             proc.join(10)
         for client in idle:
             client.close()
+        if echo_proc is not None:
+            echo_proc.kill()
+            echo_proc.join(10)
         server.stop()
     return CaseResult(start_s, memory, rows)
 
@@ -258,6 +313,17 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
+def op_list(text: str) -> list[str]:
+    """``--ops``: names from :data:`OPS`, comma-separated."""
+    ops = [op.strip() for op in text.split(",") if op.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(
+            f"unknown operation(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(OPS)}"
+        )
+    return ops
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -267,7 +333,13 @@ def main() -> int:
     )
     ap.add_argument("--idle", type=int, default=64, help="idle connected clients throughout")
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
-    ap.add_argument("--ops", default="lookup,load,store", help="operations to run, comma-separated")
+    ap.add_argument(
+        "--ops",
+        type=op_list,
+        default="lookup,load,store",
+        help=f"operations to run, comma-separated, of {', '.join(OPS)} (ping, zmq: a round trip to the "
+        "server, and to a bare pyzmq ROUTER: the transport's floor)",
+    )
     ap.add_argument(
         "--chunk-kb", type=int, default=16, help="bytes of a chunk (loads copy, stores write them)"
     )
@@ -305,7 +377,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     )
     print(HEADER)
     spec = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=int(args.l1_gb * 1024) * MiB)
-    run_case(args, spec, args.ops.split(","), counts)
+    run_case(args, spec, args.ops, counts)
     return 0
 
 
