@@ -205,6 +205,20 @@ def test_the_first_lookup_builds_no_client_both_are_built_at_start(
     assert tier.stats.errors == 0
 
 
+def test_the_first_lookup_opens_no_connection_the_existence_checks_one_is_opened_at_start(
+    tier: S3Tier, s3: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if s3.kind == "moto":
+        pytest.skip("moto's server closes every connection after its reply: none stays open to reuse")
+
+    def late(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a connection to S3 opened on the lookups' path")
+
+    monkeypatch.setattr("urllib3.util.connection.create_connection", late)
+    assert tier.lookup_prefix([make_key(i) for i in range(4)]) == 0
+    assert tier.stats.errors == 0
+
+
 def test_lookup_with_the_first_chunk_missing_costs_one_request(tier: S3Tier) -> None:
     counter = RequestCounter(tier.client, tier.head_client)
     assert tier.lookup_prefix([make_key(i) for i in range(512)]) == 0

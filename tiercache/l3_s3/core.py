@@ -98,10 +98,7 @@ class S3Core(Tier):
         self._closed = threading.Event()
         self._indexed = threading.Event()
         self.check()
-        # Built now, off the lookups' path: a client costs ~0.1 s of CPU on a quiet machine, several
-        # times that on a loaded one, which the first lookup would pay inside its
-        # --remote-lookup-budget-s.
-        self.head_client  # noqa: B018
+        self._open_heads_connection()
 
     # -- client and start-up --------------------------------------------------------------------
     @property
@@ -158,6 +155,17 @@ class S3Core(Tier):
         except BotoCoreError as exc:
             raise request_failure(exc, self._where, "HeadBucket", _PERMISSIONS) from exc
         self._create_bucket()
+
+    def _open_heads_connection(self) -> None:
+        """Build the existence checks' client and open its connection with one HEAD of the
+        bucket, off the lookups' path: a client costs ~0.1 s of CPU on a quiet machine (several
+        times that on a loaded one) and a connection a TCP (and TLS) handshake, which the first
+        lookup would otherwise pay inside its --remote-lookup-budget-s. A failure here is left to
+        the lookups, which count and report their own."""
+        try:
+            self.head_client.head_bucket(Bucket=self.config.bucket)
+        except (ClientError, BotoCoreError) as exc:
+            log.debug("S3 %s: the existence checks' first HEAD failed: %s", self._where, exc)
 
     def _create_bucket(self) -> None:
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket}
