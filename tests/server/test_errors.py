@@ -180,6 +180,19 @@ def test_a_commit_naming_a_reservation_twice_is_refused_and_leaves_both_open(
         assert bob.release([lease.token for lease in leases if lease]) == 2
 
 
+def test_a_release_naming_a_lease_twice_is_refused_and_leaves_both_held(server: ServerProcess) -> None:
+    with server.client() as bob:
+        slots = bob.reserve([(key(7), 4096), (key(8), 4096)])
+        for slot in slots:
+            bob.arena().view(slot.offset, slot.nbytes)[:] = bytes(4096)
+        assert bob.commit([slot.token for slot in slots], [digest(bytes(4096))] * 2) == 2
+        first, second = (lease.token for lease in bob.pin([key(7), key(8)]) if lease)
+        with pytest.raises(ServerError) as err:
+            bob.release([first, second, first])
+        assert err.value.code == "invalid"
+        assert bob.release_leases([first, second]) == set()  # both were still held, none expired
+
+
 def test_a_reserve_of_a_size_outside_the_arena_is_refused_and_reserves_nothing(
     server: ServerProcess,
 ) -> None:

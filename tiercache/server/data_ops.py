@@ -379,15 +379,13 @@ class DataOps:
         self._engine.note_reads(h.key for h in held)  # S3 admission ``read``
         if held:  # one lock round trip for all: each hit gets its share, as a "read" of L1
             self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / len(held), len(held))
-        for handle in held:
-            self._sessions.hold_lease(session, handle)
+        self._sessions.hold_leases(session, held)
         found = iter(self._l1.lease_slots(held, p.Slot))  # one lock round trip for every slot
         return p.SlotsReply(slots=[None if h is None else next(found) for h in handles])
 
     def release(self, session: Session, msg: p.Release) -> p.Message:
         handles = self._sessions.claim_leases(session, msg.tokens)
-        for handle in handles:
-            self._sessions.forget_lease(session, handle)
+        self._sessions.forget_leases(session, handles)
         held = self._l1.release_many(handles)
         lost = [h.token for h, ok in zip(handles, held) if not ok]
         self._sessions.lost_leases += len(lost)

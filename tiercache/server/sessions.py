@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -242,9 +243,11 @@ class Sessions:
         session.reserved_bytes += sum(map(_NBYTES, handles))
         self._owner.update(dict.fromkeys(tokens, session.identity))
 
-    def hold_lease(self, session: Session, handle: ReadHandle) -> None:
-        session.leases[handle.token] = handle
-        self._owner[handle.token] = session.identity
+    def hold_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
+        """``session`` holds the read leases ``handles`` (a pin's: the loops run in C)."""
+        tokens = list(map(_TOKEN, handles))
+        session.leases.update(zip(tokens, handles))
+        self._owner.update(dict.fromkeys(tokens, session.identity))
 
     def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: tuple[int, int]) -> None:
         """``session`` holds ``ticket``, whose lookup reported ``found`` (chunks, blocks: its polls
@@ -296,6 +299,8 @@ class Sessions:
 
     def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle]:
         """The leases behind ``tokens``, if all are this client's (checked before any is used)."""
+        if len(set(tokens)) != len(tokens):
+            raise Refused(p.ErrorCode.INVALID, "a release names one lease twice")
         handles: list[ReadHandle] = self._claim(session.leases, tokens, "lease")
         return handles
 
@@ -307,10 +312,11 @@ class Sessions:
             owner.pop(handle.token, None)
         session.reserved_bytes -= sum(map(_NBYTES, handles))
 
-    def forget_lease(self, session: Session, handle: ReadHandle) -> None:
-        """The client released ``handle``."""
-        del session.leases[handle.token]
-        self._owner.pop(handle.token, None)
+    def forget_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
+        """The client released ``handles``, its own (:meth:`claim_leases`)."""
+        tokens = list(map(_TOKEN, handles))
+        deque(map(session.leases.__delitem__, tokens), maxlen=0)
+        deque(map(self._owner.pop, tokens, repeat(None)), maxlen=0)
 
     def ticket(self, session: Session, ticket_id: int) -> PrefetchTicket:
         """The client's open ticket ``ticket_id``."""
