@@ -238,16 +238,12 @@ class Sessions:
     # -- what sessions hold --------------------------------------------------------------------
     def hold_reservations(self, session: Session, handles: Sequence[WriteHandle]) -> None:
         """``session`` holds the reservations ``handles`` (a store's: the loops run in C)."""
-        tokens = list(map(_TOKEN, handles))
-        session.reservations.update(zip(tokens, handles))
+        self._hold(session.reservations, handles, session.identity)
         session.reserved_bytes += sum(map(_NBYTES, handles))
-        self._owner.update(dict.fromkeys(tokens, session.identity))
 
     def hold_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
         """``session`` holds the read leases ``handles`` (a pin's: the loops run in C)."""
-        tokens = list(map(_TOKEN, handles))
-        session.leases.update(zip(tokens, handles))
-        self._owner.update(dict.fromkeys(tokens, session.identity))
+        self._hold(session.leases, handles, session.identity)
 
     def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: tuple[int, int]) -> None:
         """``session`` holds ``ticket``, whose lookup reported ``found`` (chunks, blocks: its polls
@@ -261,8 +257,6 @@ class Sessions:
         """The reservations behind ``tokens``, if all are this client's (checked before any is used).
         Tokens of reservations abandoned when this client's earlier session was dropped free their
         quarantined slots (it is done writing them) and are refused."""
-        if len(set(tokens)) != len(tokens):
-            raise Refused(p.ErrorCode.INVALID, "a commit or abort names one reservation twice")
         handles: list[WriteHandle] = self._claim(
             session.reservations, tokens, "reservation", session.identity
         )
@@ -299,23 +293,30 @@ class Sessions:
 
     def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle]:
         """The leases behind ``tokens``, if all are this client's (checked before any is used)."""
-        if len(set(tokens)) != len(tokens):
-            raise Refused(p.ErrorCode.INVALID, "a release names one lease twice")
         handles: list[ReadHandle] = self._claim(session.leases, tokens, "lease")
         return handles
 
     def forget_reservations(self, session: Session, handles: Sequence[WriteHandle]) -> None:
         """The client is done with ``handles`` (committed or aborted), its own (:meth:`claim_reservations`)."""
-        mine, owner = session.reservations, self._owner
-        for handle in handles:
-            del mine[handle.token]
-            owner.pop(handle.token, None)
+        self._forget(session.reservations, handles)
         session.reserved_bytes -= sum(map(_NBYTES, handles))
 
     def forget_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
         """The client released ``handles``, its own (:meth:`claim_leases`)."""
+        self._forget(session.leases, handles)
+
+    def _hold(self, own: dict[int, Any], handles: Sequence[Any], identity: bytes) -> None:
+        """File ``handles`` (reservations or leases) by token in ``own``, a session's, owned by
+        ``identity`` (the loops in C: a store or a pin holds one per chunk)."""
         tokens = list(map(_TOKEN, handles))
-        deque(map(session.leases.__delitem__, tokens), maxlen=0)
+        own.update(zip(tokens, handles))
+        self._owner.update(dict.fromkeys(tokens, identity))
+
+    def _forget(self, own: dict[int, Any], handles: Sequence[Any]) -> None:
+        """Take ``handles``, all filed in ``own`` (:meth:`_claim` found them there), out of it and
+        out of the owners' map."""
+        tokens = list(map(_TOKEN, handles))
+        deque(map(own.__delitem__, tokens), maxlen=0)
         deque(map(self._owner.pop, tokens, repeat(None)), maxlen=0)
 
     def ticket(self, session: Session, ticket_id: int) -> PrefetchTicket:
@@ -353,7 +354,12 @@ class Sessions:
         self.lost_leases += self._engine.release_ticket(self.drop_ticket(session, ticket_id), read=read)
 
     def _claim(self, own: dict[int, Any], tokens: list[int], kind: str, identity: bytes = b"") -> list[Any]:
-        """The handles behind ``tokens`` if all are this client's (checked before acting on any)."""
+        """The handles behind ``tokens`` if all are this client's and each is named once (checked
+        before acting on any: a commit, abort or release naming one twice would act on it twice)."""
+        if len(set(tokens)) != len(tokens):
+            twice = next(token for i, token in enumerate(tokens) if token in tokens[:i])
+            action = "a commit or abort" if kind == "reservation" else "a release"
+            raise Refused(p.ErrorCode.INVALID, f"{action} names {kind} {twice} twice; name each once")
         handles = []
         for token in tokens:
             handle = own.get(token)
