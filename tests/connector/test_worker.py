@@ -73,7 +73,7 @@ class _PinClient:
     def clock(self) -> float:
         return time.monotonic()
 
-    def release_unanswered(self, tokens: Sequence[int]) -> None:
+    def release_leases_later(self, tokens: Sequence[int]) -> None:
         pass  # every lease was held for the whole copy
 
     def report_corrupt(self, slots: Sequence[p.Slot]) -> None:

@@ -98,7 +98,7 @@ class FakeClient:
     def release_leases(self, tokens: list[int], timeout: float | None = None) -> set[int]:
         return self.expired.intersection(tokens)
 
-    def release_unanswered(self, tokens: list[int]) -> None:
+    def release_leases_later(self, tokens: list[int]) -> None:
         pass
 
     def report_corrupt(self, slots: list[p.Slot]) -> None:

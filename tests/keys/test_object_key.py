@@ -171,6 +171,25 @@ def test_from_bytes_many_refuses_a_bad_key_among_good_ones(bad: bytes, says: str
         ObjectKey.from_bytes_many([good, bad, good])
 
 
+@given(st.lists(keys_st, max_size=8))
+def test_check_many_accepts_every_binary_key_without_building_it(keys: list[ObjectKey]) -> None:
+    ObjectKey.check_many([k.to_bytes() for k in keys])
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (b"short", "35 bytes, got 5"),
+        (b"\x02" + bytes(34), "version 2 is not 1"),
+        (bytearray(35), "bytes, got bytearray"),
+    ],
+)
+def test_check_many_refuses_what_from_bytes_many_refuses(bad: bytes, says: str) -> None:
+    good = ObjectKey(Fingerprint(bytes(range(16))), 1, b"h" * 16).to_bytes()
+    with pytest.raises(KeyFormatError, match=says):
+        ObjectKey.check_many([good, bad, good])
+
+
 def test_group_and_hash_reads_a_binary_key_without_building_it() -> None:
     key = ObjectKey(Fingerprint(bytes(range(16))), 513, b"h" * 16)
     assert ObjectKey.group_and_hash(key.to_bytes()) == (513, b"h" * 16)

@@ -122,3 +122,61 @@ def test_a_release_past_that_window_asks_the_server_and_hears_of_the_expired_lea
         time.sleep(TTL_S * 3)  # the copy "took" longer than the lease
         assert load.finish() == {0}  # slot 0's copy is not vouched for
         assert client.stats()["server"]["leases_lost"] == 1
+
+
+def test_a_loads_release_rides_the_next_pin_and_is_applied_before_it(start_server: StartServer) -> None:
+    """A load whose copy time alone vouches for (well inside the leases) sends no release of its
+    own: the release is held back and carried by the client's next pin, which the server applies
+    first. The server reads one message per load where it read two."""
+    server = start_server()
+    with server.client(heartbeat=False) as client:
+        keys = stored_keys(client, 2)
+        assert client.load_chunks(keys) == [bytes([0]) * 4096, bytes([1]) * 4096]
+        held = client.stats()["server"]  # not a pin: the release stays behind
+        assert client.load_chunks(keys) == [bytes([0]) * 4096, bytes([1]) * 4096]  # carries it
+        after = client.stats()["server"]
+    assert held["leases"] == 2 and after["leases"] == 2  # the second load's only
+    assert after["requests"] - held["requests"] == 2  # the pin and this stats
+    assert after["leases_lost"] == after["releases_skipped"] == 0
+
+
+def test_held_back_lease_releases_go_quietly_when_flushed_skipping_what_the_session_does_not_hold(
+    start_server: StartServer,
+) -> None:
+    """What no pin took along goes in one quiet release (unanswered). A token the session does not
+    hold (released already, or another client's) is skipped and counted, never refused: the
+    session's other leases are released, the other client's lease is left alone."""
+    server = start_server()
+    with server.client(heartbeat=False) as client, server.client(heartbeat=False) as other:
+        keys = stored_keys(client, 2)
+        mine = Load.pin(client, keys)
+        [theirs] = other.pin(keys[:1])
+        assert theirs is not None
+        assert client.release_leases(mine.tokens[:1]) == set()
+        before = client.stats()["server"]
+        client.release_leases_later([*mine.tokens, theirs.token])
+        client.flush_releases()
+        after = client.stats()["server"]
+        assert other.release_leases([theirs.token]) == set()  # still its own
+    assert before["leases"] == 2 and after["leases"] == 1  # the other client's
+    assert after["releases_skipped"] - before["releases_skipped"] == 2
+    assert after["requests"] - before["requests"] == 2  # the release and this stats
+    assert after["replies"] - before["replies"] == 1
+
+
+def test_a_held_back_release_is_sent_within_a_quarter_of_the_lease_window_however_busy_the_client(
+    start_server: StartServer,
+) -> None:
+    """The heartbeat thread sends releases no pin took along once they have waited a quarter of
+    the lease window (at most a second), even while the client keeps talking to the server, so a
+    client that stops loading does not keep its last objects pinned."""
+    server = start_server(l1_lease_ttl_s=4 * TTL_S)
+    with server.client() as client:
+        keys = stored_keys(client, 2)
+        client.load_chunks(keys)
+        assert client.stats()["server"]["leases"] == 2
+        deadline = time.monotonic() + 10
+        while client.stats()["server"]["leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # every stats is a request: the client is never silent
+        assert client.stats()["server"]["leases"] == 0
+        assert client.stats()["server"]["leases_lost"] == 0

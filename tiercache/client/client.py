@@ -208,7 +208,8 @@ class Client(Transport):
             self._hold_release(ticket, read)
 
     def flush_releases(self) -> None:
-        """Send the releases :meth:`release_ticket_later` held back, in one message, now."""
+        """Send the releases :meth:`release_ticket_later` and :meth:`release_leases_later` held
+        back now (a message for the tickets', one for the leases')."""
         with self._lock:
             self._flush_riders()
 
@@ -269,13 +270,16 @@ class Client(Transport):
         made under one must be thrown away. Raises like every call; then no lease is confirmed."""
         return self._call(p.Release(tokens=list(tokens)), lambda r: set(r.lost), timeout)
 
-    def release_unanswered(self, tokens: Sequence[int]) -> None:
-        """End read leases without waiting for the reply (a round trip less per load): for a reader
-        whose copy time alone vouches for (:class:`~tiercache.client.transfer.Window`). Unsent,
-        the leases end with their TTL or the session."""
+    def release_leases_later(self, tokens: Sequence[int]) -> None:
+        """End read leases without a reply, held back to ride this client's next pin
+        (``Pin.releases``): for a reader whose copy time alone vouches for
+        (:class:`~tiercache.client.transfer.Window`), a load is then one message for the server to
+        read instead of two. Until then the objects stay pinned; :meth:`flush_releases` sends what
+        is held now, the heartbeat thread within about a second. Unsent, the leases end with their
+        TTL or the session."""
         if tokens:
             with self._lock:
-                self._send_unanswered(p.Release(tokens=list(tokens)))
+                self._hold_lease_releases(tokens)
 
     def report_corrupt(self, slots: Sequence[p.Slot]) -> None:
         """Tell the server these slots' copies did not match their digests (it re-checks them,

@@ -82,7 +82,7 @@ class DataPathClient(Protocol):
 
     def release_leases(self, tokens: Sequence[int], timeout: float | None = None) -> set[int]: ...
 
-    def release_unanswered(self, tokens: Sequence[int]) -> None: ...
+    def release_leases_later(self, tokens: Sequence[int]) -> None: ...
 
     def report_corrupt(self, slots: Sequence[p.Slot]) -> None: ...
 
@@ -314,7 +314,7 @@ class Load(_Slots):
             return set() if held else {i for i, s in enumerate(self.slots) if s is not None}
         try:
             if held:
-                self.client.release_unanswered(self.tokens)
+                self.client.release_leases_later(self.tokens)
                 return set()
             lost = self.client.release_leases(self.tokens)
         except TierCacheError:

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar, cast
@@ -83,6 +83,16 @@ class _State:
     unsigned_replies: int = 0
     #: Ticket releases held back to ride the next lookup (``Lookup.releases``).
     riders: list[p.TicketRelease] = field(default_factory=list)
+    #: Lease tokens whose release is held back to ride the next pin (``Pin.releases``).
+    lease_riders: list[int] = field(default_factory=list)
+    #: ``time.monotonic()`` when the oldest release held back now was; 0.0 when none is.
+    riders_since: float = 0.0
+
+    def drop_riders(self) -> None:
+        """Forget the releases held back (a new session holds none of the old one's holds)."""
+        self.riders.clear()
+        self.lease_riders.clear()
+        self.riders_since = 0.0
 
 
 #: The largest unsigned reply a client of a shared-secret server decodes: a refusal the server
@@ -96,6 +106,13 @@ def _unsigned_refusal(reply: p.Message) -> bool:
 
 #: Ticket releases held back for the next lookup before they go in a message of their own.
 _MAX_RIDERS = 256
+#: Lease releases held back for the next pin before they go in a message of their own (a pin of a
+#: 128k-token prompt's pages holds 512).
+_MAX_LEASE_RIDERS = 4096
+#: Seconds a held-back release waits for a lookup or pin to ride before the heartbeat thread sends
+#: it (the objects stay pinned until then), however busy the client is with other requests; at
+#: most a quarter of the lease window (``Transport.lease_window_s``).
+_RIDER_WAIT_S = 1.0
 #: Timed-out async requests remembered for their late replies; beyond this many, none will come.
 _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
@@ -210,7 +227,7 @@ class Transport:
         st.hello = None
         st.pending.clear()
         st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
-        st.riders.clear()
+        st.drop_riders()
         st.seal = None
         if not self._closed.is_set():
             self._connect()
@@ -242,15 +259,21 @@ class Transport:
         while not self._closed.is_set():
             info = self._state.hello
             interval = (info.heartbeat_timeout_s if info else 15.0) / 3
-            if self._closed.wait(min(interval, 1.0)):
+            # A held-back release lands well inside its leases (under a short lease TTL, sooner).
+            rider_wait = min(_RIDER_WAIT_S, self.lease_window_s / 4 or _RIDER_WAIT_S)
+            if self._closed.wait(min(interval, rider_wait)):
                 return
-            if time.monotonic() - self._state.last_send < interval:
+            now = time.monotonic()
+            silent = now - self._state.last_send >= interval
+            since = self._state.riders_since
+            if not silent and not (since and now - since >= rider_wait):
                 continue
             if not self._lock.acquire(timeout=0.1):
                 continue  # someone is talking to the server: that is a heartbeat too
             try:
-                self._flush_riders()  # releases no lookup took along: they go now, at the latest
-                self._send_ping()
+                self._flush_riders()  # releases no lookup or pin took along: they go now, at the latest
+                if silent:
+                    self._send_ping()
             except Exception:  # down or restarting: the next real call reports it
                 pass
             finally:
@@ -285,8 +308,13 @@ class Transport:
         if st.sock is None:
             self._connect()
         assert st.sock is not None
+        # Held-back releases ride along (lost with the message if the send fails: leases end).
         if st.riders and isinstance(msg, p.Lookup) and not msg.releases:
-            msg.releases, st.riders = st.riders, []  # (lost with it if the send fails: leases end)
+            msg.releases, st.riders = st.riders, []
+            st.riders_since = st.riders_since if st.lease_riders else 0.0
+        elif st.lease_riders and isinstance(msg, p.Pin) and not msg.releases:
+            msg.releases, st.lease_riders = st.lease_riders, []
+            st.riders_since = st.riders_since if st.riders else 0.0
         try:
             self._write(st.sock, msg)
         except zmq.Again as exc:
@@ -374,17 +402,34 @@ class Transport:
     def _hold_release(self, ticket: int, read: bool) -> None:
         """Hold a ticket's release back for the next lookup (caller holds the lock); past
         :data:`_MAX_RIDERS` of them, send them at once."""
-        riders = self._state.riders
-        riders.append(p.TicketRelease(ticket, read))
-        if len(riders) >= _MAX_RIDERS:
+        st = self._state
+        st.riders_since = st.riders_since or time.monotonic()
+        st.riders.append(p.TicketRelease(ticket, read))
+        if len(st.riders) >= _MAX_RIDERS:
+            self._flush_riders()
+
+    def _hold_lease_releases(self, tokens: Sequence[int]) -> None:
+        """Hold the release of leases ``tokens`` back for the next pin (caller holds the lock);
+        past :data:`_MAX_LEASE_RIDERS` of them, send them at once."""
+        st = self._state
+        if st.hello is None:
+            return  # no session: nothing of it is held any more
+        st.riders_since = st.riders_since or time.monotonic()
+        st.lease_riders.extend(tokens)
+        if len(st.lease_riders) >= _MAX_LEASE_RIDERS:
             self._flush_riders()
 
     def _flush_riders(self) -> None:
-        """Send the held-back releases in one message, not waited for (caller holds the lock)."""
+        """Send the held-back releases, a message per kind, not waited for (caller holds the lock)."""
         st = self._state
-        if st.riders and st.hello is not None:
-            riders, st.riders = st.riders, []
-            self._send_unanswered(p.ReleaseTickets(releases=riders))
+        if st.hello is not None:
+            if st.riders:
+                riders, st.riders = st.riders, []
+                self._send_unanswered(p.ReleaseTickets(releases=riders))
+            if st.lease_riders:
+                tokens, st.lease_riders = st.lease_riders, []
+                self._send_unanswered(p.Release(tokens=tokens, quiet=True))
+        st.riders_since = 0.0
 
     def _release_late_ticket(self, ticket: int, read: bool = False) -> None:
         """Release a ticket; fire and forget. Lost, the ticket goes with its leases or session."""
@@ -459,7 +504,7 @@ class Transport:
     def _say_hello(self, timeout: float | None) -> ServerInfo:
         st = self._state
         self._check_listener()
-        st.riders.clear()  # a new session holds none of the old one's tickets
+        st.drop_riders()  # a new session holds none of the old one's tickets or leases
         st.seal = None  # a new handshake: the challenge's reply comes unsigned
         dropped = st.unsigned_replies
         auth = client_nonce = b""

@@ -30,6 +30,7 @@ MAX_OBJECT_GROUP = 0xFFFF
 _TEXT = re.compile(r"^([0-9a-f]{32})/g(\d{1,5})/([0-9a-f]{32})$")
 _HEAD = itemgetter(slice(0, 1 + FINGERPRINT_BYTES + 2))  # version, fingerprint, group
 _IS_BYTES = bytes.__instancecheck__
+_VERSION = itemgetter(0)
 _HASH_PART = itemgetter(slice(1 + FINGERPRINT_BYTES + 2, None))
 
 
@@ -156,6 +157,22 @@ class ObjectKey:
             set_code(key, hash(raw))
             out.append(key)
         return out
+
+    @classmethod
+    def check_many(cls, raws: Sequence[bytes]) -> None:
+        """Raise :class:`KeyFormatError` (as :meth:`from_bytes` would) unless every one of ``raws``
+        is a key's binary form, as ``bytes``, without building the keys: a pin looks its keys up
+        by that form (the checks run in C)."""
+        if (
+            all(map(_IS_BYTES, raws))
+            and set(map(len, raws)) <= {KEY_BYTES}
+            and set(map(_VERSION, raws)) <= {KEY_VERSION}
+        ):
+            return
+        for raw in raws:
+            if not isinstance(raw, bytes):  # (from_bytes would copy it; a lookup by it cannot)
+                raise KeyFormatError(f"an object key is bytes, got {type(raw).__name__}")
+            cls.from_bytes(raw)  # raises, naming what is wrong
 
     @staticmethod
     def group_and_hash(raw: bytes) -> tuple[int, bytes]:

@@ -50,6 +50,15 @@ class ArenaFront(Protocol):
 
     def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]: ...
 
+    def pin_many_raw(
+        self, raws: Sequence[bytes], build: Callable[[bytes, int, int, int, int], T]
+    ) -> tuple[list[ReadHandle | None], list[T | None]]:
+        """:meth:`pin_many` of keys in their binary form (``ObjectKey.to_bytes()``, checked by the
+        caller), counted as reads, with :meth:`lease_slots`' ``build`` of each lease (``None``
+        where no object) from the same pass: a pin request's keys are looked up as they came, no
+        key object built for each, and its reply's slots need no second pass."""
+        ...
+
     def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]: ...
 
     def slot_of(self, handle: WriteHandle | ReadHandle) -> ArenaSlot:

@@ -35,12 +35,14 @@ from tiercache.server.replies import (
     Handler,
     Offload,
     Refused,
+    check_keys,
     parse_key,
     parse_keys,
     parse_tenant_id,
 )
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups
+from tiercache.tier.contract import ReadHandle
 from tiercache.tier.latency import LatencySet
 from tiercache.wire import protocol as p
 
@@ -371,25 +373,34 @@ class DataOps:
         return p.Done(count=len(handles))
 
     def pin(self, session: Session, msg: p.Pin) -> p.Message:
-        keys = parse_keys(msg.keys)
-        self._sessions.room_for_holds(session, len(keys), time.monotonic())
+        if msg.releases:  # the client's earlier leases first: their objects may go, its room grows
+            self._release_leases(self._sessions.own_leases(session, msg.releases))
+        check_keys(msg.keys)
+        self._sessions.room_for_holds(session, len(msg.keys), time.monotonic())
         t0 = time.perf_counter()
-        handles = self._l1.pin_many(keys)
+        handles, slots = self._l1.pin_many_raw(msg.keys, p.Slot)
         held = [h for h in handles if h is not None]
         self._engine.note_reads(h.key for h in held)  # S3 admission ``read``
         if held:  # one lock round trip for all: each hit gets its share, as a "read" of L1
             self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / len(held), len(held))
         self._sessions.hold_leases(session, held)
-        found = iter(self._l1.lease_slots(held, p.Slot))  # one lock round trip for every slot
-        return p.SlotsReply(slots=[None if h is None else next(found) for h in handles])
+        return p.SlotsReply(slots=slots)
 
-    def release(self, session: Session, msg: p.Release) -> p.Message:
+    def release(self, session: Session, msg: p.Release) -> p.Message | None:
+        if msg.quiet:
+            self._release_leases(self._sessions.own_leases(session, msg.tokens))
+            return None
         handles = self._sessions.claim_leases(session, msg.tokens)
         self._sessions.forget_leases(session, handles)
+        return p.Released(count=len(handles), lost=self._release_leases(handles))
+
+    def _release_leases(self, handles: list[ReadHandle]) -> list[int]:
+        """End ``handles`` (the session forgot them already); the tokens of those that had expired
+        first (counted as lost leases)."""
         held = self._l1.release_many(handles)
         lost = [h.token for h, ok in zip(handles, held) if not ok]
         self._sessions.lost_leases += len(lost)
-        return p.Released(count=len(handles), lost=lost)
+        return lost
 
     def corrupt(self, session: Session, msg: p.Corrupt) -> None:
         """A client's copies out of these slots did not match their digests: re-check each (off

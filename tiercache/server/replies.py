@@ -101,7 +101,9 @@ def request_keys(msg: p.Message) -> int:
         return len(msg.hashes) * max(1, len(msg.groups))
     if isinstance(msg, p.ReleaseTickets):
         return len(msg.releases)
-    if isinstance(msg, (p.Pin, p.Warm)):
+    if isinstance(msg, p.Pin):
+        return len(msg.keys) + len(msg.releases)
+    if isinstance(msg, p.Warm):
         return len(msg.keys)
     if isinstance(msg, p.Reserve):
         return len(msg.items) + sum(len(blocks) for _, blocks in msg.holds)
@@ -118,6 +120,14 @@ def parse_keys(raws: Sequence[bytes]) -> list[ObjectKey]:
     """:func:`parse_key` of each of ``raws`` (faster for many)."""
     try:
         return ObjectKey.from_bytes_many(raws)
+    except KeyFormatError as exc:
+        raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
+
+
+def check_keys(raws: Sequence[bytes]) -> None:
+    """:class:`Refused` (``invalid``) unless each of ``raws`` is an object key's binary form."""
+    try:
+        ObjectKey.check_many(raws)
     except KeyFormatError as exc:
         raise Refused(p.ErrorCode.INVALID, str(exc)) from exc
 

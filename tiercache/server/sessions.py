@@ -85,7 +85,8 @@ class Sessions:
         self.refused_tickets = 0
         self.refused_reserved_bytes = 0
         self.tickets_expired = 0  # tickets whose client let every lease of theirs expire
-        self.releases_skipped = 0  # releases riding a lookup of tickets the session did not hold
+        # Tickets or leases the session did not hold, named by a rider or a quiet release: skipped.
+        self.releases_skipped = 0
 
     def get(self, identity: bytes) -> Session | None:
         return self.by_identity.get(identity)
@@ -304,6 +305,16 @@ class Sessions:
     def forget_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
         """The client released ``handles``, its own (:meth:`claim_leases`)."""
         self._forget(session.leases, handles)
+
+    def own_leases(self, session: Session, tokens: Sequence[int]) -> list[ReadHandle]:
+        """The leases among ``tokens`` that ``session`` holds, each once, taken from it (a quiet
+        release's or a pin's riders); the rest (expired and dropped, another client's, named
+        twice) are skipped and counted, never refused: nobody reads a quiet release's refusal."""
+        leases = session.leases
+        held = [leases.pop(token) for token in dict.fromkeys(tokens) if token in leases]
+        deque(map(self._owner.pop, map(_TOKEN, held), repeat(None)), maxlen=0)
+        self.releases_skipped += len(tokens) - len(held)
+        return held
 
     def _hold(self, own: dict[int, Any], handles: Sequence[Any], identity: bytes) -> None:
         """File ``handles`` (reservations or leases) by token in ``own``, a session's, owned by

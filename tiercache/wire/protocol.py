@@ -46,7 +46,7 @@ import msgspec
 #: 7: a :class:`Lookup` carries the releases of tickets its client is done with
 #: (``Lookup.releases``), and :class:`ReleaseTickets` releases several at once: an older server
 #: would ignore them and keep the tickets pinned.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class ErrorCode(enum.StrEnum):
@@ -329,12 +329,22 @@ class Pin(Message, tag="pin"):
     """Lease the L1 copies of ``keys`` (no promotion; use :class:`Lookup` for that)."""
 
     keys: list[bytes]
+    #: Leases of this session its client is done with (copies that time alone vouched for),
+    #: released before the pin as a quiet :class:`Release` would: a load's release rides the
+    #: client's next pin instead of a message of its own.
+    releases: list[int] = []
 
 
 class Release(Message, tag="release"):
-    """End read leases; the reply (:class:`Released`) names those that had already expired."""
+    """End read leases; the reply (:class:`Released`) names those that had already expired.
+
+    ``quiet``: the sender reads no reply (time alone vouched for its copies), so the server sends
+    none, and a token the session does not hold (expired and dropped, named twice) is skipped and
+    counted instead of refusing the whole release: nobody would read the refusal, and the other
+    leases would stay pinned until their TTL."""
 
     tokens: list[int]
+    quiet: bool = False
 
 
 class Corrupt(Message, tag="corrupt"):
