@@ -100,7 +100,7 @@ def test_a_release_well_inside_its_leases_is_sent_without_waiting_for_the_reply(
         assert client.server.lease_ttl_s == TTL_S  # said at hello
         keys = stored_keys(client, 2)
         load = Load.pin(client, keys)
-        assert len(load.tokens) == 2
+        assert len(load.tokens) == 1  # both in L1: one lease holds the pair
         stop_process(server.process.pid)  # nobody would answer a release now
         try:
             # Within half the lease TTL of the pin, both leases held for the whole copy.
@@ -149,12 +149,12 @@ def test_held_back_lease_releases_go_quietly_when_flushed_skipping_what_the_sess
     server = start_server()
     with server.client(heartbeat=False) as client, server.client(heartbeat=False) as other:
         keys = stored_keys(client, 2)
-        mine = Load.pin(client, keys)
+        first, second = (Load.pin(client, [key]) for key in keys)
         [theirs] = other.pin(keys[:1])
         assert theirs is not None
-        assert client.release_leases(mine.tokens[:1]) == set()
+        assert client.release_leases(first.tokens) == set()
         before = client.stats()["server"]
-        client.release_leases_later([*mine.tokens, theirs.token])
+        client.release_leases_later([*first.tokens, *second.tokens, theirs.token])
         client.flush_releases()
         after = client.stats()["server"]
         assert other.release_leases([theirs.token]) == set()  # still its own
@@ -180,3 +180,27 @@ def test_a_held_back_release_is_sent_within_a_quarter_of_the_lease_window_howeve
             time.sleep(0.05)  # every stats is a request: the client is never silent
         assert client.stats()["server"]["leases"] == 0
         assert client.stats()["server"]["leases_lost"] == 0
+
+
+def test_a_pin_l1_answers_whole_is_one_lease_and_a_pin_with_a_miss_a_lease_per_object_found(
+    start_server: StartServer,
+) -> None:
+    """A pin whose every object is in L1 (a load's usual case) holds them as one lease, as a
+    lookup's ticket does: every slot names its token, one release ends it, and if it expired first
+    every object's copy is lost. A pin with a miss leases each object it found."""
+    server = start_server(l1_lease_ttl_s=TTL_S)
+    with server.client(heartbeat=False) as client:
+        keys = stored_keys(client, 3)
+        missing = ObjectKey(keys[0].fingerprint, 0, bytes(16))
+        before = client.stats()
+        whole = client.pin(keys)
+        partial = client.pin([*keys[:2], missing])
+        after = client.stats()
+        assert all(whole) and len({s.token for s in whole if s}) == 1
+        assert partial[2] is None and len({s.token for s in partial if s}) == 2
+        assert after["server"]["leases"] == 5  # leased objects: the whole pin's three, the pair
+        assert after["tiers"]["l1"]["hits"] - before["tiers"]["l1"]["hits"] == 5  # counted at the pins
+        assert client.release([s.token for s in partial if s]) == 2
+        time.sleep(TTL_S * 2)  # the whole pin's lease expires
+        assert client.release_leases([whole[0].token]) == {whole[0].token}  # every slot of it
+        assert client.stats()["server"]["leases_lost"] == 3

@@ -257,18 +257,21 @@ class Client(Transport):
         return self._call(p.Abort(tokens=list(tokens)), _count, timeout)
 
     def pin(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> list[p.Slot | None]:
-        """Lease the L1 copies of ``keys`` (``None`` for each not in L1)."""
+        """Lease the L1 copies of ``keys`` (``None`` for each not in L1). When L1 holds every one,
+        they are one lease: every slot names the same token."""
         return self._call(p.Pin(keys=[k.to_bytes() for k in keys]), lambda r: r.slots, timeout)
 
     def release(self, tokens: Sequence[int], timeout: float | None = None) -> int:
-        """End read leases; how many. Use :meth:`release_leases` to learn which had expired."""
-        return self._call(p.Release(tokens=list(tokens)), _count, timeout)
+        """End read leases; how many objects they held. Use :meth:`release_leases` to learn which
+        had expired. A token named twice is released once (the slots of one pin may share one)."""
+        return self._call(p.Release(tokens=list(dict.fromkeys(tokens))), _count, timeout)
 
     def release_leases(self, tokens: Sequence[int], timeout: float | None = None) -> set[int]:
         """End read leases and return the tokens whose lease had expired before the release: the
         bytes copied under them may be another object's (the server reused the slot), so a copy
-        made under one must be thrown away. Raises like every call; then no lease is confirmed."""
-        return self._call(p.Release(tokens=list(tokens)), lambda r: set(r.lost), timeout)
+        made under one must be thrown away. Raises like every call; then no lease is confirmed.
+        A token named twice is released once (the slots of one pin may share one)."""
+        return self._call(p.Release(tokens=list(dict.fromkeys(tokens))), lambda r: set(r.lost), timeout)
 
     def release_leases_later(self, tokens: Sequence[int]) -> None:
         """End read leases without a reply, held back to ride this client's next pin

@@ -263,7 +263,8 @@ class Load(_Slots):
         """Lease the L1 copies of ``keys`` (one round trip; ``None`` slots for keys not in L1)."""
         since = client.clock()
         slots, arena = client.in_session(lambda: client.pin(keys, timeout))
-        tokens = [s.token for s in slots if s is not None]
+        # Each once: the slots of a pin that L1 answered whole share one hold's token.
+        tokens = list(dict.fromkeys(s.token for s in slots if s is not None))
         return cls(client, arena, list(slots), lease_window(client, since), tokens)
 
     @classmethod

@@ -106,8 +106,8 @@ META: dict[tuple[str, str], Meta] = {
         metavar="N",
     ),
     ("server", "max_holds_per_client"): Meta(
-        "Most read leases and reservations one client may hold at once; past it its pins and "
-        "reserves get a 'busy' reply naming this setting (counted as server.refused_holds).",
+        "Most objects one client may hold at once under read leases and reservations; past it its "
+        "pins and reserves get a 'busy' reply naming this setting (counted as server.refused_holds).",
         metavar="N",
     ),
     ("server", "max_tickets_per_client"): Meta(

@@ -50,6 +50,14 @@ class ArenaFront(Protocol):
 
     def pin_many(self, keys: Sequence[ObjectKey], *, count: bool = True) -> list[ReadHandle | None]: ...
 
+    def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
+        """As :meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`."""
+        ...
+
+    def release_all(self, held: HeldSet, *, read: bool = False) -> int:
+        """As :meth:`FrontTier.release_all <tiercache.tier.FrontTier.release_all>`."""
+        ...
+
     def pin_many_raw(
         self, raws: Sequence[bytes], build: Callable[[bytes, int, int, int, int], T]
     ) -> tuple[list[ReadHandle | None], list[T | None]]:
@@ -77,9 +85,12 @@ class ArenaFront(Protocol):
         """``build(key bytes, offset, nbytes, token)`` of each open reservation, in one call."""
         ...
 
-    def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
+    def held_slots(
+        self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T], *, count: bool = False
+    ) -> list[T]:
         """:meth:`lease_slots` of a :meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`
-        hold, every slot under the hold's token."""
+        hold, every slot under the hold's token; ``count``: the objects are read now (a client's
+        pin), counted as hits."""
         ...
 
     def abandon_many(self, handles: Sequence[WriteHandle]) -> None:

@@ -100,9 +100,12 @@ class L1Slots(L1Core):
                 out.append(build(handle.key.raw, slot.offset, slot.nbytes, handle.token))
             return out
 
-    def held_slots(self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T]) -> list[T]:
+    def held_slots(
+        self, held: HeldSet, build: Callable[[bytes, int, int, int, int], T], *, count: bool = False
+    ) -> list[T]:
         """:meth:`lease_slots` of a :meth:`pin_all` hold, in its keys' order: every slot named with
-        the hold's token. Raises :class:`LeaseError` if the hold is no longer open."""
+        the hold's token. ``count``: a client reads the objects now (its pin), counted as
+        :meth:`pin_many` counts its reads. Raises :class:`LeaseError` if the hold is no longer open."""
         with self._lock:
             self._check_open()
             self._sweep(self._clock())
@@ -112,6 +115,8 @@ class L1Slots(L1Core):
                     f"read lease {held.token} of {held.count} objects is not open (released or "
                     f"expired after lease_ttl_s={self._config.lease_ttl_s}s); pin the keys again"
                 )
+            if count:
+                self._count_reads(slots, raws)
             token = held.token
             return [
                 build(raw, slot.offset, slot.nbytes, token, slot.digest) for raw, slot in zip(raws, slots)

@@ -28,6 +28,7 @@ from tiercache.engine import (
 from tiercache.engine.counters import Throttle
 from tiercache.errors import ReservationError
 from tiercache.keys.fingerprint import Fingerprint, GroupKind, LayoutManifest
+from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.front import ArenaFront
 from tiercache.server.layouts import Layouts, check_hashes
 from tiercache.server.replies import (
@@ -40,9 +41,8 @@ from tiercache.server.replies import (
     parse_keys,
     parse_tenant_id,
 )
-from tiercache.server.sessions import Session, Sessions
+from tiercache.server.sessions import Session, Sessions, leased_objects
 from tiercache.server.tenants import TenantLookups
-from tiercache.tier.contract import ReadHandle
 from tiercache.tier.latency import LatencySet
 from tiercache.wire import protocol as p
 
@@ -373,34 +373,37 @@ class DataOps:
         return p.Done(count=len(handles))
 
     def pin(self, session: Session, msg: p.Pin) -> p.Message:
+        sessions = self._sessions
         if msg.releases:  # the client's earlier leases first: their objects may go, its room grows
-            self._release_leases(self._sessions.own_leases(session, msg.releases))
+            sessions.end_leases(sessions.own_leases(session, msg.releases))
         check_keys(msg.keys)
-        self._sessions.room_for_holds(session, len(msg.keys), time.monotonic())
+        sessions.room_for_holds(session, len(msg.keys), time.monotonic())
         t0 = time.perf_counter()
-        handles, slots = self._l1.pin_many_raw(msg.keys, p.Slot)
-        held = [h for h in handles if h is not None]
-        self._engine.note_reads(h.key for h in held)  # S3 admission ``read``
-        if held:  # one lock round trip for all: each hit gets its share, as a "read" of L1
-            self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / len(held), len(held))
-        self._sessions.hold_leases(session, held)
+        # Every object in L1 (a load's usual case): one hold for all, one token, as a lookup's.
+        whole = self._l1.pin_all(msg.keys) if msg.keys else None
+        if whole is not None:
+            slots: list[p.Slot | None] = list(self._l1.held_slots(whole, p.Slot, count=True))
+            reads = len(slots)
+            self._engine.note_reads(map(ObjectKey.from_bytes, msg.keys))  # S3 admission ``read``
+            sessions.hold_leases(session, [whole])
+        else:
+            handles, slots = self._l1.pin_many_raw(msg.keys, p.Slot)
+            held = [h for h in handles if h is not None]
+            reads = len(held)
+            self._engine.note_reads(h.key for h in held)
+            sessions.hold_leases(session, held)
+        if reads:  # one lock round trip for all: each hit gets its share, as a "read" of L1
+            self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / reads, reads)
         return p.SlotsReply(slots=slots)
 
     def release(self, session: Session, msg: p.Release) -> p.Message | None:
+        sessions = self._sessions
         if msg.quiet:
-            self._release_leases(self._sessions.own_leases(session, msg.tokens))
+            sessions.end_leases(sessions.own_leases(session, msg.tokens))
             return None
-        handles = self._sessions.claim_leases(session, msg.tokens)
-        self._sessions.forget_leases(session, handles)
-        return p.Released(count=len(handles), lost=self._release_leases(handles))
-
-    def _release_leases(self, handles: list[ReadHandle]) -> list[int]:
-        """End ``handles`` (the session forgot them already); the tokens of those that had expired
-        first (counted as lost leases)."""
-        held = self._l1.release_many(handles)
-        lost = [h.token for h, ok in zip(handles, held) if not ok]
-        self._sessions.lost_leases += len(lost)
-        return lost
+        handles = sessions.claim_leases(session, msg.tokens)
+        sessions.forget_leases(session, handles)
+        return p.Released(count=leased_objects(handles), lost=sessions.end_leases(handles))
 
     def corrupt(self, session: Session, msg: p.Corrupt) -> None:
         """A client's copies out of these slots did not match their digests: re-check each (off

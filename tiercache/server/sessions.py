@@ -29,7 +29,7 @@ from tiercache.engine import PrefetchTicket, TieredEngine
 from tiercache.l1.core import Abandoned
 from tiercache.l1.front import ArenaFront
 from tiercache.server.replies import Refused
-from tiercache.tier.contract import ReadHandle, WriteHandle
+from tiercache.tier.contract import HeldSet, ReadHandle, WriteHandle
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, check_proof, session_key
 
@@ -51,7 +51,11 @@ class Session:
     name: str
     last_seen: float
     reservations: dict[int, WriteHandle] = field(default_factory=dict)
-    leases: dict[int, ReadHandle] = field(default_factory=dict)
+    #: Read leases by token: a lease per object, or one hold for every object of a pin that L1
+    #: answered whole.
+    leases: dict[int, ReadHandle | HeldSet] = field(default_factory=dict)
+    #: Objects its leases hold (a hold counts each of its objects): what its bound counts.
+    leased_objects: int = 0
     tickets: dict[int, PrefetchTicket] = field(default_factory=dict)
     #: What each ticket's polls say it found: (``chunks``, ``blocks``) of a :class:`LookupReply`.
     found: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -61,6 +65,11 @@ class Session:
     reserved_bytes: int = 0
     #: When each ticket was handed out (monotonic): a ticket ends with its leases.
     ticket_at: dict[int, float] = field(default_factory=dict)
+
+
+def leased_objects(handles: Sequence[ReadHandle | HeldSet]) -> int:
+    """Objects ``handles`` hold: a lease one, a hold each of its objects."""
+    return len(handles) + sum(h.count - 1 for h in handles if isinstance(h, HeldSet))
 
 
 class Sessions:
@@ -160,19 +169,20 @@ class Sessions:
     # -- per-client bounds --------------------------------------------------------------------
     def room_for_holds(self, session: Session, more: int, now: float) -> None:
         """Refuse (``busy``) a pin or reserve that would take ``session`` past
-        ``max_holds_per_client`` leases and reservations; leases it let expire long ago are
-        dropped first."""
+        ``max_holds_per_client`` leased objects and reservations; leases it let expire long ago
+        are dropped first."""
         bound = self._options.max_holds_per_client
-        if len(session.leases) + len(session.reservations) + more <= bound:
+        if session.leased_objects + len(session.reservations) + more <= bound:
             return
         self._drop_stale_leases(session, now)
-        held = len(session.leases) + len(session.reservations)
+        held = session.leased_objects + len(session.reservations)
         if held + more > bound:
             self.refused_holds += 1
             raise Refused(
                 p.ErrorCode.BUSY,
-                f"this client holds {held} read leases and reservations, and {more} more would pass the "
-                f"server's --max-holds-per-client {bound}: release (or commit) what it holds first",
+                f"this client holds {held} objects under read leases and reservations, and {more} more "
+                f"would pass the server's --max-holds-per-client {bound}: release (or commit) what it "
+                "holds first",
             )
 
     def room_for_reserve(self, session: Session, more: int, nbytes: int, now: float) -> None:
@@ -217,8 +227,9 @@ class Sessions:
         for handle in stale:
             del session.leases[handle.token]
             self._owner.pop(handle.token, None)
+        session.leased_objects -= leased_objects(stale)
         if stale:
-            self._l1.release_many(stale)
+            self._end(stale)
 
     def _expire_tickets(self, session: Session, now: float) -> None:
         """End ``session``'s tickets whose leases all expired over a heartbeat timeout ago (and that
@@ -242,9 +253,28 @@ class Sessions:
         self._hold(session.reservations, handles, session.identity)
         session.reserved_bytes += sum(map(_NBYTES, handles))
 
-    def hold_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
+    def hold_leases(self, session: Session, handles: Sequence[ReadHandle | HeldSet]) -> None:
         """``session`` holds the read leases ``handles`` (a pin's: the loops run in C)."""
         self._hold(session.leases, handles, session.identity)
+        session.leased_objects += leased_objects(handles)
+
+    def end_leases(self, handles: Sequence[ReadHandle | HeldSet]) -> list[int]:
+        """End leases and holds the session no longer files (L1 unpins their objects); the tokens
+        of those that had expired first, whose every object counts as a lost lease."""
+        lost, objects = self._end(handles)
+        self.lost_leases += objects
+        return lost
+
+    def _end(self, handles: Sequence[ReadHandle | HeldSet]) -> tuple[list[int], int]:
+        """:meth:`end_leases` uncounted: the tokens that had expired first, and their objects."""
+        leases = [h for h in handles if not isinstance(h, HeldSet)]
+        lost = [h.token for h, ok in zip(leases, self._l1.release_many(leases)) if not ok]
+        objects = len(lost)
+        for held in handles:
+            if isinstance(held, HeldSet) and self._l1.release_all(held):
+                lost.append(held.token)
+                objects += held.count
+        return lost, objects
 
     def hold_ticket(self, session: Session, ticket: PrefetchTicket, found: tuple[int, int]) -> None:
         """``session`` holds ``ticket``, whose lookup reported ``found`` (chunks, blocks: its polls
@@ -292,9 +322,9 @@ class Sessions:
             names.append(f"client {who!r} (reservation {a.token} {a.reason})")
         return ", ".join(names)
 
-    def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle]:
+    def claim_leases(self, session: Session, tokens: list[int]) -> list[ReadHandle | HeldSet]:
         """The leases behind ``tokens``, if all are this client's (checked before any is used)."""
-        handles: list[ReadHandle] = self._claim(session.leases, tokens, "lease")
+        handles: list[ReadHandle | HeldSet] = self._claim(session.leases, tokens, "lease")
         return handles
 
     def forget_reservations(self, session: Session, handles: Sequence[WriteHandle]) -> None:
@@ -302,17 +332,19 @@ class Sessions:
         self._forget(session.reservations, handles)
         session.reserved_bytes -= sum(map(_NBYTES, handles))
 
-    def forget_leases(self, session: Session, handles: Sequence[ReadHandle]) -> None:
+    def forget_leases(self, session: Session, handles: Sequence[ReadHandle | HeldSet]) -> None:
         """The client released ``handles``, its own (:meth:`claim_leases`)."""
         self._forget(session.leases, handles)
+        session.leased_objects -= leased_objects(handles)
 
-    def own_leases(self, session: Session, tokens: Sequence[int]) -> list[ReadHandle]:
+    def own_leases(self, session: Session, tokens: Sequence[int]) -> list[ReadHandle | HeldSet]:
         """The leases among ``tokens`` that ``session`` holds, each once, taken from it (a quiet
         release's or a pin's riders); the rest (expired and dropped, another client's, named
         twice) are skipped and counted, never refused: nobody reads a quiet release's refusal."""
         leases = session.leases
         held = [leases.pop(token) for token in dict.fromkeys(tokens) if token in leases]
         deque(map(self._owner.pop, map(_TOKEN, held), repeat(None)), maxlen=0)
+        session.leased_objects -= leased_objects(held)
         self.releases_skipped += len(tokens) - len(held)
         return held
 
@@ -432,12 +464,13 @@ class Sessions:
         if session.leases:
             for token in session.leases:
                 self._owner.pop(token, None)
-            lost += self._l1.release_many(list(session.leases.values())).count(False)
+            lost += self._end(list(session.leases.values()))[1]
         for ticket_id, ticket in session.tickets.items():
             self._ticket_owner.pop(ticket_id, None)
             lost += self._engine.release_ticket(ticket)
         session.reservations.clear()
         session.leases.clear()
+        session.leased_objects = 0
         session.tickets.clear()
         session.found.clear()
         session.ticket_at.clear()
@@ -451,7 +484,7 @@ class Sessions:
         return {
             "clients": len(self.by_identity),
             "reservations": sum(len(s.reservations) for s in sessions),
-            "leases": sum(len(s.leases) for s in sessions),
+            "leases": sum(s.leased_objects for s in sessions),  # leased objects
             "tickets": len(self._ticket_owner),
             "refused_holds": self.refused_holds,
             "refused_tickets": self.refused_tickets,

@@ -326,7 +326,8 @@ class Abort(Message, tag="abort"):
 
 
 class Pin(Message, tag="pin"):
-    """Lease the L1 copies of ``keys`` (no promotion; use :class:`Lookup` for that)."""
+    """Lease the L1 copies of ``keys`` (no promotion; use :class:`Lookup` for that). When L1 holds
+    every one, they are held as one lease: every slot of the reply names its one token."""
 
     keys: list[bytes]
     #: Leases of this session its client is done with (copies that time alone vouched for),
@@ -552,9 +553,9 @@ class Done(Message, tag="done"):
 
 
 class Released(Message, tag="released"):
-    """``count`` leases ended; ``lost`` are the tokens among them whose lease had expired before
-    this release (``lease_ttl_s``): their bytes may have been reused during the copy, so whatever
-    was copied under them must not be used."""
+    """The leases ended, holding ``count`` objects; ``lost`` are the tokens among them whose lease
+    had expired before this release (``lease_ttl_s``): their bytes may have been reused during the
+    copy, so whatever was copied under them (every slot naming one) must not be used."""
 
     count: int
     lost: list[int] = []
