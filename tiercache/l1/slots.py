@@ -443,10 +443,9 @@ class L1Slots(L1Core):
         """Pin the keys whose binary forms are ``raws`` (under the lock; :meth:`pin_many` counts the
         reads when asked): one lease per object found and one heap entry for all (a ticket pins
         every object of a long prompt: 512 for 128k tokens), with the loop's lookups hoisted out
-        of it. Each handle
-        names its slot's own key object (equal to the one asked for), so that the checks of a
-        later release or :meth:`lease_slots` find it by identity. With ``build``, each lease's slot
-        (as :meth:`lease_slots` builds it) or ``None`` is appended to ``built`` too."""
+        of it. Each handle names its slot's own key object (equal to the one asked for), so that
+        the checks of a later release or :meth:`lease_slots` find it by identity. With ``build``,
+        each lease's slot (as :meth:`lease_slots` builds it) or ``None`` is appended to ``built``."""
         objects, leases, deadlines, tokens = self._objects, self._leases, self._lease_deadlines, self._tokens
         whole: memoryview | None = None
         expires_at = now + self._config.lease_ttl_s
