@@ -27,6 +27,14 @@ one client's, measured in the same run. Usage::
     python benchmarks/many_clients.py --ops ping,zmq
     python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
 
+``--against TREE`` compares this tree's server with another tiercache source tree's (``git worktree
+add /tmp/base <commit>``): each round runs the table once from each tree (each tree's own script,
+client and server, the same interpreter), the order alternating between rounds, and prints each
+row's server CPU per operation from both, then per row the ratios (this ÷ that) of every round and
+their median: how the published "halved" figures are made. ::
+
+    python benchmarks/many_clients.py --against /tmp/base --ops load --clients 1,16 --rounds 10
+
 ``--size`` runs lookups on a small server (L1 0.5 GiB, an empty disk tier) and then on a large one
 (L1 16 GiB, a disk tier holding 1M objects written before it starts) and prints, for each, the
 server's start time (spawn to its first answered hello: the arena mapped, the disk tier opened), its
@@ -41,6 +49,7 @@ import multiprocessing.connection
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +76,7 @@ OPS = ("lookup", "load", "store", "ping", "zmq")
 ROUND_TRIPS = ("ping", "zmq")
 #: Prompts stored before the runs; the clients look them up and load them round-robin.
 PROMPTS = 16
+L1_GB = 0.5  # the server's L1 by default
 MANIFEST = manifest(model_id="bench-many-clients", chunk_size=CHUNK_TOKENS)
 
 
@@ -313,6 +323,63 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
+def table_rows(text: str) -> dict[tuple[str, int], float]:
+    """The server CPU µs per operation of each ``(op, clients)`` row of a printed table."""
+    rows: dict[tuple[str, int], float] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split("|")]
+        if len(cells) > 7 and cells[1] in OPS:
+            rows[cells[1], int(cells[2])] = float(cells[6])
+    return rows
+
+
+def against(args: argparse.Namespace) -> int:
+    """``--against``: the table from this tree and from ``args.against``, alternately, and each
+    row's ratios (this ÷ that) with their median."""
+    trees = {"this": Path(__file__).resolve().parents[1], "that": Path(args.against).resolve()}
+    script = Path("benchmarks") / "many_clients.py"
+    if not (trees["that"] / script).is_file():
+        print(
+            f"no {script} under {trees['that']}: give a tiercache source tree (git worktree add DIR COMMIT)",
+            file=sys.stderr,
+        )
+        return 2
+    same = ["--ops", ",".join(args.ops), "--clients", args.clients or "1,16", "--seconds", str(args.seconds)]
+    same += ["--idle", str(args.idle), "--chunk-kb", str(args.chunk_kb)]
+    if args.l1_gb != L1_GB:  # (an older tree's script may not take it)
+        same += ["--l1-gb", str(args.l1_gb)]
+    runs: dict[str, list[dict[tuple[str, int], float]]] = {"this": [], "that": []}
+    print(f"this: {trees['this']}\nthat: {trees['that']}\nserver CPU µs per operation, per round:\n")
+    for round_ in range(args.rounds):
+        for side in ("this", "that") if round_ % 2 == 0 else ("that", "this"):
+            tree = trees[side]
+            done = subprocess.run(
+                [sys.executable, str(tree / script), *same],
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": str(tree)},  # that tree's tiercache, not this one's
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                print(f"{side}'s run failed ({tree}):\n{done.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            rows = table_rows(done.stdout)
+            runs[side].append(rows)
+            cells = ", ".join(f"{op} {n}: {us:,.0f}" for (op, n), us in rows.items())
+            print(f"round {round_ + 1}, {side}: {cells}", flush=True)
+    print("\n| op | clients | this ÷ that, each round (sorted) | median | this µs/op | that µs/op |")
+    print("|---|---|---|---|---|---|")
+    for key in runs["this"][0]:
+        mine = [rows[key] for rows in runs["this"]]
+        theirs = [rows.get(key, float("nan")) for rows in runs["that"]]
+        ratios = sorted(a / b for a, b in zip(mine, theirs))
+        print(
+            f"| {key[0]} | {key[1]} | {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} | "
+            f"{min(mine):,.0f}–{max(mine):,.0f} | {min(theirs):,.0f}–{max(theirs):,.0f} |"
+        )
+    return 0
+
+
 def op_list(text: str) -> list[str]:
     """``--ops``: names from :data:`OPS`, comma-separated."""
     ops = [op.strip() for op in text.split(",") if op.strip()]
@@ -344,7 +411,7 @@ def main() -> int:
         "--chunk-kb", type=int, default=16, help="bytes of a chunk (loads copy, stores write them)"
     )
     ap.add_argument(
-        "--l1-gb", type=float, default=0.5, help="the server's L1 (the small server's with --size)"
+        "--l1-gb", type=float, default=L1_GB, help="the server's L1 (the small server's with --size)"
     )
     ap.add_argument(
         "--size",
@@ -357,7 +424,18 @@ def main() -> int:
         "--size-disk-objects", type=int, default=1_000_000, help="--size: objects on the large server's disk"
     )
     ap.add_argument("--size-object-kb", type=int, default=4, help="--size: bytes of each of those objects")
+    ap.add_argument(
+        "--against",
+        metavar="TREE",
+        help="compare with another tiercache source tree's server (e.g. git worktree add /tmp/base "
+        "COMMIT): the table from each, alternately, and each row's ratios (this ÷ that) and median",
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="--against: rounds (each runs both trees)")
     args = ap.parse_args()
+    if args.against:
+        if args.size:
+            ap.error("--against compares the table, not --size")
+        return against(args)
     tmp = Path(tempfile.mkdtemp(prefix="tiercache-many-"))
     try:
         return run(args, tmp)

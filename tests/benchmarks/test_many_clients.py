@@ -1,5 +1,6 @@
 """Specification: ``benchmarks/many_clients.py`` measures a round trip to the server beside the same
-round trip to a bare pyzmq ROUTER (the transport's floor), and refuses an operation it does not know."""
+round trip to a bare pyzmq ROUTER (the transport's floor), refuses an operation it does not know,
+and compares this tree's server with another tree's, alternately, round by round."""
 
 from __future__ import annotations
 
@@ -38,3 +39,23 @@ def test_an_unknown_operation_is_refused_naming_the_known_ones() -> None:
     refused = run("--ops", "lookup,nope")
     assert refused.returncode == 2
     assert "unknown operation(s) nope" in refused.stderr and "ping, zmq" in refused.stderr
+
+
+def test_against_another_tree_alternates_the_order_and_prints_each_rounds_ratio_and_their_median() -> None:
+    done = run(
+        *("--against", str(ROOT), "--rounds", "2"),
+        *("--ops", "ping", "--clients", "1", "--idle", "0", "--seconds", "0.3"),
+    )
+    assert done.returncode == 0, done.stderr
+    order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert order == ["round 1, this", "round 1, that", "round 2, that", "round 2, this"]
+    [row] = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ping | 1 |")]
+    ratios = [float(r) for r in row[3].split(",")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    assert abs(float(row[4]) - sum(ratios) / 2) <= 0.006  # their median (each printed to 0.01)
+
+
+def test_against_a_directory_without_the_benchmark_is_refused(tmp_path: Path) -> None:
+    refused = run("--against", str(tmp_path))
+    assert refused.returncode == 2
+    assert "give a tiercache source tree" in refused.stderr
