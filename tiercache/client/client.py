@@ -51,6 +51,11 @@ def _events(since: int, fingerprints: Sequence[Fingerprint], limit: int) -> p.Ev
     return p.Events(since=since, fingerprints=[f.raw for f in fingerprints], limit=limit)
 
 
+def _release(tokens: Sequence[int]) -> p.Release:
+    """A release naming each of ``tokens`` once (the slots of one pin may share one)."""
+    return p.Release(tokens=list(dict.fromkeys(tokens)))
+
+
 def _lookup(
     hashes: Sequence[bytes],
     groups: Sequence[p.GroupRef],
@@ -264,14 +269,14 @@ class Client(Transport):
     def release(self, tokens: Sequence[int], timeout: float | None = None) -> int:
         """End read leases; how many objects they held. Use :meth:`release_leases` to learn which
         had expired. A token named twice is released once (the slots of one pin may share one)."""
-        return self._call(p.Release(tokens=list(dict.fromkeys(tokens))), _count, timeout)
+        return self._call(_release(tokens), _count, timeout)
 
     def release_leases(self, tokens: Sequence[int], timeout: float | None = None) -> set[int]:
         """End read leases and return the tokens whose lease had expired before the release: the
         bytes copied under them may be another object's (the server reused the slot), so a copy
         made under one must be thrown away. Raises like every call; then no lease is confirmed.
         A token named twice is released once (the slots of one pin may share one)."""
-        return self._call(p.Release(tokens=list(dict.fromkeys(tokens))), lambda r: set(r.lost), timeout)
+        return self._call(_release(tokens), lambda r: set(r.lost), timeout)
 
     def release_leases_later(self, tokens: Sequence[int]) -> None:
         """End read leases without a reply, held back to ride this client's next pin

@@ -58,13 +58,10 @@ class ArenaFront(Protocol):
         """As :meth:`FrontTier.release_all <tiercache.tier.FrontTier.release_all>`."""
         ...
 
-    def pin_many_raw(
-        self, raws: Sequence[bytes], build: Callable[[bytes, int, int, int, int], T]
-    ) -> tuple[list[ReadHandle | None], list[T | None]]:
+    def pin_many_raw(self, raws: Sequence[bytes]) -> list[ReadHandle | None]:
         """:meth:`pin_many` of keys in their binary form (``ObjectKey.to_bytes()``, checked by the
-        caller), counted as reads, with :meth:`lease_slots`' ``build`` of each lease (``None``
-        where no object) from the same pass: a pin request's keys are looked up as they came, no
-        key object built for each, and its reply's slots need no second pass."""
+        caller), counted as reads: a pin request's keys are looked up as they came, no key object
+        built for each."""
         ...
 
     def release_many(self, handles: Sequence[ReadHandle], *, read: bool = False) -> list[bool]: ...

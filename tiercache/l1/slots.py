@@ -390,28 +390,17 @@ class L1Slots(L1Core):
         """Pin several keys under one lock acquisition (what a load request of many chunks uses)."""
         return self._pin_raws([key.raw for key in keys], count)
 
-    def pin_many_raw(
-        self, raws: Sequence[bytes], build: Callable[[bytes, int, int, int, int], T]
-    ) -> tuple[list[ReadHandle | None], list[T | None]]:
+    def pin_many_raw(self, raws: Sequence[bytes]) -> list[ReadHandle | None]:
         """:meth:`pin_many` of keys in their binary form (``ObjectKey.to_bytes()``, which the
-        caller checked), counted as reads, and :meth:`lease_slots`' ``build`` of each lease
-        (``None`` where no object), in the same pass: the server's pin request looks its keys up
-        as they came and answers with the slots."""
-        built: list[T | None] = []
-        return self._pin_raws(raws, True, build, built), built
+        caller checked), counted as reads: the server's pin request looks its keys up as they came."""
+        return self._pin_raws(raws, True)
 
-    def _pin_raws(
-        self,
-        raws: Sequence[bytes],
-        count: bool,
-        build: Callable[[bytes, int, int, int, int], T] | None = None,
-        built: list[T | None] | None = None,
-    ) -> list[ReadHandle | None]:
+    def _pin_raws(self, raws: Sequence[bytes], count: bool) -> list[ReadHandle | None]:
         with self._lock:
             self._check_open()
             now = self._clock()
             self._sweep(now)
-            handles = self._hold_locked(raws, now, build, built)
+            handles = self._hold_locked(raws, now)
             if count:
                 self._count_reads([self._leases[h.token] for h in handles if h is not None])
                 misses = sum(1 for h in handles if h is None)
@@ -433,19 +422,12 @@ class L1Slots(L1Core):
                 tenant_access(raw, slot.tenant)
         self.stats.hit(sum(map(_NBYTES, slots)), len(slots))
 
-    def _hold_locked(
-        self,
-        raws: Sequence[bytes],
-        now: float,
-        build: Callable[[bytes, int, int, int, int], T] | None = None,
-        built: list[T | None] | None = None,
-    ) -> list[ReadHandle | None]:
+    def _hold_locked(self, raws: Sequence[bytes], now: float) -> list[ReadHandle | None]:
         """Pin the keys whose binary forms are ``raws`` (under the lock; :meth:`pin_many` counts the
         reads when asked): one lease per object found and one heap entry for all (a ticket pins
         every object of a long prompt: 512 for 128k tokens), with the loop's lookups hoisted out
         of it. Each handle names its slot's own key object (equal to the one asked for), so that
-        the checks of a later release or :meth:`lease_slots` find it by identity. With ``build``,
-        each lease's slot (as :meth:`lease_slots` builds it) or ``None`` is appended to ``built``."""
+        the checks of a later release or :meth:`lease_slots` find it by identity."""
         objects, leases, deadlines, tokens = self._objects, self._leases, self._lease_deadlines, self._tokens
         whole: memoryview | None = None
         expires_at = now + self._config.lease_ttl_s
@@ -455,8 +437,6 @@ class L1Slots(L1Core):
             slot = objects.get(raw)
             if slot is None:
                 out.append(None)
-                if built is not None:
-                    built.append(None)
                 continue
             slot.pins += 1
             token = next(tokens)
@@ -468,8 +448,6 @@ class L1Slots(L1Core):
                     whole = self._arena.view(0, self._arena.size).toreadonly()
                 view = slot.view = whole[slot.offset : slot.offset + slot.nbytes]
             out.append(_new_tuple(ReadHandle, (slot.key, view, token, expires_at, slot.digest)))
-            if build is not None and built is not None:
-                built.append(build(raw, slot.offset, slot.nbytes, token, slot.digest))
         if first:  # the tokens first..token were drawn in a row, under the lock: one heap entry
             heapq.heappush(deadlines, (expires_at, first, token))
         return out

@@ -386,12 +386,14 @@ class DataOps:
             reads = len(slots)
             self._engine.note_reads(map(ObjectKey.from_bytes, msg.keys))  # S3 admission ``read``
             sessions.hold_leases(session, [whole])
-        else:
-            handles, slots = self._l1.pin_many_raw(msg.keys, p.Slot)
+        else:  # a miss among them (rare: loads pin what they found): a lease per object found
+            handles = self._l1.pin_many_raw(msg.keys)
             held = [h for h in handles if h is not None]
             reads = len(held)
             self._engine.note_reads(h.key for h in held)
             sessions.hold_leases(session, held)
+            found = iter(self._l1.lease_slots(held, p.Slot))  # one lock round trip for every slot
+            slots = [None if h is None else next(found) for h in handles]
         if reads:  # one lock round trip for all: each hit gets its share, as a "read" of L1
             self._l1.stats.latency.observe("read", (time.perf_counter() - t0) / reads, reads)
         return p.SlotsReply(slots=slots)

@@ -224,11 +224,8 @@ class Sessions:
         is ``unknown_token``)."""
         limit = now - self._options.heartbeat_timeout_s
         stale = [h for h in session.leases.values() if h.expires_at < limit]
-        for handle in stale:
-            del session.leases[handle.token]
-            self._owner.pop(handle.token, None)
-        session.leased_objects -= leased_objects(stale)
         if stale:
+            self.forget_leases(session, stale)
             self._end(stale)
 
     def _expire_tickets(self, session: Session, now: float) -> None:
@@ -342,9 +339,8 @@ class Sessions:
         release's or a pin's riders); the rest (expired and dropped, another client's, named
         twice) are skipped and counted, never refused: nobody reads a quiet release's refusal."""
         leases = session.leases
-        held = [leases.pop(token) for token in dict.fromkeys(tokens) if token in leases]
-        deque(map(self._owner.pop, map(_TOKEN, held), repeat(None)), maxlen=0)
-        session.leased_objects -= leased_objects(held)
+        held = [leases[token] for token in dict.fromkeys(tokens) if token in leases]
+        self.forget_leases(session, held)
         self.releases_skipped += len(tokens) - len(held)
         return held
 
