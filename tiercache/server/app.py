@@ -42,7 +42,7 @@ from tiercache.errors import ConfigError, ServerError
 from tiercache.l1.arena import SharedArena
 from tiercache.l1.front import ArenaFront
 from tiercache.l1.tier import L1Tier
-from tiercache.server.connections import peer_of, raise_descriptor_limit
+from tiercache.server.connections import map_large_buffers, peer_of, raise_descriptor_limit
 from tiercache.server.data_ops import DataOps
 from tiercache.server.events import ResidencyLog, chain_removals
 from tiercache.server.hellos import FailedHellos
@@ -206,6 +206,7 @@ class Server:
             if self._started:
                 return
             raise_descriptor_limit()
+            map_large_buffers()  # a peer's frames, once freed, leave nothing resident
             self._bind()
             self._started = True
             self._thread = threading.Thread(target=self._run, name="tiercache-server-loop", daemon=True)
