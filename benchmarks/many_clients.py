@@ -15,7 +15,10 @@ clients at once, with 64 more clients connected and idle (heartbeating) througho
   server;
 * ``zmq`` (not run by default): the same round trip to a bare pyzmq ROUTER in a process of its own
   that reads and answers as the server's loop does (poll, then non-blocking receives and sends):
-  the transport's floor under every request, the baseline for ``ping``.
+  the transport's floor under every request, the baseline for ``ping``;
+* ``uds`` (not run by default): the same round trip over a bare Unix stream socket that one loop
+  reads itself (epoll, then non-blocking receives and sends), without libzmq's I/O threads on
+  either side: what a transport of that kind would cost.
 
 For each operation and client count it prints operations per second (all clients together), the
 p50 / p99 latency of one operation as its client saw it, the server's CPU time per operation and per
@@ -24,7 +27,7 @@ one client's, measured in the same run. Usage::
 
     python benchmarks/many_clients.py [--clients 1,2,4,8,16,32] [--idle 64] [--seconds 3]
                                       [--ops lookup,load,store] [--chunk-kb 16]
-    python benchmarks/many_clients.py --ops ping,zmq
+    python benchmarks/many_clients.py --ops ping,zmq,uds
     python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
 
 ``--against TREE`` compares this tree's server with another tiercache source tree's (``git worktree
@@ -47,7 +50,9 @@ import argparse
 import multiprocessing
 import multiprocessing.connection
 import os
+import selectors
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -71,9 +76,11 @@ from tiercache.wire.protocol import GroupRef
 MiB = 1 << 20
 CHUNKS = 64
 CHUNK_TOKENS = 256
-#: What --ops may name; the last two touch no tier (the µs/chunk column is empty for them).
-OPS = ("lookup", "load", "store", "ping", "zmq")
-ROUND_TRIPS = ("ping", "zmq")
+#: What --ops may name; the last three touch no tier (the µs/chunk column is empty for them).
+OPS = ("lookup", "load", "store", "ping", "zmq", "uds")
+ROUND_TRIPS = ("ping", "zmq", "uds")
+#: The ``uds`` op's request: a length, then the body; the echo sends it back.
+UDS_PING = (4).to_bytes(4, "big") + b"ping"
 #: Prompts stored before the runs; the clients look them up and load them round-robin.
 PROMPTS = 16
 L1_GB = 0.5  # the server's L1 by default
@@ -99,20 +106,61 @@ def echo(endpoint: str) -> None:
             sock.send_multipart(sock.recv_multipart(zmq.NOBLOCK), zmq.NOBLOCK)
 
 
+def unix_echo(path: str) -> None:
+    """The ``uds`` op's server: a Unix stream socket whose one loop waits on every connection
+    (epoll) and receives and answers without blocking, echoing what came; no I/O thread."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1024)
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    while True:
+        for ready, _ in selector.select(1.0):
+            conn = ready.fileobj
+            assert isinstance(conn, socket.socket)
+            if conn is listener:
+                peer, _ = listener.accept()
+                peer.setblocking(False)
+                selector.register(peer, selectors.EVENT_READ)
+                continue
+            try:
+                data = conn.recv(65536)
+            except BlockingIOError:
+                continue
+            if not data:
+                selector.unregister(conn)
+                conn.close()
+                continue
+            conn.sendall(data)  # one small request outstanding per client: the buffer takes it
+
+
+def unix_round_trip(sock: socket.socket) -> None:
+    """Send :data:`UDS_PING` and read its echo whole."""
+    sock.sendall(UDS_PING)
+    got = 0
+    while got < len(UDS_PING):
+        got += len(sock.recv(64))
+
+
 def worker(
     endpoint: str,
-    echo_endpoint: str | None,
+    floors: dict[str, str],
     index: int,
     chunk_bytes: int,
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """A client process: on each ``(op, start, until)`` it repeats ``op`` from ``start`` until
-    ``until`` (wall clock) and sends back its latencies in seconds; ``None`` ends it."""
+    ``until`` (wall clock) and sends back its latencies in seconds; ``None`` ends it. ``floors``:
+    the endpoints of the bare echoes (``zmq``, ``uds``) that run."""
     inflight_wait_s = ConnectorSettings().inflight_wait_s
-    bare = None
-    if echo_endpoint is not None:
+    bare = unix = None
+    if "zmq" in floors:
         bare = zmq.Context().socket(zmq.DEALER)
-        bare.connect(echo_endpoint)
+        bare.connect(floors["zmq"])
+    if "uds" in floors:
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.connect(floors["uds"])
     with Client(endpoint, timeout=30, client_name=f"bench-{index}") as client:
         [group] = client.register([(0, MANIFEST)])
         prompts = [prompt_keys(group, i) for i in range(PROMPTS)]
@@ -141,6 +189,10 @@ def worker(
                     assert bare is not None
                     bare.send(b"ping")
                     bare.recv()
+                    samples.append(time.perf_counter() - t0)
+                elif op == "uds":
+                    assert unix is not None
+                    unix_round_trip(unix)
                     samples.append(time.perf_counter() - t0)
                 elif op == "load":
                     copies = client.load_chunks(keys)
@@ -209,11 +261,19 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     start_s = time.perf_counter() - t0
     pid = server.process.pid
     assert pid is not None
-    echo_proc = echo_endpoint = None
-    if "zmq" in ops:
-        echo_endpoint = spec.listen + ".echo"
-        echo_proc = ctx.Process(target=echo, args=(echo_endpoint,), daemon=True)
-        echo_proc.start()
+    floors: dict[str, str] = {}  # op -> its bare echo's endpoint
+    echoes: dict[str, multiprocessing.process.BaseProcess] = {}
+    for op, serve, endpoint in (
+        ("zmq", echo, spec.listen + ".echo"),
+        ("uds", unix_echo, spec.listen.removeprefix("ipc://") + ".uds"),
+    ):
+        if op in ops:
+            floors[op] = endpoint
+            echoes[op] = ctx.Process(target=serve, args=(endpoint,), daemon=True)
+            echoes[op].start()
+    if "uds" in floors:
+        while not os.path.exists(floors["uds"]):  # connect() does not wait for the bind, as zmq's does
+            time.sleep(0.01)
     idle = [Client(server.endpoint, timeout=30, client_name=f"idle-{i}") for i in range(args.idle)]
     with server.client(timeout=60) as setup:
         [group] = setup.register([(0, MANIFEST)])
@@ -224,7 +284,7 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     for index in range(max(counts)):
         here, there = ctx.Pipe()
         proc = ctx.Process(
-            target=worker, args=(server.endpoint, echo_endpoint, index, chunk_bytes, there), daemon=True
+            target=worker, args=(server.endpoint, floors, index, chunk_bytes, there), daemon=True
         )
         proc.start()
         workers.append((proc, here))
@@ -239,7 +299,7 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
                 for _, conn in workers[:n]:
                     conn.send((op, start, start + args.seconds))
                 time.sleep(max(0.0, start - time.time()))
-                measured = echo_proc.pid if op == "zmq" and echo_proc is not None else pid
+                measured = echoes[op].pid if op in echoes else pid
                 assert measured is not None
                 cpu0 = cpu_seconds(measured)
                 samples = [s for _, conn in workers[:n] for s in conn.recv()]
@@ -265,9 +325,9 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
             proc.join(10)
         for client in idle:
             client.close()
-        if echo_proc is not None:
-            echo_proc.kill()
-            echo_proc.join(10)
+        for floor in echoes.values():
+            floor.kill()
+            floor.join(10)
         server.stop()
     return CaseResult(start_s, memory, rows)
 
@@ -404,8 +464,8 @@ def main() -> int:
         "--ops",
         type=op_list,
         default="lookup,load,store",
-        help=f"operations to run, comma-separated, of {', '.join(OPS)} (ping, zmq: a round trip to the "
-        "server, and to a bare pyzmq ROUTER: the transport's floor)",
+        help=f"operations to run, comma-separated, of {', '.join(OPS)} (ping, zmq, uds: a round trip to "
+        "the server, to a bare pyzmq ROUTER: the transport's floor, and over a bare Unix socket)",
     )
     ap.add_argument(
         "--chunk-kb", type=int, default=16, help="bytes of a chunk (loads copy, stores write them)"

@@ -1,5 +1,5 @@
 """Specification: ``benchmarks/many_clients.py`` measures a round trip to the server beside the same
-round trip to a bare pyzmq ROUTER (the transport's floor), refuses an operation it does not know,
+round trip to a bare pyzmq ROUTER (the transport's floor) and over a bare Unix socket, refuses an operation it does not know,
 and compares this tree's server with another tree's, alternately, round by round."""
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_ping_and_the_bare_zmq_floor_are_rows_of_the_table() -> None:
-    done = run("--ops", "ping,zmq", "--clients", "1", "--idle", "0", "--seconds", "0.5")
+def test_a_ping_and_the_bare_zmq_and_unix_socket_floors_are_rows_of_the_table() -> None:
+    done = run("--ops", "ping,zmq,uds", "--clients", "1", "--idle", "0", "--seconds", "0.5")
     assert done.returncode == 0, done.stderr
     rows = {
         line.split("|")[1].strip(): line.split("|")
         for line in done.stdout.splitlines()
         if line.startswith("| ")
     }
-    for op in ("ping", "zmq"):
+    for op in ("ping", "zmq", "uds"):
         cells = [cell.strip() for cell in rows[op]]
         assert int(cells[3].replace(",", "")) > 0  # round trips a second
         assert float(cells[6]) > 0 and cells[7] == "–"  # server CPU per op; no chunks
@@ -38,7 +38,7 @@ def test_a_ping_and_the_bare_zmq_floor_are_rows_of_the_table() -> None:
 def test_an_unknown_operation_is_refused_naming_the_known_ones() -> None:
     refused = run("--ops", "lookup,nope")
     assert refused.returncode == 2
-    assert "unknown operation(s) nope" in refused.stderr and "ping, zmq" in refused.stderr
+    assert "unknown operation(s) nope" in refused.stderr and "ping, zmq, uds" in refused.stderr
 
 
 def test_against_another_tree_alternates_the_order_and_prints_each_rounds_ratio_and_their_median() -> None:
