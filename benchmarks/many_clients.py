@@ -441,14 +441,15 @@ def against(args: argparse.Namespace) -> int:
 
 
 def op_list(text: str) -> list[str]:
-    """``--ops``: names from :data:`OPS`, comma-separated."""
+    """``--ops``: names from :data:`OPS`, comma-separated; run in that order whatever the order
+    given (stores fill L1 and evict the prompts that lookups and loads expect to find)."""
     ops = [op.strip() for op in text.split(",") if op.strip()]
     unknown = sorted(set(ops) - set(OPS))
     if unknown or not ops:
         raise argparse.ArgumentTypeError(
             f"unknown operation(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(OPS)}"
         )
-    return ops
+    return [op for op in OPS if op in ops]
 
 
 def main() -> int:
