@@ -30,11 +30,15 @@ one client's, measured in the same run. Usage::
     python benchmarks/many_clients.py --ops ping,zmq,uds
     python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
 
+``--transport unix`` runs the server on a ``unix://`` endpoint (a Unix stream socket its loop reads
+itself) instead of ``ipc://`` (ZMQ), and the clients with it.
+
 ``--against TREE`` compares this tree's server with another tiercache source tree's (``git worktree
 add /tmp/base <commit>``): each round runs the table once from each tree (each tree's own script,
 client and server, the same interpreter), the order alternating between rounds, and prints each
 row's server CPU per operation from both, then per row the ratios (this ÷ that) of every round and
-their median: how the published "halved" figures are made. ::
+their median: how the published "halved" figures are made (``--transport`` applies to this tree;
+that tree's server listens on ``ipc://``). ::
 
     python benchmarks/many_clients.py --against /tmp/base --ops load --clients 1,16 --rounds 10
 
@@ -264,8 +268,8 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     floors: dict[str, str] = {}  # op -> its bare echo's endpoint
     echoes: dict[str, multiprocessing.process.BaseProcess] = {}
     for op, serve, endpoint in (
-        ("zmq", echo, spec.listen + ".echo"),
-        ("uds", unix_echo, spec.listen.removeprefix("ipc://") + ".uds"),
+        ("zmq", echo, f"ipc://{spec.listen.split('://', 1)[1]}.echo"),
+        ("uds", unix_echo, spec.listen.split("://", 1)[1] + ".uds"),
     ):
         if op in ops:
             floors[op] = endpoint
@@ -357,7 +361,7 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
                 f"\n{name}: disk tier filled with {objects:,} objects of {args.size_object_kb} KiB in {took:.0f} s"
             )
         spec = ServerSpec(
-            listen=f"ipc://{tmp}/{name}.sock",
+            listen=f"{args.transport}://{tmp}/{name}.sock",
             l1_bytes=int(l1_gb * 1024) * MiB,
             disk_path=str(disk),
             disk_budget=budget,
@@ -408,13 +412,14 @@ def against(args: argparse.Namespace) -> int:
     same += ["--idle", str(args.idle), "--chunk-kb", str(args.chunk_kb)]
     if args.l1_gb != L1_GB:  # (an older tree's script may not take it)
         same += ["--l1-gb", str(args.l1_gb)]
+    only = {"this": ["--transport", args.transport], "that": []}  # (an older tree has ipc alone)
     runs: dict[str, list[dict[tuple[str, int], float]]] = {"this": [], "that": []}
     print(f"this: {trees['this']}\nthat: {trees['that']}\nserver CPU µs per operation, per round:\n")
     for round_ in range(args.rounds):
         for side in ("this", "that") if round_ % 2 == 0 else ("that", "this"):
             tree = trees[side]
             done = subprocess.run(
-                [sys.executable, str(tree / script), *same],
+                [sys.executable, str(tree / script), *same, *only[side]],
                 cwd=tree,
                 env={**os.environ, "PYTHONPATH": str(tree)},  # that tree's tiercache, not this one's
                 capture_output=True,
@@ -492,6 +497,13 @@ def main() -> int:
         "COMMIT): the table from each, alternately, and each row's ratios (this ÷ that) and median",
     )
     ap.add_argument("--rounds", type=int, default=5, help="--against: rounds (each runs both trees)")
+    ap.add_argument(
+        "--transport",
+        choices=("ipc", "unix"),
+        default="ipc",
+        help="the server's endpoint: ipc:// (ZMQ) or unix:// (a Unix socket its loop reads itself); "
+        "with --against, this tree's only",
+    )
     args = ap.parse_args()
     if args.against:
         if args.size:
@@ -515,7 +527,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         f"operation, {args.seconds:g} s per phase\n"
     )
     print(HEADER)
-    spec = ServerSpec(listen=f"ipc://{tmp}/server.sock", l1_bytes=int(args.l1_gb * 1024) * MiB)
+    spec = ServerSpec(listen=f"{args.transport}://{tmp}/server.sock", l1_bytes=int(args.l1_gb * 1024) * MiB)
     run_case(args, spec, args.ops, counts)
     return 0
 

@@ -35,6 +35,18 @@ def test_a_ping_and_the_bare_zmq_and_unix_socket_floors_are_rows_of_the_table() 
         assert float(cells[6]) > 0 and cells[7] == "–"  # server CPU per op; no chunks
 
 
+def test_the_table_runs_over_a_unix_endpoint_too() -> None:
+    done = run(
+        "--ops", "lookup,ping", "--clients", "1", "--idle", "2", "--seconds", "0.5", "--transport", "unix"
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [
+        line.split("|") for line in done.stdout.splitlines() if line.startswith(("| lookup |", "| ping |"))
+    ]
+    assert [cells[1].strip() for cells in rows] == ["lookup", "ping"]
+    assert all(int(cells[3].replace(",", "")) > 0 for cells in rows)
+
+
 def test_an_unknown_operation_is_refused_naming_the_known_ones() -> None:
     refused = run("--ops", "lookup,nope")
     assert refused.returncode == 2

@@ -130,6 +130,7 @@ class ServerProcess:
                 Client(self.endpoint, timeout=0.5, heartbeat=False, **client_kw).close()
                 return
             except ServerUnavailableError:
+                time.sleep(0.02)  # (on unix:// said at once while nothing listens yet)
                 continue
         raise RuntimeError("server did not answer in time")
 

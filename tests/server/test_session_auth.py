@@ -18,6 +18,7 @@ import zmq.auth
 
 from tests.server.conftest import StartServer, curve_keys, manifest
 from tiercache.client.client import Client
+from tiercache.client.wires import ZmqWire
 from tiercache.errors import AuthenticationError
 from tiercache.keys import Fingerprint, ObjectKey, chunk_hashes
 from tiercache.wire import protocol as p
@@ -109,11 +110,9 @@ def keys(client: Client, n: int, seed: int) -> list[ObjectKey]:
 
 
 def routing_id(client: Client) -> bytes:
-    sock = client._state.sock
-    assert sock is not None
-    value = sock.getsockopt(zmq.ROUTING_ID)
-    assert isinstance(value, bytes)
-    return value
+    wire = client._state.wire
+    assert isinstance(wire, ZmqWire)
+    return wire.routing_id
 
 
 def test_a_connection_that_copies_a_logged_in_clients_id_gets_nothing(

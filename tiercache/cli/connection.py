@@ -23,7 +23,8 @@ def add_server_options(parser: Any, *, timeout: float, timeout_help: str) -> Non
         "--server",
         metavar="ENDPOINT",
         default=None,
-        help=f"endpoint of the server: ipc:///path/to/socket or tcp://HOST:PORT (default: env {LISTEN_ENV}, "
+        help=f"endpoint of the server: ipc:///path/to/socket, unix:///path/to/socket or tcp://HOST:PORT "
+        f"(default: env {LISTEN_ENV}, "
         "else the server's default ipc socket)",
     )
     parser.add_argument(
@@ -40,14 +41,16 @@ def connect(args: argparse.Namespace, client_name: str) -> Client:
     environment), or a one-line :class:`ConfigError` / :class:`ServerUnavailableError`."""
     endpoint = args.server or os.environ.get(LISTEN_ENV) or default_endpoint()
     timeout = args.timeout
-    if not endpoint.startswith(("ipc://", "tcp://")):
+    if not endpoint.startswith(("ipc://", "unix://", "tcp://")):
         raise ConfigError(
-            f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket or tcp://HOST:PORT"
+            f"--server {endpoint!r} is not an endpoint; use ipc:///path/to/socket, unix:///path/to/socket "
+            "or tcp://HOST:PORT"
         )
     if timeout <= 0:
         raise ConfigError(f"--timeout {timeout:g} must be positive; use e.g. --timeout 5")
     hint = "check that `tiercache server` runs and that --server matches its --listen"
-    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://") :]).exists():
+    local = endpoint.removeprefix("ipc://").removeprefix("unix://")
+    if local != endpoint and not Path(local).exists():
         raise ServerUnavailableError(f"no tiercache server at {endpoint}: the socket does not exist; {hint}")
     secret = args.auth_secret or os.environ.get(SECRET_ENV) or None
     try:

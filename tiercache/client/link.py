@@ -5,7 +5,8 @@ the client from :meth:`ServerLink.client`. When a call fails (server down, slow,
 reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
 thread (``tiercache-connector-reconnect``) reconnects. It keeps a ping outstanding, one
 ``timeout_s`` after another: ZMQ queues the ping until the server's socket is back, so a returning
-server is noticed as soon as it answers, however long the outage. The first attempt after a failure,
+server is noticed as soon as it answers, however long the outage (on ``unix://``, where a
+connection to nobody fails at once, at the next attempt). The first attempt after a failure,
 and any attempt after one that failed at once (the server refused), waits a pause first: from
 :data:`FIRST_RETRY_S`, doubling up to ``retry_s`` while the link keeps failing. While down,
 :meth:`client` returns ``None`` at once, so the engine sees misses and skipped stores instead of

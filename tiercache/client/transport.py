@@ -1,6 +1,7 @@
-"""The client's transport: one ZMQ ``DEALER`` socket to the server, its handshake and its requests.
+"""The client's transport: one connection to the server, its handshake and its requests.
 
-:class:`Transport` connects (ipc, tcp, CURVE), says hello (version check, the shared secret's proof
+:class:`Transport` connects (ipc, tcp, CURVE: a ZMQ ``DEALER``; unix: a Unix stream socket,
+:mod:`tiercache.client.wires`), says hello (version check, the shared secret's proof
 and session key), signs every request and checks every reply of a signed session, matches replies
 to requests by ``req_id`` (several may be in flight: the scheduler's non-blocking lookups), says
 hello again when a restarted server forgot the session, and pings while idle so the server keeps
@@ -12,7 +13,8 @@ to arrive: it is never waited for, so a server stalled past the client's timeout
 heartbeat timeout) keeps the session and what it holds, where a timed-out ping would have dropped
 the socket and started a new session. If the server restarts, the socket reconnects by itself and
 the next request says hello again (the server answers ``hello_required``); calls made while it is
-down raise :class:`~tiercache.errors.ServerUnavailableError`.
+down raise :class:`~tiercache.errors.ServerUnavailableError` (on ``unix://``, the next request
+connects again and says hello).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Any, Self, TypeVar, cast
 
 import msgspec
 import zmq
-import zmq.auth
 
+from tiercache.client.wires import UnixWire, Wire, ZmqWire
 from tiercache.config.parts import default_endpoint, default_runtime_dir, runtime_dir_problem
 from tiercache.errors import (
     AuthenticationError,
@@ -44,7 +46,7 @@ from tiercache.errors import (
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 from tiercache.wire.codec import Codec
-from tiercache.wire.frames import request_frames
+from tiercache.wire.frames import UNIX_SCHEME
 
 T = TypeVar("T")
 
@@ -67,9 +69,9 @@ class _Pending:
 
 @dataclass(slots=True)
 class _State:
-    """Socket-side state; guarded by ``Transport._lock``."""
+    """Connection-side state; guarded by ``Transport._lock``."""
 
-    sock: zmq.Socket[bytes] | None = None
+    wire: Wire | None = None
     hello: ServerInfo | None = None
     pending: dict[int, _Pending] = field(default_factory=dict)
     last_send: float = 0.0
@@ -118,9 +120,6 @@ _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
 #: believed unsigned: the worst a forged one does is make the client say hello again or give up.
 _UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
-#: zmq's flags as plain ints: the enums' operators are Python calls, a few per request.
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def ipc_listener_uid(endpoint: str) -> int | None:
@@ -195,35 +194,17 @@ class Transport:
 
     # -- connection --------------------------------------------------------------------------------
     def _connect(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        # A fixed identity lets the server recognise us after a reconnect (and say hello_required).
-        sock.setsockopt(zmq.ROUTING_ID, b"tc-" + secrets.token_bytes(12))
-        if self._curve_server_key is not None:
-            if self._curve_key_file is None:
-                raise AuthenticationError(
-                    "a CURVE server needs this client's secret key file (curve_client_key_file)",
-                    "auth_failed",
-                )
-            public, secret = zmq.auth.load_certificate(self._curve_key_file)
-            if not secret:
-                raise AuthenticationError(
-                    f"{self._curve_key_file} holds no secret key; pass the client's .key_secret file, not its public "
-                    ".key",
-                    "auth_failed",
-                )
-            sock.curve_serverkey = self._curve_server_key
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
-        sock.connect(self.endpoint)
-        self._state.sock = sock
+        if self.endpoint.startswith(UNIX_SCHEME):
+            self._state.wire = UnixWire(self.endpoint, self.timeout)
+        else:
+            self._state.wire = ZmqWire(self._ctx, self.endpoint, self._curve_server_key, self._curve_key_file)
 
     def _reset(self) -> None:
-        """Drop the socket (stale replies with it) and make a fresh one; hello again on next use."""
+        """Drop the connection (stale replies with it) and make a fresh one; hello again on next use."""
         st = self._state
-        if st.sock is not None:
-            st.sock.close(0)
-        st.sock = None
+        if st.wire is not None:
+            st.wire.close()
+        st.wire = None
         st.hello = None
         st.pending.clear()
         st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
@@ -241,9 +222,9 @@ class Transport:
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(2.0)
         with self._lock:
-            if self._state.sock is not None:
-                self._state.sock.close(0)
-                self._state.sock = None
+            if self._state.wire is not None:
+                self._state.wire.close()
+                self._state.wire = None
             self._closing()
         self._ctx.term()
 
@@ -286,7 +267,7 @@ class Transport:
         session, which would orphan the reservations and leases this client still uses), and the
         server counts the ping as a sign of life when it arrives, whenever it answers."""
         st = self._state
-        if st.hello is None or st.sock is None:
+        if st.hello is None or st.wire is None:
             return  # nothing held yet, or the next real call says hello first
         self._drain(0)  # the earlier pings' replies (an idle client's socket would pile them up)
         req_id = self._send(p.Ping(), lambda r: r, None)
@@ -305,9 +286,9 @@ class Transport:
         req_id = next(self._ids) if req_id is None else req_id
         msg.req_id = req_id
         st = self._state
-        if st.sock is None:
+        if st.wire is None:
             self._connect()
-        assert st.sock is not None
+        assert st.wire is not None
         # Held-back releases ride along (lost with the message if the send fails: leases end).
         if st.riders and isinstance(msg, p.Lookup) and not msg.releases:
             msg.releases, st.riders = st.riders, []
@@ -315,22 +296,16 @@ class Transport:
         elif st.lease_riders and isinstance(msg, p.Pin) and not msg.releases:
             msg.releases, st.lease_riders = st.lease_riders, []
             st.riders_since = st.riders_since if st.riders else 0.0
-        try:
-            self._write(st.sock, msg)
-        except zmq.Again as exc:
-            raise ServerUnavailableError(
-                f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
-                "not reading: stopped or overloaded); check that it runs, then retry"
-            ) from exc
+        self._write(st.wire, msg)
         st.last_send = time.monotonic()
         st.pending[req_id] = _Pending(
             convert, time.monotonic() + (self.timeout if timeout is None else timeout)
         )
         return req_id
 
-    def _write(self, sock: zmq.Socket[bytes], msg: p.Message) -> None:
-        """Encode and send ``msg`` in frames the server takes (:mod:`tiercache.wire.frames`), with
-        its tag after the handshake of a shared-secret session."""
+    def _write(self, wire: Wire, msg: p.Message) -> None:
+        """Encode and send ``msg`` as the server takes it (:mod:`tiercache.wire.frames`), with its
+        tag after the handshake of a shared-secret session."""
         body = self._codec.encode(msg)
         info = self._state.hello
         if info is not None and len(body) > info.max_message_bytes:
@@ -342,30 +317,16 @@ class Transport:
             )
         seal = self._state.seal
         tag = None if seal is None or isinstance(msg, (p.Hello, p.Challenge)) else seal.seal(body)
-        frames = request_frames(body, tag)
-        if len(frames) == 1:  # (send_multipart's checks of its parts cost more than the send)
-            sock.send(frames[0], _NOBLOCK)
-        else:
-            sock.send_multipart(frames, _NOBLOCK)
+        wire.send(body, tag)
 
     def _drain(self, wait_s: float) -> None:
         """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
-        sock = self._state.sock
-        assert sock is not None
-        # (zmq_poll itself: Socket.poll builds a Poller each call)
-        if wait_s > 0 and not zmq.zmq_poll([(sock, _POLLIN)], int(wait_s * 1000) or 1):
+        wire = self._state.wire
+        assert wire is not None
+        if wait_s > 0 and not wire.wait(wait_s):
             return
-        while True:
-            # Asked, not tried: a recv that finds nothing raises, and that exception at the end
-            # of every drain was a tenth of a lookup's CPU in the client.
-            if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:  # EVENTS is an int option
-                return
-            try:
-                frames = sock.recv_multipart(_NOBLOCK)
-            except zmq.Again:
-                return
-            frame = frames[0]
-            tag = frames[1] if len(frames) == 2 else None
+        while (got := wire.recv()) is not None:
+            frame, tag = got
             if not self._authentic(frame, tag):  # before a byte of it is decoded
                 self._state.unsigned_replies += 1
                 continue
@@ -438,13 +399,13 @@ class Transport:
     def _send_unanswered(self, msg: p.Message) -> None:
         """Send ``msg`` if the socket takes it, without waiting for its reply (which matches no
         pending request: dropped). Called with ``_lock`` held."""
-        sock = self._state.sock
-        if sock is None:
+        wire = self._state.wire
+        if wire is None:
             return
         msg.req_id = next(self._ids)
         try:
-            self._write(sock, msg)
-        except zmq.ZMQError:
+            self._write(wire, msg)
+        except ServerUnavailableError:
             return
         self._state.last_send = time.monotonic()
 

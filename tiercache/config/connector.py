@@ -137,10 +137,10 @@ class ConnectorSettings:
                 f"kv_connector_extra_config kv_events_buffer_batches={self.kv_events_buffer_batches!r} must be "
                 "at least 1"
             )
-        if self.server is not None and not self.server.startswith(("ipc://", "tcp://")):
+        if self.server is not None and not self.server.startswith(("ipc://", "unix://", "tcp://")):
             raise ConfigError(
                 f"kv_connector_extra_config server={self.server!r} is not a tiercache endpoint; "
-                "use ipc:///path/to/server.sock or tcp://HOST:PORT"
+                "use ipc:///path/to/server.sock, unix:///path/to/server.sock or tcp://HOST:PORT"
             )
 
     @classmethod

@@ -344,8 +344,10 @@ def default_endpoint() -> str:
 class ServerOptions:
     """How the server listens and treats clients (the tiers have their own configs).
 
-    ``listen`` is a ZMQ endpoint: ``ipc://PATH`` (default: :func:`default_endpoint`, owner-only) or
-    ``tcp://HOST:PORT``, which requires ``auth_secret`` or ``curve_secret_key_file``.
+    ``listen`` is ``ipc://PATH`` (ZMQ; default: :func:`default_endpoint`, owner-only),
+    ``unix://PATH`` (owner-only; a Unix stream socket the request loop reads itself, without
+    libzmq: :mod:`tiercache.server.unix`) or ``tcp://HOST:PORT`` (ZMQ), which requires
+    ``auth_secret`` or ``curve_secret_key_file``.
     ``chunk_size`` is in tokens; every connector must use the server's value. A client that sends
     nothing for ``heartbeat_timeout_s`` loses its reservations and read leases. ``io_workers`` bounds
     the executor that runs L2/L3 calls off the request loop. ``max_message_bytes`` bounds any single
@@ -378,11 +380,12 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not self.listen:
             object.__setattr__(self, "listen", default_endpoint())
-        if not (self.listen.startswith("ipc://") or self.listen.startswith("tcp://")):
+        if not self.listen.startswith(("ipc://", "unix://", "tcp://")):
             raise SettingError(
                 "listen",
                 "--listen",
-                f"{self.listen!r} is not supported; use ipc:///path/to/socket or tcp://HOST:PORT",
+                f"{self.listen!r} is not supported; use ipc:///path/to/socket, unix:///path/to/socket "
+                "or tcp://HOST:PORT",
             )
         if self.auth_secret_file is not None and not self.auth_secret:
             object.__setattr__(self, "auth_secret", read_secret_file(Path(self.auth_secret_file)))

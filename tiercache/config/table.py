@@ -62,8 +62,9 @@ META: dict[tuple[str, str], Meta] = {
     ),
     # server
     ("server", "listen"): Meta(
-        "ZMQ endpoint clients connect to: ipc:///path/to/socket (owner-only) or tcp://HOST:PORT "
-        "(needs --auth-secret or --curve-secret-key-file).",
+        "Endpoint clients connect to: ipc:///path/to/socket (owner-only, ZMQ), unix:///path/to/socket "
+        "(owner-only, a Unix socket the request loop reads itself: the cheapest for clients on this "
+        "node) or tcp://HOST:PORT (ZMQ; needs --auth-secret or --curve-secret-key-file).",
         default_text="ipc://$XDG_RUNTIME_DIR/tiercache/server.sock (or /tmp/tiercache-UID/server.sock)",
         metavar="ENDPOINT",
     ),

@@ -2,7 +2,8 @@
 
 Threads:
 
-* ``tiercache-server-loop`` — the request loop. Owns the ROUTER socket and every piece of per-client
+* ``tiercache-server-loop`` — the request loop. Owns the ROUTER socket (on ``unix://``, the
+  listener and its connections: :mod:`tiercache.server.unix`) and every piece of per-client
   state (:mod:`tiercache.server.sessions`; no lock needed: only this thread touches it). Does only
   in-memory work: decoding, L1 reservations/pins/commits (L1 never blocks on I/O), bookkeeping, and
   the lookups L1 answers alone (every object of every chunk asked for is in L1).
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, cast
 
 import zmq
@@ -53,10 +55,11 @@ from tiercache.server.replies import Handler, Refused, error_reply, request_keys
 from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups, with_tenants
+from tiercache.server.unix import IDENTITY_PREFIX, EpollPoller, Message, UnixListener
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import TAG_BYTES
 from tiercache.wire.codec import Codec
-from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_of
+from tiercache.wire.frames import REQUEST_FRAME_BYTES, UNIX_SCHEME, request_of
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ _ZMTP_HEARTBEAT_MS = 2000
 _HANDSHAKE_MS = 5000
 #: zmq's flags as plain ints: the enums' operators are Python calls, a few per message.
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
@@ -110,6 +114,10 @@ class Server:
         self._l1: ArenaFront = engine.l1
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
+        #: The request loop's poller: the socket (or the ``unix://`` listener and its connections,
+        #: on epoll) and the wake-up pipe.
+        self._poller: zmq.Poller | EpollPoller = zmq.Poller()
+        self._unix: UnixListener | None = None
         self._auth: Any = None
         self._thread: threading.Thread | None = None
         #: Why the request loop ended other than by :meth:`stop` (``None``: it did not).
@@ -267,6 +275,12 @@ class Server:
 
     def _bind(self) -> None:
         opts = self.options
+        if opts.listen.startswith(UNIX_SCHEME):
+            path = Path(opts.listen.removeprefix(UNIX_SCHEME))
+            prepare_ipc(path)
+            self._poller = EpollPoller()
+            self._unix = UnixListener(path, self._poller)
+            return
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
@@ -307,11 +321,13 @@ class Server:
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        sock, unix = self._sock, self._unix
+        assert sock is not None or unix is not None
+        poller = self._poller
+        if sock is not None:
+            assert isinstance(poller, zmq.Poller)
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, _POLLIN)
         sweep_every = min(1.0, self.options.heartbeat_timeout_s / 4)
         next_sweep = time.monotonic() + sweep_every
         drain_end: float | None = None
@@ -322,12 +338,15 @@ class Server:
                         drain_end = time.monotonic() + self.options.drain_timeout_s
                     if self._inflight == 0 or time.monotonic() > drain_end:
                         break
-                events = dict(poller.poll(100 if drain_end is not None else int(sweep_every * 1000)))
-                if sock in events:
+                wait_ms = 100 if drain_end is not None else int(sweep_every * 1000)
+                events = dict(poller.poll(0 if unix is not None and unix.backlog else wait_ms))
+                if sock is not None and sock in events:
                     self._read_requests(sock)
+                if unix is not None:
+                    self._serve_unix(unix, events)
                 if self._wake_r in events:
                     self._drain_wakeups()
-                self._send_completions(sock)
+                self._send_completions()
                 now = time.monotonic()
                 if now >= next_sweep:
                     self._sessions.expire(now)
@@ -345,8 +364,13 @@ class Server:
             threading.Thread(target=self.stop, name="tiercache-shutdown", daemon=True).start()
         finally:
             self._sessions.close_all()
-            sock.close(0)
-            self._sock = None
+            if sock is not None:
+                sock.close(0)
+                self._sock = None
+            if unix is not None:
+                unix.close_all()
+            if isinstance(poller, EpollPoller):
+                poller.close()
 
     def _read_requests(self, sock: zmq.Socket[bytes]) -> None:
         for _ in range(256):  # bounded batch so completions are not starved by a flood
@@ -378,12 +402,45 @@ class Server:
                 continue
             if size > limit:
                 self._counters["requests"] += 1
-                self._send(sock, identity, self._oversized(known, size), False)
+                self._send(identity, self._oversized(known, size), False)
                 continue
             body, tag = request_of([part.buffer for part in parts])
             reply, signed = self._handle(identity, body, tag, partial(peer_of, head))
             if reply is not None:
-                self._send(sock, identity, reply, signed)
+                self._send(identity, reply, signed)
+
+    def _serve_unix(self, unix: UnixListener, events: dict[Any, int]) -> None:
+        """Accept, read and answer on the ``unix://`` connections ``events`` names (and those with
+        whole messages left from the last turn); send the replies their sockets now take."""
+        if unix.fileno() in events:
+            unix.accept()
+        by_fd = unix.by_fd
+        ready = [by_fd[key] for key in events if key in by_fd]
+        ready.extend(conn for conn in unix.backlog if conn not in ready)
+        sessions = self._sessions.by_identity
+        handshake = _HANDSHAKE_MESSAGE_BYTES
+        most = self.options.max_message_bytes + TAG_BYTES
+
+        def limit(identity: bytes) -> int:
+            return most if identity in sessions else handshake
+
+        for conn in ready:
+            if conn.writing and events.get(conn.fileno(), 0) & _POLLOUT:
+                unix.flush(conn)
+            if not (events.get(conn.fileno(), 0) & _POLLIN or conn.backlog):
+                continue
+            peer = partial(str, conn.peer)
+            for item in unix.read(conn, limit):
+                if isinstance(item, Message):
+                    reply, signed = self._handle(conn.identity, item.body, item.tag, peer)
+                    if reply is not None:
+                        self._send(conn.identity, reply, signed)
+                    continue
+                # Larger than its sender may send: refused unread, and its connection closed.
+                self._counters["requests"] += 1
+                self._send(conn.identity, self._oversized(conn.identity in sessions, item.size), False)
+                unix.close(conn)
+                break
 
     def _oversized(self, known: bool, size: int) -> p.ErrorReply:
         """The refusal of a message larger than its sender may send: ``max_message_bytes`` for a
@@ -402,7 +459,7 @@ class Server:
             f"{_HANDSHAKE_MESSAGE_BYTES} bytes); a message of {size} bytes was dropped unread",
         )
 
-    def _send(self, sock: zmq.Socket[bytes], identity: bytes, reply: p.Message, signed: bool = True) -> None:
+    def _send(self, identity: bytes, reply: p.Message, signed: bool = True) -> None:
         """Send ``reply``; on a shared-secret session (and ``signed``) with its tag frame. Replies to
         requests that did not prove the session are never signed: the client does not believe them,
         save the errors that tell it to say hello again."""
@@ -411,6 +468,13 @@ class Server:
         body = self._codec.encode(reply)
         session = self._sessions.get(identity) if signed else None
         tag = None if session is None or session.seal is None else session.seal.seal(body)
+        if self._unix is not None and identity.startswith(IDENTITY_PREFIX):
+            if self._unix.send(identity, body, tag):
+                self._counters["replies"] += 1
+            return
+        sock = self._sock
+        if sock is None:
+            return
         try:
             # Frame by frame: send_multipart's checks of each part cost more than the sends.
             sock.send(identity, _NOBLOCK_MORE)
@@ -554,7 +618,7 @@ class Server:
         except (BlockingIOError, OSError):
             pass
 
-    def _send_completions(self, sock: zmq.Socket[bytes]) -> None:
+    def _send_completions(self) -> None:
         completed = self._completed
         while completed:  # the loop is the only consumer: a non-empty deque stays so until it pops
             c = completed.popleft()
@@ -565,7 +629,7 @@ class Server:
                 reply = error_reply(c.req_id, exc)
             if reply is not None:
                 reply.req_id = c.req_id
-                self._send(sock, c.identity, reply)
+                self._send(c.identity, reply)
             if c.sent is not None:
                 c.sent(reply)
 
@@ -582,6 +646,8 @@ class Server:
             **self._sessions.counts(),
             "in_flight": self._inflight,
             "eviction_records": len(self.evictions),
+            # unix:// only: connections closed at once, opened by a process of another user.
+            **({"connections_refused": self._unix.refused} if self._unix is not None else {}),
         }
 
     def metrics_stats(self) -> dict[str, Any]:

@@ -1,0 +1,241 @@
+"""Specification: a server listening on ``unix://`` serves clients as on ``ipc://``, over a Unix
+stream socket its request loop reads itself, and bounds what any peer costs it as ``ipc://`` does.
+
+Each message is a header (the body's and the tag's lengths), the body and the tag. A message larger
+than its sender may send is refused from its header, before a byte of it is read, and its
+connection closed; a peer that stops reading its replies is disconnected once they pass a bound;
+a message cut short or undecodable costs its sender only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import StartServer, manifest
+from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.client.client import Client
+from tiercache.errors import ServerUnavailableError
+from tiercache.keys import Fingerprint, ObjectKey
+from tiercache.server import unix
+from tiercache.testing.poll import wait_until
+from tiercache.wire import protocol as p
+from tiercache.wire.codec import Codec
+from tiercache.wire.frames import STREAM_HEADER, stream_message
+
+MiB = 1 << 20
+
+
+def unix_endpoint(tmp_path: Path, name: str = "server") -> str:
+    return f"unix://{tmp_path}/run/{name}.sock"
+
+
+def raw_connect(endpoint: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(endpoint.removeprefix("unix://"))
+    return sock
+
+
+def raw_reply(sock: socket.socket) -> p.Message | None:
+    """The next reply on ``sock``, decoded; ``None`` if the server closed the connection first."""
+    inbox = b""
+    while True:
+        if len(inbox) >= STREAM_HEADER.size:
+            body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
+            if len(inbox) >= STREAM_HEADER.size + body_len + tag_len:
+                return Codec().replies.decode(inbox[STREAM_HEADER.size : STREAM_HEADER.size + body_len])
+        data = sock.recv(65536)
+        if not data:
+            return None
+        inbox += data
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_client_over_unix_stores_looks_up_and_loads_identical_bytes(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    server = start_server(listen=endpoint)
+    path = Path(endpoint.removeprefix("unix://"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # owner-only, as an ipc socket
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with server.client() as client:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(8)
+        stored = store_prompt(client, group, hashes)
+        found = client.lookup(hashes, [group])
+        assert found.chunks == 8 and found.state is p.TicketStateName.READY
+        assert client.read_ticket(found) == stored
+        keys = list(stored)
+        assert client.load_chunks(keys) == [stored[k] for k in keys]
+        # A body of several MiB: read in pieces by the loop, and its reply sent in pieces.
+        key = ObjectKey(Fingerprint(group.fingerprint), 0, prompt_hashes(1, seed=9)[0])
+        data = os.urandom(9 * MiB + 3)
+        assert client.put(key, data)
+        assert client.get(key) == data
+
+
+def test_a_session_with_a_shared_secret_signs_every_message_over_unix(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    secret = "s3cret-8d1e5a0c7b3f9264"
+    endpoint = unix_endpoint(tmp_path)
+    start_server(listen=endpoint, options={"auth_secret": secret}, client_kw={"auth_secret": secret})
+    with Client(endpoint, timeout=5, auth_secret=secret) as client:
+        client.ping()
+        assert client.stats()["server"]["refused_unsigned"] == 0
+    sock = raw_connect(endpoint)
+    ping = Codec().encode(p.Ping(req_id=7))
+    sock.sendall(b"".join(stream_message(ping, None)))
+    refused = raw_reply(sock)
+    assert isinstance(refused, p.ErrorReply) and refused.code is p.ErrorCode.HELLO_REQUIRED
+
+
+def test_a_strangers_oversized_message_is_refused_from_its_header_and_its_connection_closed(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    server = start_server(listen=endpoint)
+    sock = raw_connect(endpoint)
+    sock.sendall(STREAM_HEADER.pack(1 << 30, 0) + b"\x91" * 4096)  # says 1 GiB; no session
+    refused = raw_reply(sock)
+    assert isinstance(refused, p.ErrorReply) and refused.code is p.ErrorCode.HELLO_REQUIRED
+    assert "dropped unread" in refused.message
+    assert closed_by_server(sock)
+    with server.client() as client:
+        assert client.stats()["server"]["stranger_frames"] == 1
+
+
+def test_garbage_and_a_message_cut_short_cost_only_their_sender(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    server = start_server(listen=endpoint)
+    garbage = raw_connect(endpoint)
+    garbage.sendall(b"".join(stream_message(b"\xc1\xff not msgpack", None)))
+    malformed = raw_reply(garbage)
+    assert isinstance(malformed, p.ErrorReply) and malformed.code is p.ErrorCode.MALFORMED
+    short = raw_connect(endpoint)
+    short.sendall(STREAM_HEADER.pack(100, 0)[:5])  # half a header, then gone
+    short.close()
+    cut = raw_connect(endpoint)
+    cut.sendall(STREAM_HEADER.pack(100, 0) + b"\x00" * 10)  # a tenth of a body, then gone
+    cut.close()
+    with server.client() as client:
+        client.ping()
+        assert client.stats()["server"]["malformed"] == 1
+
+
+def test_a_peer_that_does_not_read_its_replies_holds_nobody_else(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    server = start_server(listen=endpoint)
+    deaf = raw_connect(endpoint)
+    deaf.setblocking(False)
+    ping = b"".join(stream_message(Codec().encode(p.Ping(req_id=1)), None))
+    sent = 0
+    try:
+        while sent < MiB:  # its replies fill both socket buffers; then the server queues them
+            sent += deaf.send(ping * 512)
+    except BlockingIOError:
+        pass  # the server reads no faster than this peer reads its replies
+    with server.client(timeout=5) as client:
+        started = time.monotonic()
+        for _ in range(50):
+            client.ping()
+        assert time.monotonic() - started < 5
+
+
+def test_replies_a_peer_leaves_unread_past_the_bound_end_its_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(unix, "MAX_UNSENT_BYTES", 4 * MiB)
+    poller = unix.EpollPoller()
+    listener = unix.UnixListener(tmp_path / "l.sock", poller)
+    try:
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect(str(tmp_path / "l.sock"))
+        wait_until(lambda: listener.accept() or listener.connections, timeout=5, what="the connection")
+        [conn] = listener.connections.values()
+        body = b"x" * MiB
+        sends = 0
+        while listener.send(conn.identity, body, None):
+            sends += 1
+            assert sends < 64, "the connection was never closed"
+        assert conn.identity not in listener.connections and not listener.by_fd
+        assert sends >= 4  # what the socket buffers took, then the 4 MiB queued
+        peer.settimeout(5)
+        while peer.recv(MiB):  # the replies the socket held come first, then the end
+            pass
+    finally:
+        listener.close_all()
+        poller.close()
+    assert not (tmp_path / "l.sock").exists()
+
+
+def test_a_connection_from_another_user_is_closed_unread(start_server: StartServer, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a process of another user is made by switching to uid 65534")
+    shared = Path(tempfile.mkdtemp(prefix="tiercache-unix-"))  # (pytest's own tmp is root-only)
+    try:
+        path = shared / "server.sock"
+        server = start_server(listen=f"unix://{path}")
+        os.chmod(shared, 0o777)  # loosened by hand: the uid check still holds
+        os.chmod(path, 0o777)
+        child = os.fork()
+        if child == 0:  # the other user
+            try:
+                os.setuid(65534)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(5)
+                sock.connect(str(path))
+                os._exit(0 if closed_by_server(sock) else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with server.client() as client:
+            assert client.stats()["server"]["connections_refused"] == 1
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_client_says_hello_again_to_a_restarted_server_on_the_same_unix_path(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    disk = str(tmp_path / "lmdb")
+    first = start_server(listen=endpoint, disk_path=disk)
+    client = first.client(heartbeat=False)
+    try:
+        [group] = client.register([(0, manifest())])
+        hashes = prompt_hashes(2)
+        store_prompt(client, group, hashes)
+        assert first.stop() == 0
+        with pytest.raises(ServerUnavailableError, match="cannot connect"):
+            client.ping()  # nobody listens: said at once, not after the timeout
+        start_server(listen=endpoint, disk_path=disk)
+        assert client.lookup(hashes, [group], prefetch=False).chunks == 2  # from the disk, after a hello
+    finally:
+        client.close()
+
+
+def test_stream_header_is_two_big_endian_lengths() -> None:
+    assert STREAM_HEADER.size == 8
+    assert stream_message(b"body", b"tag") == [struct.pack(">II", 4, 3), b"body", b"tag"]
+    assert stream_message(b"body", None) == [struct.pack(">II", 4, 0), b"body"]

@@ -1,0 +1,275 @@
+"""How the client's messages move: a ZMQ ``DEALER`` socket (``ipc://``, ``tcp://``) or a Unix stream
+socket (``unix://``, read and written by the calling thread itself, without libzmq's I/O thread).
+
+A wire carries a request's body and tag to the server and hands back each reply's body and tag;
+what they mean is :class:`~tiercache.client.transport.Transport`'s. Both raise
+:class:`~tiercache.errors.ServerUnavailableError` when a request cannot be sent. Neither is
+thread-safe: the transport's lock guards its wire.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Protocol, cast
+
+import zmq
+import zmq.auth
+
+from tiercache.errors import AuthenticationError, ServerUnavailableError
+from tiercache.wire import protocol as p
+from tiercache.wire.frames import STREAM_HEADER, UNIX_SCHEME, request_frames, stream_message
+
+#: zmq's flags as plain ints: the enums' operators are Python calls, a few per request.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+#: Bytes a Unix wire reads at once.
+_READ_BYTES = 256 * 1024
+#: Bodies up to this size go out joined to their header in one send.
+_JOIN_BYTES = 64 * 1024
+
+
+class Wire(Protocol):
+    """What the transport needs of its connection to the server."""
+
+    def send(self, body: bytes, tag: bytes | None) -> None:
+        """Send one request (raises :class:`ServerUnavailableError` if it cannot)."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a reply to read; whether one may be there."""
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        """One reply's body and tag, or ``None`` if no whole reply is there now. Never waits."""
+
+    def close(self) -> None:
+        """Close the connection; replies still on the way are lost."""
+
+
+class ZmqWire:
+    """A ``DEALER`` socket connected to ``endpoint`` (CURVE when given the server's key). libzmq
+    reconnects it by itself: a request sent while the server is down waits in its queue."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        curve_server_key: bytes | None = None,
+        curve_client_key_file: Path | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        # A fixed identity lets the server recognise us after a reconnect (and say hello_required).
+        self.routing_id = b"tc-" + secrets.token_bytes(12)
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+        try:
+            if curve_server_key is not None:
+                _curve(sock, curve_server_key, curve_client_key_file)
+            sock.connect(endpoint)
+        except BaseException:
+            sock.close(0)
+            raise
+        self._sock = sock
+
+    def send(self, body: bytes, tag: bytes | None) -> None:
+        frames = request_frames(body, tag)
+        try:
+            if len(frames) == 1:  # (send_multipart's checks of its parts cost more than the send)
+                self._sock.send(frames[0], _NOBLOCK)
+            else:
+                self._sock.send_multipart(frames, _NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise ServerUnavailableError(
+                f"cannot send to the tiercache server at {self.endpoint}: send queue full (the server is "
+                "not reading: stopped or overloaded); check that it runs, then retry"
+            ) from exc
+
+    def wait(self, timeout_s: float) -> bool:
+        # (zmq_poll itself: Socket.poll builds a Poller each call)
+        return bool(zmq.zmq_poll([(self._sock, _POLLIN)], int(timeout_s * 1000) or 1))
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        # Asked, not tried: a recv that finds nothing raises, and that exception at the end of
+        # every drain was a tenth of a lookup's CPU in the client.
+        if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:  # EVENTS is an int option
+            return None
+        try:
+            frames = self._sock.recv_multipart(_NOBLOCK)
+        except zmq.Again:
+            return None
+        return frames[0], (frames[1] if len(frames) == 2 else None)
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+def _curve(sock: zmq.Socket[bytes], server_key: bytes, key_file: Path | None) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key is ``server_key``."""
+    if key_file is None:
+        raise AuthenticationError(
+            "a CURVE server needs this client's secret key file (curve_client_key_file)", "auth_failed"
+        )
+    public, secret = zmq.auth.load_certificate(key_file)
+    if not secret:
+        raise AuthenticationError(
+            f"{key_file} holds no secret key; pass the client's .key_secret file, not its public .key",
+            "auth_failed",
+        )
+    sock.curve_serverkey = server_key
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+class UnixWire:
+    """A Unix stream socket to the server at ``endpoint`` (``unix:///path``), connected on the first
+    send and again on the first send after the server closed it (a restarted server then asks for
+    a hello). The server must run as this user or root: the kernel says who accepted
+    (``SO_PEERCRED``). A send waits up to ``timeout_s`` for the server to take the request."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self._path = endpoint.removeprefix(UNIX_SCHEME)
+        self._timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._poll = select.poll()
+        self._inbox = bytearray()
+        # Every read lands here first: a fresh buffer per recv() would be an allocation per reply.
+        self._buffer = bytearray(_READ_BYTES)
+        self._view = memoryview(self._buffer)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout_s)
+            sock.connect(self._path)
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", raw)
+            me = os.geteuid()
+            if uid not in (me, 0):
+                raise AuthenticationError(
+                    f"the process listening at {self.endpoint} runs as uid {uid}, not as this user (uid {me}) or "
+                    "root: another local user may have put it there. Point the client at your own server's socket "
+                    "(in an owner-only directory: set XDG_RUNTIME_DIR, or pass the endpoint)",
+                    p.ErrorCode.AUTH_FAILED.value,
+                )
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise ServerUnavailableError(
+                f"cannot connect to the tiercache server at {self.endpoint} ({exc.strerror or exc}); check that "
+                "it runs and that the endpoint matches its --listen"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+        self._poll.register(sock.fileno(), select.POLLIN)
+        self._sock = sock
+        self._inbox.clear()
+        return sock
+
+    def send(self, body: bytes, tag: bytes | None) -> None:
+        pieces = stream_message(body, tag)
+        if len(body) <= _JOIN_BYTES:
+            pieces = [b"".join(pieces)]
+        try:
+            sent = self._send(self._sock or self._connect(), pieces)
+            if sent == 0:
+                # The connection had ended before this request (a restarted server, whose closing
+                # this client had not read yet): nothing of it was sent, so it goes once more on a
+                # new one, where the server asks for a hello, as a ZMQ socket would reconnect.
+                self.close()
+                self._send(self._connect(), pieces)
+        except OSError as exc:
+            self.close()  # a request cut short would garble the next one
+            raise ServerUnavailableError(
+                f"cannot send to the tiercache server at {self.endpoint} ({exc.strerror or exc}); check that it "
+                "runs, then retry"
+            ) from exc
+
+    def _send(self, sock: socket.socket, pieces: list[bytes | memoryview]) -> int:
+        """Send ``pieces`` whole, waiting up to the timeout for the server to take them; 0 if the
+        connection had already ended (nothing sent), else the bytes sent."""
+        deadline = time.monotonic() + self._timeout_s
+        done = 0
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                try:
+                    sent = sock.send(view)
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [sock], [], left)[1]:
+                        raise TimeoutError(
+                            errno.ETIMEDOUT, "the server took no more of the request"
+                        ) from None
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    if done == 0:
+                        return 0
+                    raise
+                done += sent
+                view = view[sent:]
+        return done
+
+    def wait(self, timeout_s: float) -> bool:
+        if self._sock is None:
+            time.sleep(timeout_s)  # nothing can come: as a wait on a socket nobody answers
+            return False
+        if self._whole_message():
+            return True
+        return bool(self._poll.poll(int(timeout_s * 1000) or 1))
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        if self._sock is None:
+            return None
+        if not self._whole_message():
+            try:
+                got = self._sock.recv_into(self._buffer)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError:
+                got = 0
+            if not got:  # the server closed the connection: the next send connects again
+                self.close()
+                return None
+            self._inbox += self._view[:got]
+        return self._take()
+
+    def _whole_message(self) -> bool:
+        inbox = self._inbox
+        if len(inbox) < STREAM_HEADER.size:
+            return False
+        body_len: int
+        tag_len: int
+        body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
+        return len(inbox) >= STREAM_HEADER.size + body_len + tag_len
+
+    def _take(self) -> tuple[bytes, bytes | None] | None:
+        """The first whole reply in the inbox, taken out of it."""
+        if not self._whole_message():
+            return None
+        inbox = self._inbox
+        body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
+        start = STREAM_HEADER.size
+        end = start + body_len + tag_len
+        with memoryview(inbox) as view:  # (one copy; released before the inbox shrinks)
+            body = bytes(view[start : start + body_len])
+            tag = bytes(view[start + body_len : end]) if tag_len else None
+        del inbox[:end]
+        return body, tag
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._poll.unregister(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        self._inbox.clear()
+
+
+__all__ = ["UnixWire", "Wire", "ZmqWire"]
