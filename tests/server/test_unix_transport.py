@@ -170,7 +170,12 @@ def test_replies_a_peer_leaves_unread_past_the_bound_end_its_connection(
     try:
         peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         peer.connect(str(tmp_path / "l.sock"))
-        wait_until(lambda: listener.accept() or listener.connections, timeout=5, what="the connection")
+
+        def accepted() -> dict[bytes, unix.Connection]:
+            listener.accept()
+            return listener.connections
+
+        wait_until(accepted, timeout=5, what="the connection")
         [conn] = listener.connections.values()
         body = b"x" * MiB
         sends = 0
@@ -233,6 +238,35 @@ def test_a_client_says_hello_again_to_a_restarted_server_on_the_same_unix_path(
         assert client.lookup(hashes, [group], prefetch=False).chunks == 2  # from the disk, after a hello
     finally:
         client.close()
+
+
+def test_a_client_that_goes_away_takes_what_it_held_with_it_at_once(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    endpoint = unix_endpoint(tmp_path)
+    server = start_server(listen=endpoint, options={"heartbeat_timeout_s": 60.0})
+    with server.client() as writer:
+        [group] = writer.register([(0, manifest())])
+        hashes = prompt_hashes(4)
+        store_prompt(writer, group, hashes)
+    with server.client() as observer:
+        gone = server.client()
+        [group] = gone.register([(0, manifest())])
+        found = gone.lookup(hashes, [group])  # a ticket holding the four objects
+        assert found.state is p.TicketStateName.READY
+        assert observer.stats()["server"]["tickets"] == 1
+        gone.close()  # no release: its connection ends, and the server sees it end
+
+        def released() -> dict[str, int] | None:
+            now = observer.stats()["server"]
+            return now if now["tickets"] == 0 else None
+
+        after = wait_until(
+            released,
+            timeout=5,
+            what="the ticket released with its connection (not 60 s later, at its timeout)",
+        )
+        assert after is not None and after["clients_disconnected"] >= 2 and after["clients_expired"] == 0
 
 
 def test_stream_header_is_two_big_endian_lengths() -> None:

@@ -279,7 +279,7 @@ class Server:
             path = Path(opts.listen.removeprefix(UNIX_SCHEME))
             prepare_ipc(path)
             self._poller = EpollPoller()
-            self._unix = UnixListener(path, self._poller)
+            self._unix = UnixListener(path, self._poller, self._sessions.drop)
             return
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
@@ -639,6 +639,7 @@ class Server:
         return {
             **self._counters,
             "clients_expired": self._sessions.expired,
+            "clients_disconnected": self._sessions.disconnected,
             "refused_unsigned": self._sessions.refused_unsigned,
             "hellos_failed": self._hellos.failed,
             "hellos_held": self._hellos.held,

@@ -87,6 +87,7 @@ class Sessions:
         #: Their writer may still write; its late commit or abort frees the quarantined slot.
         self._abandoned: OrderedDict[int, tuple[bytes, str]] = OrderedDict()
         self.expired = 0  # sessions dropped for missed heartbeats
+        self.disconnected = 0  # sessions dropped as their connection closed (unix://)
         self.refused_unsigned = 0  # requests naming a session without its valid, fresh tag
         self.lost_leases = 0  # leases that expired before their release (or their ticket's end)
         # Requests refused because their client was at one of its bounds (--max-*-per-client).
@@ -438,6 +439,17 @@ class Sessions:
             self.lost_leases += self._release(session)
             del self.by_identity[session.identity]
             self.expired += 1
+
+    def drop(self, identity: bytes) -> None:
+        """Drop the session of a connection that closed (on ``unix://`` the server sees it go),
+        releasing what it held at once, as a heartbeat timeout would later. No session: nothing."""
+        session = self.by_identity.pop(identity, None)
+        if session is None:
+            return
+        if session.reservations or session.leases or session.tickets:
+            log.info("client %r disconnected; releasing its reservations and leases", session.name)
+        self.lost_leases += self._release(session)
+        self.disconnected += 1
 
     def close_all(self) -> None:
         """Release what every session holds (the server is stopping)."""

@@ -14,7 +14,9 @@ is disconnected. The socket file is owner-only, as ``ipc://``'s, and a connectio
 another user (save root) is closed at once (the kernel says who connected: ``SO_PEERCRED``).
 
 Each connection gets an identity of its own, never reused, which the server's sessions are keyed
-by exactly as by a ZMQ routing id: a reconnected client says hello again.
+by exactly as by a ZMQ routing id: a reconnected client says hello again. Unlike a ZMQ connection's,
+its end is seen: the session goes with it, and what it held is released at once (its reservations
+quarantined, as after a heartbeat timeout), not a heartbeat timeout later.
 """
 
 from __future__ import annotations
@@ -136,11 +138,18 @@ class Oversized:
 
 class UnixListener:
     """The listening socket at ``path`` and its connections, each registered with ``poller`` (the
-    request loop's) for what the loop waits for on it; used by the request loop alone."""
+    request loop's) for what the loop waits for on it; ``closed`` is told the identity of each
+    connection that ends. Used by the request loop alone."""
 
-    def __init__(self, path: Path, poller: zmq.Poller | EpollPoller) -> None:
+    def __init__(
+        self,
+        path: Path,
+        poller: zmq.Poller | EpollPoller,
+        closed: Callable[[bytes], None] = lambda identity: None,
+    ) -> None:
         self.path = path
         self._poller = poller
+        self._closed = closed
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(path))
@@ -286,7 +295,7 @@ class UnixListener:
             self._poller.register(conn.fileno(), _POLLIN)
 
     def close(self, conn: Connection) -> None:
-        """Close ``conn`` (its session stays until its heartbeat timeout, as a ZMQ client's)."""
+        """Close ``conn`` and say so (the server drops its session: nobody can speak for it again)."""
         if self.connections.pop(conn.identity, None) is not None:
             fd = conn.fileno()
             self.by_fd.pop(fd, None)
@@ -294,6 +303,7 @@ class UnixListener:
             self.backlog.discard(conn)
             conn.sock.close()
             conn.unsent.clear()
+            self._closed(conn.identity)
 
     def close_all(self) -> None:
         """Close every connection and the listening socket, and remove the socket file."""
