@@ -28,7 +28,7 @@ from tiercache.server import unix
 from tiercache.testing.poll import wait_until
 from tiercache.wire import protocol as p
 from tiercache.wire.codec import Codec
-from tiercache.wire.frames import STREAM_HEADER, stream_message
+from tiercache.wire.stream import STREAM_HEADER, stream_message
 
 MiB = 1 << 20
 

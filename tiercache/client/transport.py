@@ -20,10 +20,8 @@ connects again and says hello).
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -34,7 +32,7 @@ from typing import Any, Self, TypeVar, cast
 import msgspec
 import zmq
 
-from tiercache.client.wires import UnixWire, Wire, ZmqWire
+from tiercache.client.wires import UnixWire, Wire, ZmqWire, refuse_other_user
 from tiercache.config.parts import default_endpoint, default_runtime_dir, runtime_dir_problem
 from tiercache.errors import (
     AuthenticationError,
@@ -46,7 +44,7 @@ from tiercache.errors import (
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 from tiercache.wire.codec import Codec
-from tiercache.wire.frames import UNIX_SCHEME
+from tiercache.wire.stream import UNIX_SCHEME, peer_credentials
 
 T = TypeVar("T")
 
@@ -134,9 +132,7 @@ def ipc_listener_uid(endpoint: str) -> int | None:
             probe.connect(path)
         except OSError:
             return None
-        raw = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", raw)
-    return int(uid)
+        return peer_credentials(probe)[1]
 
 
 class Transport:
@@ -501,14 +497,8 @@ class Transport:
         if not self.endpoint.startswith("ipc://"):
             return
         uid = ipc_listener_uid(self.endpoint)
-        me = os.geteuid()
-        if uid is not None and uid not in (me, 0):
-            raise AuthenticationError(
-                f"the process listening at {self.endpoint} runs as uid {uid}, not as this user (uid {me}) or "
-                "root: another local user may have put it there. Point the client at your own server's socket "
-                "(in an owner-only directory: set XDG_RUNTIME_DIR, or pass the endpoint)",
-                p.ErrorCode.AUTH_FAILED.value,
-            )
+        if uid is not None:
+            refuse_other_user(self.endpoint, uid)
 
     # -- handshake and liveness ------------------------------------------------------------------
     def hello(self, timeout: float | None = None) -> ServerInfo:

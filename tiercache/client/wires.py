@@ -14,7 +14,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import time
 from pathlib import Path
 from typing import Protocol, cast
@@ -24,7 +23,15 @@ import zmq.auth
 
 from tiercache.errors import AuthenticationError, ServerUnavailableError
 from tiercache.wire import protocol as p
-from tiercache.wire.frames import STREAM_HEADER, UNIX_SCHEME, request_frames, stream_message
+from tiercache.wire.frames import request_frames
+from tiercache.wire.stream import (
+    STREAM_HEADER,
+    UNIX_SCHEME,
+    peer_credentials,
+    stream_lengths,
+    stream_message,
+    stream_parts,
+)
 
 #: zmq's flags as plain ints: the enums' operators are Python calls, a few per request.
 _POLLIN = int(zmq.POLLIN)
@@ -126,6 +133,20 @@ def _curve(sock: zmq.Socket[bytes], server_key: bytes, key_file: Path | None) ->
     sock.curve_secretkey = secret
 
 
+def refuse_other_user(endpoint: str, uid: int) -> None:
+    """Raise :class:`AuthenticationError` unless ``uid``, who serves ``endpoint`` (a socket file),
+    is this user or root: whoever could create that file (a squatted or shared directory) would
+    read what this client stores and serve it their bytes."""
+    me = os.geteuid()
+    if uid not in (me, 0):
+        raise AuthenticationError(
+            f"the process listening at {endpoint} runs as uid {uid}, not as this user (uid {me}) or "
+            "root: another local user may have put it there. Point the client at your own server's socket "
+            "(in an owner-only directory: set XDG_RUNTIME_DIR, or pass the endpoint)",
+            p.ErrorCode.AUTH_FAILED.value,
+        )
+
+
 class UnixWire:
     """A Unix stream socket to the server at ``endpoint`` (``unix:///path``), connected on the first
     send and again on the first send after the server closed it (a restarted server then asks for
@@ -148,16 +169,7 @@ class UnixWire:
         try:
             sock.settimeout(self._timeout_s)
             sock.connect(self._path)
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", raw)
-            me = os.geteuid()
-            if uid not in (me, 0):
-                raise AuthenticationError(
-                    f"the process listening at {self.endpoint} runs as uid {uid}, not as this user (uid {me}) or "
-                    "root: another local user may have put it there. Point the client at your own server's socket "
-                    "(in an owner-only directory: set XDG_RUNTIME_DIR, or pass the endpoint)",
-                    p.ErrorCode.AUTH_FAILED.value,
-                )
+            refuse_other_user(self.endpoint, peer_credentials(sock)[1])
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
@@ -221,48 +233,43 @@ class UnixWire:
         if self._sock is None:
             time.sleep(timeout_s)  # nothing can come: as a wait on a socket nobody answers
             return False
-        if self._whole_message():
+        if self._whole_message() is not None:
             return True
         return bool(self._poll.poll(int(timeout_s * 1000) or 1))
 
     def recv(self) -> tuple[bytes, bytes | None] | None:
         if self._sock is None:
             return None
-        if not self._whole_message():
-            try:
-                got = self._sock.recv_into(self._buffer)
-            except (BlockingIOError, InterruptedError):
-                return None
-            except OSError:
-                got = 0
-            if not got:  # the server closed the connection: the next send connects again
-                self.close()
-                return None
-            self._inbox += self._view[:got]
+        taken = self._take()
+        if taken is not None:
+            return taken
+        try:
+            got = self._sock.recv_into(self._buffer)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            got = 0
+        if not got:  # the server closed the connection: the next send connects again
+            self.close()
+            return None
+        self._inbox += self._view[:got]
         return self._take()
 
-    def _whole_message(self) -> bool:
-        inbox = self._inbox
-        if len(inbox) < STREAM_HEADER.size:
-            return False
-        body_len: int
-        tag_len: int
-        body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
-        return len(inbox) >= STREAM_HEADER.size + body_len + tag_len
+    def _whole_message(self) -> tuple[int, int] | None:
+        """The lengths of the inbox's first message if all of it is there."""
+        lengths = stream_lengths(self._inbox)
+        if lengths is None or len(self._inbox) < STREAM_HEADER.size + sum(lengths):
+            return None
+        return lengths
 
     def _take(self) -> tuple[bytes, bytes | None] | None:
-        """The first whole reply in the inbox, taken out of it."""
-        if not self._whole_message():
+        """The first whole reply in the inbox, taken out of it (``None``: none is whole)."""
+        lengths = self._whole_message()
+        if lengths is None:
             return None
-        inbox = self._inbox
-        body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
-        start = STREAM_HEADER.size
-        end = start + body_len + tag_len
-        with memoryview(inbox) as view:  # (one copy; released before the inbox shrinks)
-            body = bytes(view[start : start + body_len])
-            tag = bytes(view[start + body_len : end]) if tag_len else None
-        del inbox[:end]
-        return body, tag
+        taken = stream_parts(self._inbox, 0, *lengths)
+        del self._inbox[: STREAM_HEADER.size + sum(lengths)]
+        return taken
 
     def close(self) -> None:
         if self._sock is not None:
@@ -272,4 +279,4 @@ class UnixWire:
         self._inbox.clear()
 
 
-__all__ = ["UnixWire", "Wire", "ZmqWire"]
+__all__ = ["UnixWire", "Wire", "ZmqWire", "refuse_other_user"]

@@ -59,7 +59,8 @@ from tiercache.server.unix import IDENTITY_PREFIX, EpollPoller, Message, UnixLis
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import TAG_BYTES
 from tiercache.wire.codec import Codec
-from tiercache.wire.frames import REQUEST_FRAME_BYTES, UNIX_SCHEME, request_of
+from tiercache.wire.frames import REQUEST_FRAME_BYTES, request_of
+from tiercache.wire.stream import UNIX_SCHEME
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +428,7 @@ class Server:
         for conn in ready:
             if conn.writing and events.get(conn.fileno(), 0) & _POLLOUT:
                 unix.flush(conn)
-            if not (events.get(conn.fileno(), 0) & _POLLIN or conn.backlog):
+            if not (events.get(conn.fileno(), 0) & _POLLIN or conn in unix.backlog):
                 continue
             peer = partial(str, conn.peer)
             for item in unix.read(conn, limit):

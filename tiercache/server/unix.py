@@ -27,7 +27,6 @@ import logging
 import os
 import select
 import socket
-import struct
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,13 @@ from pathlib import Path
 
 import zmq
 
-from tiercache.wire.frames import STREAM_HEADER, stream_message
+from tiercache.wire.stream import (
+    STREAM_HEADER,
+    peer_credentials,
+    stream_lengths,
+    stream_message,
+    stream_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +115,6 @@ class Connection:
     inbox: bytearray = field(default_factory=bytearray)
     unsent: deque[memoryview] = field(default_factory=deque)
     unsent_bytes: int = 0
-    #: Whole messages may still be in ``inbox``: read them before waiting on the socket again.
-    backlog: bool = False
     #: Whether the loop waits for the socket to take more replies (``unsent`` is not empty).
     writing: bool = False
 
@@ -188,8 +191,7 @@ class UnixListener:
             except OSError as exc:  # out of descriptors: the rest wait in the listen backlog
                 log.warning("cannot accept a connection on %s: %s", self.path, exc)
                 return
-            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, _gid = struct.unpack("3i", raw)
+            pid, uid = peer_credentials(sock)
             if uid not in (self._uid, 0):
                 self.refused += 1
                 log.warning(
@@ -207,7 +209,7 @@ class UnixListener:
         """The whole messages ``conn`` sent, reading at most :data:`READ_BYTES` of it. ``limit``:
         the most a message of that identity may hold (body and tag). An oversized one ends the
         connection (its closing is the caller's, after it answered)."""
-        if conn.backlog:
+        if conn in self.backlog:  # whole messages left from the last turn: those first
             self.backlog.discard(conn)
         else:
             try:
@@ -220,16 +222,14 @@ class UnixListener:
                 self.close(conn)
                 return
             conn.inbox += self._view[:got]
-        conn.backlog = False
         inbox = conn.inbox
         at = taken = 0
         try:
-            while len(inbox) - at >= STREAM_HEADER.size:
+            while (lengths := stream_lengths(inbox, at)) is not None:
                 if taken == MESSAGES_PER_TURN:
-                    conn.backlog = True
                     self.backlog.add(conn)
                     return
-                body_len, tag_len = STREAM_HEADER.unpack_from(inbox, at)
+                body_len, tag_len = lengths
                 size = body_len + tag_len
                 if size > limit(conn.identity):
                     yield Oversized(conn, size)
@@ -237,10 +237,7 @@ class UnixListener:
                 end = at + STREAM_HEADER.size + size
                 if len(inbox) < end:
                     return
-                start = at + STREAM_HEADER.size
-                with memoryview(inbox) as view:  # (one copy; released before the inbox shrinks)
-                    body = bytes(view[start : start + body_len])
-                    tag = bytes(view[start + body_len : end]) if tag_len else None
+                body, tag = stream_parts(inbox, at, body_len, tag_len)
                 at = end
                 taken += 1
                 yield Message(conn, body, tag)

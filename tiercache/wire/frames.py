@@ -8,15 +8,10 @@ of more than one frame ends with a trailer: the session's tag (:mod:`tiercache.w
 empty frame on a session without one. A single frame is a body without a tag. The server reads the
 frames one by one and joins them up to its ``max_message_bytes``, dropping the rest of a message it
 will not take as it arrives.
-
-A ``unix://`` endpoint carries the same bodies and tags on a Unix stream socket, without libzmq:
-each message is a :data:`STREAM_HEADER` (its body's and tag's lengths), so the server knows before
-it reads a byte of a body whether it will take it.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 #: The largest request frame: a request body larger than this is split. Every request but a
@@ -43,17 +38,3 @@ def request_of(frames: Sequence[bytes | memoryview]) -> tuple[bytes, bytes | Non
     body = b"".join(frames[:-1])
     tag = bytes(frames[-1])
     return body, (tag or None)
-
-
-#: The scheme of an endpoint served without libzmq (``unix:///path/to/socket``).
-UNIX_SCHEME = "unix://"
-
-#: A message on a ``unix://`` stream: this header (the body's and the tag's lengths, big-endian),
-#: then the body, then the tag (none: length 0). Both ways; replies too.
-STREAM_HEADER = struct.Struct(">II")
-
-
-def stream_message(body: bytes | memoryview, tag: bytes | None) -> list[bytes | memoryview]:
-    """The pieces that carry ``body`` (and its ``tag``) on a ``unix://`` stream, in order."""
-    header = STREAM_HEADER.pack(len(body), 0 if tag is None else len(tag))
-    return [header, body] if not tag else [header, body, tag]
