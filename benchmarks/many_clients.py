@@ -31,7 +31,9 @@ one client's, measured in the same run. Usage::
     python benchmarks/many_clients.py --size [--size-l1-gb 16] [--size-disk-objects 1000000]
 
 ``--transport unix`` runs the server on a ``unix://`` endpoint (a Unix stream socket its loop reads
-itself) instead of ``ipc://`` (ZMQ), and the clients with it.
+itself) instead of ``ipc://`` (ZMQ), and the clients with it. ``--server-nice -5`` runs the server
+at nice -5 (root or CAP_SYS_NICE), ahead of its clients when the cores are busy: what
+docs/server.md's advice on CPU priority gains.
 
 ``--against TREE`` compares this tree's server with another tiercache source tree's (``git worktree
 add /tmp/base <commit>``): each round runs the table once from each tree (each tree's own script,
@@ -253,10 +255,12 @@ class CaseResult:
     rows: dict[tuple[str, int], dict[str, float]]
 
 
-def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts: list[int]) -> CaseResult:
-    """Start a server from ``spec``, store the prompts, run each op at each client count; print the
-    table's rows and return the server's start seconds, its memory after the runs and each row's
-    figures."""
+def run_case(
+    args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts: list[int], title: str
+) -> CaseResult:
+    """Start a server from ``spec``, store the prompts, run each op at each client count; print
+    ``title`` with the server's nice value as its process has it, then the table, and return the
+    server's start seconds, its memory after the runs and each row's figures."""
     chunk_bytes = args.chunk_kb * 1024
     ctx = multiprocessing.get_context("spawn")
     t0 = time.perf_counter()
@@ -265,6 +269,7 @@ def run_case(args: argparse.Namespace, spec: ServerSpec, ops: list[str], counts:
     start_s = time.perf_counter() - t0
     pid = server.process.pid
     assert pid is not None
+    print(f"{title}, server at nice {os.getpriority(os.PRIO_PROCESS, pid)}\n\n{HEADER}", flush=True)
     floors: dict[str, str] = {}  # op -> its bare echo's endpoint
     echoes: dict[str, multiprocessing.process.BaseProcess] = {}
     for op, serve, endpoint in (
@@ -365,9 +370,10 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
             l1_bytes=int(l1_gb * 1024) * MiB,
             disk_path=str(disk),
             disk_budget=budget,
+            nice=args.server_nice,
         )
-        print(f"\n{name}: L1 {l1_gb:g} GiB, disk tier {objects:,} objects\n\n{HEADER}")
-        cases[name] = run_case(args, spec, ["lookup"], counts)
+        title = f"\n{name}: L1 {l1_gb:g} GiB, disk tier {objects:,} objects"
+        cases[name] = run_case(args, spec, ["lookup"], counts, title)
     p50s = " | ".join(f"lookup p50 ms, {n} client{'s' if n > 1 else ''}" for n in counts)
     print(f"\n| server | L1 GiB | disk objects | start s | RSS MiB | of it anonymous | {p50s} |")
     print("|---" * (6 + len(counts)) + "|")
@@ -412,7 +418,8 @@ def against(args: argparse.Namespace) -> int:
     same += ["--idle", str(args.idle), "--chunk-kb", str(args.chunk_kb)]
     if args.l1_gb != L1_GB:  # (an older tree's script may not take it)
         same += ["--l1-gb", str(args.l1_gb)]
-    only = {"this": ["--transport", args.transport], "that": []}  # (an older tree has ipc alone)
+    # (An older tree has ipc alone and its server at the default priority.)
+    only = {"this": ["--transport", args.transport, "--server-nice", str(args.server_nice)], "that": []}
     runs: dict[str, list[dict[tuple[str, int], float]]] = {"this": [], "that": []}
     print(f"this: {trees['this']}\nthat: {trees['that']}\nserver CPU µs per operation, per round:\n")
     for round_ in range(args.rounds):
@@ -443,6 +450,17 @@ def against(args: argparse.Namespace) -> int:
             f"{min(mine):,.0f}–{max(mine):,.0f} | {min(theirs):,.0f}–{max(theirs):,.0f} |"
         )
     return 0
+
+
+def can_raise_priority(increment: int) -> bool:
+    """Whether a child of this process may add ``increment`` (< 0) to its nice value: asked of a
+    throwaway child, as the server's process would."""
+    return (
+        subprocess.run(
+            [sys.executable, "-c", f"import os; os.nice({increment})"], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def op_list(text: str) -> list[str]:
@@ -504,7 +522,18 @@ def main() -> int:
         help="the server's endpoint: ipc:// (ZMQ) or unix:// (a Unix socket its loop reads itself); "
         "with --against, this tree's only",
     )
+    ap.add_argument(
+        "--server-nice",
+        type=int,
+        default=0,
+        help="added to the server process's nice value (negative: it runs ahead of its clients on busy "
+        "cores; needs root or CAP_SYS_NICE)",
+    )
     args = ap.parse_args()
+    if args.server_nice < 0 and not can_raise_priority(args.server_nice):
+        ap.error(
+            f"--server-nice {args.server_nice} needs root or CAP_SYS_NICE (this process may not raise its priority)"
+        )
     if args.against:
         if args.size:
             ap.error("--against compares the table, not --size")
@@ -522,13 +551,16 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         args.clients = args.clients or "1,16"
         return size_case(args, tmp)
     counts = [int(n) for n in (args.clients or "1,2,4,8,16,32").split(",")]
-    print(
+    title = (
         f"{os.cpu_count()} cores, {args.idle} idle clients, {CHUNKS} chunks of {args.chunk_kb} KiB per "
-        f"operation, {args.seconds:g} s per phase\n"
+        f"operation, {args.seconds:g} s per phase"
     )
-    print(HEADER)
-    spec = ServerSpec(listen=f"{args.transport}://{tmp}/server.sock", l1_bytes=int(args.l1_gb * 1024) * MiB)
-    run_case(args, spec, args.ops, counts)
+    spec = ServerSpec(
+        listen=f"{args.transport}://{tmp}/server.sock",
+        l1_bytes=int(args.l1_gb * 1024) * MiB,
+        nice=args.server_nice,
+    )
+    run_case(args, spec, args.ops, counts, title)
     return 0
 
 

@@ -1,9 +1,10 @@
 """Specification: ``benchmarks/many_clients.py`` measures a round trip to the server beside the same
-round trip to a bare pyzmq ROUTER (the transport's floor) and over a bare Unix socket, refuses an operation it does not know,
-and compares this tree's server with another tree's, alternately, round by round."""
+round trip to a bare pyzmq ROUTER (the transport's floor) and over a bare Unix socket, runs the server at
+another nice value when asked, refuses an operation it does not know, and compares this tree's server with another tree's, alternately, round by round."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def test_the_table_runs_over_a_unix_endpoint_too() -> None:
     ]
     assert [cells[1].strip() for cells in rows] == ["lookup", "ping"]
     assert all(int(cells[3].replace(",", "")) > 0 for cells in rows)
+
+
+def test_server_nice_is_added_to_the_server_process_nice_value_and_the_table_says_what_it_has() -> None:
+    done = run("--ops", "ping", "--clients", "1", "--idle", "0", "--seconds", "0.3", "--server-nice", "3")
+    assert done.returncode == 0, done.stderr
+    assert f"server at nice {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)}\n" in done.stdout
+    assert any(line.startswith("| ping | 1 |") for line in done.stdout.splitlines())
 
 
 def test_an_unknown_operation_is_refused_naming_the_known_ones() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.synchronize
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,9 @@ class ServerSpec:
     #: TESTING ONLY: wrap lower tiers in a FaultInjectingTier, by tier name ("disk", "s3") → FaultPlan
     #: fields. Exists only in this test harness; no CLI flag or setting enables it in a real server.
     faults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Added to the server process's nice value before it builds anything (its threads inherit
+    #: it): negative runs it ahead of its clients on busy cores, and needs CAP_SYS_NICE.
+    nice: int = 0
 
 
 def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
@@ -56,6 +60,8 @@ def serve(spec: ServerSpec, stop: multiprocessing.synchronize.Event) -> None:
     from tiercache.server import Server
     from tiercache.tier import Tier
 
+    if spec.nice:
+        os.nice(spec.nice)
     l1 = L1Tier(
         # The default arena name carries the server's pid, so an arena left by a server a test
         # killed with SIGKILL is reclaimed when the next server starts.
