@@ -4,7 +4,8 @@ stream socket its request loop reads itself, and bounds what any peer costs it a
 Each message is a header (the body's and the tag's lengths), the body and the tag. A message larger
 than its sender may send is refused from its header, before a byte of it is read, and its
 connection closed; a peer that stops reading its replies is disconnected once they pass a bound;
-a message cut short or undecodable costs its sender only."""
+a message cut short or undecodable costs its sender only. A request whose connection the server
+closes before answering it fails at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import socket
 import stat
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -267,6 +269,84 @@ def test_a_client_that_goes_away_takes_what_it_held_with_it_at_once(
             what="the ticket released with its connection (not 60 s later, at its timeout)",
         )
         assert after is not None and after["clients_disconnected"] >= 2 and after["clients_expired"] == 0
+
+
+class HangsUpAfterHello:
+    """A listener that answers every hello as a server would and closes the connection on any other
+    request, unanswered: a server stopping or restarting under a client."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(8)
+        self.hung_up = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        codec = Codec()
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                inbox = b""
+                while data := conn.recv(65536):
+                    inbox += data
+                    while len(inbox) >= STREAM_HEADER.size:
+                        body_len, tag_len = STREAM_HEADER.unpack_from(inbox)
+                        end = STREAM_HEADER.size + body_len + tag_len
+                        if len(inbox) < end:
+                            break
+                        msg = codec.requests.decode(inbox[STREAM_HEADER.size : STREAM_HEADER.size + body_len])
+                        inbox = inbox[end:]
+                        if not isinstance(msg, p.Hello):
+                            self.hung_up += 1
+                            break
+                        reply = p.HelloReply(
+                            req_id=msg.req_id,
+                            protocol_version=p.PROTOCOL_VERSION,
+                            server_version="test",
+                            chunk_size=256,
+                            separate_object_groups=True,
+                            arena_name="",
+                            arena_size=0,
+                            heartbeat_timeout_s=60.0,
+                            max_message_bytes=MiB,
+                        )
+                        conn.sendall(b"".join(stream_message(codec.encode(reply), None)))
+                    else:
+                        continue
+                    break  # a request it will not answer: hang up
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_requests_in_flight_when_the_server_closes_the_connection_fail_at_once_not_at_the_timeout(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run" / "server.sock"
+    server = HangsUpAfterHello(path)
+    client = Client(f"unix://{path}", timeout=30, heartbeat=False)  # says hello
+    try:
+        group = p.GroupRef(fingerprint=bytes(16), object_group=0)
+        asked = client.lookup_async(prompt_hashes(2), [group])
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match="closed the connection before answering"):
+            while client.poll(asked, wait_s=1.0) is None:
+                assert time.monotonic() - started < 10, "still waiting for a connection that ended"
+        assert time.monotonic() - started < 10  # not the 30 s timeout
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match="closed the connection before answering"):
+            client.ping()  # a new connection and hello, then the same hang-up: said at once too
+        assert time.monotonic() - started < 10
+        assert server.hung_up == 2
+    finally:
+        client.close()
+        server.close()
 
 
 def test_stream_header_is_two_big_endian_lengths() -> None:

@@ -14,7 +14,8 @@ heartbeat timeout) keeps the session and what it holds, where a timed-out ping w
 the socket and started a new session. If the server restarts, the socket reconnects by itself and
 the next request says hello again (the server answers ``hello_required``); calls made while it is
 down raise :class:`~tiercache.errors.ServerUnavailableError` (on ``unix://``, the next request
-connects again and says hello).
+connects again and says hello, and requests in flight when the server closed the connection fail
+at once).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self, TypeVar, cast
+from typing import Any, Final, Self, TypeVar, cast
 
 import msgspec
 import zmq
@@ -49,6 +50,9 @@ from tiercache.wire.stream import UNIX_SCHEME, peer_credentials
 T = TypeVar("T")
 
 _PROTOCOL_CODES = {p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.VERSION_MISMATCH}
+
+#: The reply of a request whose ``unix://`` connection the server closed before answering it.
+_CONNECTION_ENDED: Final = object()
 
 #: What the server said in its hello reply (chunk size, arena name and size, heartbeat, limits).
 ServerInfo = p.HelloReply
@@ -344,6 +348,22 @@ class Transport:
                 self._state.abandoned.discard(reply.req_id)
                 if isinstance(reply, p.LookupReply) and reply.ticket:
                     self._release_late_ticket(reply.ticket)
+        if wire.ended:
+            self._connection_ended(wire)
+
+    def _connection_ended(self, wire: Wire) -> None:
+        """The server closed the ``unix://`` connection: every request still waiting for a reply
+        fails at once (instead of at its timeout), and the session it held is gone with it (the
+        next call connects again and says hello)."""
+        wire.resume()
+        st = self._state
+        for entry in st.pending.values():
+            if not entry.done:
+                entry.reply, entry.done, entry.msg = _CONNECTION_ENDED, True, None
+        st.hello = None
+        st.seal = None
+        st.abandoned.clear()
+        st.drop_riders()  # the server released the old session's holds when it saw it close
 
     def _authentic(self, frame: bytes, tag: bytes | None) -> bool:
         """Whether a reply may be decoded, judged before any of it is: with a shared secret every
@@ -408,6 +428,11 @@ class Transport:
     def _result(self, req_id: int) -> Any:
         entry = self._state.pending.pop(req_id)
         reply = entry.reply
+        if reply is _CONNECTION_ENDED:
+            raise ServerUnavailableError(
+                f"the tiercache server at {self.endpoint} closed the connection before answering "
+                f"request {req_id} (it stopped or restarted); the next call connects again"
+            )
         if isinstance(reply, p.ErrorReply):
             raise self._error(reply)
         return entry.convert(reply)

@@ -57,6 +57,14 @@ class Wire(Protocol):
     def close(self) -> None:
         """Close the connection; replies still on the way are lost."""
 
+    @property
+    def ended(self) -> bool:
+        """Whether the server closed the connection the requests in flight went on: none of them
+        will be answered (and the server ended their session). :meth:`resume` says it was heard."""
+
+    def resume(self) -> None:
+        """The transport heard that the connection ended: :attr:`ended` is false again."""
+
 
 class ZmqWire:
     """A ``DEALER`` socket connected to ``endpoint`` (CURVE when given the server's key). libzmq
@@ -115,6 +123,12 @@ class ZmqWire:
     def close(self) -> None:
         self._sock.close(0)
 
+    #: libzmq reconnects by itself and says nothing: a request lost with the server times out.
+    ended = False
+
+    def resume(self) -> None:
+        pass
+
 
 def _curve(sock: zmq.Socket[bytes], server_key: bytes, key_file: Path | None) -> None:
     """Make ``sock`` a CURVE client of the server whose public key is ``server_key``."""
@@ -158,6 +172,7 @@ class UnixWire:
         self._path = endpoint.removeprefix(UNIX_SCHEME)
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._ended = False
         self._poll = select.poll()
         self._inbox = bytearray()
         # Every read lands here first: a fresh buffer per recv() would be an allocation per reply.
@@ -251,6 +266,7 @@ class UnixWire:
             got = 0
         if not got:  # the server closed the connection: the next send connects again
             self.close()
+            self._ended = True
             return None
         self._inbox += self._view[:got]
         return self._take()
@@ -270,6 +286,13 @@ class UnixWire:
         taken = stream_parts(self._inbox, 0, *lengths)
         del self._inbox[: STREAM_HEADER.size + sum(lengths)]
         return taken
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def resume(self) -> None:
+        self._ended = False
 
     def close(self) -> None:
         if self._sock is not None:
