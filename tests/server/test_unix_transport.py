@@ -30,7 +30,7 @@ from tiercache.server import unix
 from tiercache.testing.poll import wait_until
 from tiercache.wire import protocol as p
 from tiercache.wire.codec import Codec
-from tiercache.wire.stream import STREAM_HEADER, stream_message
+from tiercache.wire.stream import JOIN_BYTES, STREAM_HEADER, stream_message, stream_pieces
 
 MiB = 1 << 20
 
@@ -353,3 +353,10 @@ def test_stream_header_is_two_big_endian_lengths() -> None:
     assert STREAM_HEADER.size == 8
     assert stream_message(b"body", b"tag") == [struct.pack(">II", 4, 3), b"body", b"tag"]
     assert stream_message(b"body", None) == [struct.pack(">II", 4, 0), b"body"]
+
+
+def test_a_small_message_is_sent_in_one_piece_and_a_large_body_is_not_copied() -> None:
+    assert stream_pieces(b"body", b"tag") == [struct.pack(">II", 4, 3) + b"body" + b"tag"]
+    large = bytes(JOIN_BYTES + 1)
+    header, body = stream_pieces(large, None)
+    assert header == struct.pack(">II", JOIN_BYTES + 1, 0) and body is large

@@ -29,8 +29,8 @@ from tiercache.wire.stream import (
     UNIX_SCHEME,
     peer_credentials,
     stream_lengths,
-    stream_message,
     stream_parts,
+    stream_pieces,
 )
 
 #: zmq's flags as plain ints: the enums' operators are Python calls, a few per request.
@@ -38,8 +38,6 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 #: Bytes a Unix wire reads at once.
 _READ_BYTES = 256 * 1024
-#: Bodies up to this size go out joined to their header in one send.
-_JOIN_BYTES = 64 * 1024
 
 
 class Wire(Protocol):
@@ -201,9 +199,7 @@ class UnixWire:
         return sock
 
     def send(self, body: bytes, tag: bytes | None) -> None:
-        pieces = stream_message(body, tag)
-        if len(body) <= _JOIN_BYTES:
-            pieces = [b"".join(pieces)]
+        pieces = stream_pieces(body, tag)
         try:
             sent = self._send(self._sock or self._connect(), pieces)
             if sent == 0:

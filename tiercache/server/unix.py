@@ -38,8 +38,8 @@ from tiercache.wire.stream import (
     STREAM_HEADER,
     peer_credentials,
     stream_lengths,
-    stream_message,
     stream_parts,
+    stream_pieces,
 )
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ READ_BYTES = 256 * 1024
 MESSAGES_PER_TURN = 256
 #: Unsent reply bytes a connection may have queued before it is closed (its client is not reading).
 MAX_UNSENT_BYTES = 256 * 1024 * 1024
-#: Replies up to this size go out joined to their header, in one send.
-_JOIN_BYTES = 64 * 1024
 #: The loop's readiness flags (ZeroMQ's values, which its poller also uses) and epoll's.
 _ZMQ_TO_EPOLL = {int(zmq.POLLIN): select.EPOLLIN, int(zmq.POLLOUT): select.EPOLLOUT}
 #: Every identity starts with this: no ZMQ routing id the server sees does (they are 5 bytes, or
@@ -250,9 +248,7 @@ class UnixListener:
         conn = self.connections.get(identity)
         if conn is None:
             return False
-        pieces = stream_message(body, tag)
-        if len(body) <= _JOIN_BYTES:
-            pieces = [b"".join(pieces)]  # one send, not one per piece
+        pieces = stream_pieces(body, tag)
         conn.unsent.extend(memoryview(piece) for piece in pieces)
         conn.unsent_bytes += sum(len(piece) for piece in pieces)
         if conn.unsent_bytes > MAX_UNSENT_BYTES:

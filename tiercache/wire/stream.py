@@ -17,6 +17,9 @@ UNIX_SCHEME = "unix://"
 #: A message's header: the body's and the tag's lengths, u32 big-endian.
 STREAM_HEADER = struct.Struct(">II")
 
+#: Bodies up to this size are sent joined to their header (:func:`stream_pieces`).
+JOIN_BYTES = 64 * 1024
+
 _PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -24,6 +27,14 @@ def stream_message(body: bytes | memoryview, tag: bytes | None) -> list[bytes | 
     """The pieces that carry ``body`` (and its ``tag``) on a ``unix://`` stream, in order."""
     header = STREAM_HEADER.pack(len(body), 0 if tag is None else len(tag))
     return [header, body] if not tag else [header, body, tag]
+
+
+def stream_pieces(body: bytes, tag: bytes | None) -> list[bytes | memoryview]:
+    """:func:`stream_message`'s pieces as they are sent: a body of at most :data:`JOIN_BYTES`
+    joined to its header and tag in one piece (one send, not one per piece); a larger one not
+    copied."""
+    pieces = stream_message(body, tag)
+    return [b"".join(pieces)] if len(body) <= JOIN_BYTES else pieces
 
 
 def stream_lengths(buffer: bytearray, at: int = 0) -> tuple[int, int] | None:
