@@ -31,7 +31,7 @@ def _stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
         identity, frame = sock.recv_multipart()
         msg = codec.requests.decode(frame)
         if isinstance(msg, p.Hello):
-            hello = _hello_reply(msg.req_id)
+            hello = stand_in_hello_reply(msg.req_id)
             sock.send_multipart([identity, codec.encode(hello)])
         else:  # {"op": "pong", "req_id": N, "x": [[[...]]]}: the nesting in a field it skips
             head = b"\x83\xa2op\xa4pong\xa6req_id" + msgspec.msgpack.encode(msg.req_id) + b"\xa1x"
@@ -76,7 +76,7 @@ def _signed_stand_in(sock: zmq.Socket[bytes], done: threading.Event) -> None:
             continue
         if isinstance(msg, p.Hello):
             seal = SessionSeal(session_key(SECRET, nonce, msg.client_nonce), to_server=False)
-            reply: p.Message = _hello_reply(msg.req_id)
+            reply: p.Message = stand_in_hello_reply(msg.req_id)
         else:
             forged = b"\x83\xa2op\xa4pong\xa6req_id" + msgspec.msgpack.encode(msg.req_id) + b"\xa1x"
             sock.send_multipart([identity, forged + b"\x91" * 8000 + b"\xc0"])
@@ -140,13 +140,14 @@ def _fuzzing_stand_in(sock: zmq.Socket[bytes], done: threading.Event, queue: lis
         identity, body = sock.recv_multipart()
         msg = codec.requests.decode(body)
         if isinstance(msg, p.Hello):
-            sock.send_multipart([identity, codec.encode(_hello_reply(msg.req_id))])
+            sock.send_multipart([identity, codec.encode(stand_in_hello_reply(msg.req_id))])
             continue
         sock.send_multipart([identity, queue.pop(0)])
         sock.send_multipart([identity, codec.encode(p.Pong(req_id=msg.req_id))])
 
 
-def _hello_reply(req_id: int) -> p.HelloReply:
+def stand_in_hello_reply(req_id: int) -> p.HelloReply:
+    """What a server's hello reply says, from a stand-in with no arena."""
     return p.HelloReply(
         req_id=req_id,
         protocol_version=p.PROTOCOL_VERSION,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.client.test_forged_replies import stand_in_hello_reply
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
 from tiercache.client.client import Client
@@ -305,17 +306,7 @@ class HangsUpAfterHello:
                         if not isinstance(msg, p.Hello):
                             self.hung_up += 1
                             break
-                        reply = p.HelloReply(
-                            req_id=msg.req_id,
-                            protocol_version=p.PROTOCOL_VERSION,
-                            server_version="test",
-                            chunk_size=256,
-                            separate_object_groups=True,
-                            arena_name="",
-                            arena_size=0,
-                            heartbeat_timeout_s=60.0,
-                            max_message_bytes=MiB,
-                        )
+                        reply = stand_in_hello_reply(msg.req_id)
                         conn.sendall(b"".join(stream_message(codec.encode(reply), None)))
                     else:
                         continue
