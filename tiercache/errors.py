@@ -22,6 +22,7 @@ The tree::
     │   ├── ProtocolError               malformed / unknown / out-of-version message (either side)
     │   └── AuthenticationError         the server requires a shared secret or CURVE key we lack
     └── ServerUnavailableError          no server answered within the timeout (not running, wrong path)
+        └── ServerNotListeningError     nothing listens at a ``unix://`` endpoint: said at once
 
 Back-end exceptions are translated at the tier boundary with ``raise ... from exc`` so callers
 never need to import lmdb or botocore to handle failures.
@@ -139,3 +140,8 @@ class AuthenticationError(ServerError):
 
 class ServerUnavailableError(TierCacheError):
     """No tiercache server answered in time; check that it runs and that the endpoint matches."""
+
+
+class ServerNotListeningError(ServerUnavailableError):
+    """Nothing listens at the ``unix://`` endpoint (no socket there, or one nobody accepts on): the
+    server is not running there now. Said at once, where ZeroMQ would wait for it."""

@@ -1,7 +1,8 @@
 """Specification: the connector's link to the server goes down on a failure and comes back on its own.
 
 While the server is away the link keeps a ping outstanding (ZMQ queues it until the server's socket
-is back), so a restarted server is found as soon as it answers, not ``retry_s`` later. Failures that
+is back), so a restarted server is found as soon as it answers, not ``retry_s`` later (on ``unix://``,
+where there is no ping to queue, it tries every 0.1 s while nothing listens). Failures that
 repeat while the server answers pings back off, so they cannot take the link up and down (and warn)
 at every call."""
 
@@ -118,6 +119,38 @@ def test_a_server_down_at_start_is_found_once_it_starts(tmp_path: Path) -> None:
         server = ready_server(spec)
         wait_until(lambda: link.up, timeout=30.0, what="the link to notice the server's start")
         assert len(connects) == 1
+    finally:
+        link.close()
+        if server is not None:
+            server.stop()
+
+
+def test_on_unix_a_server_that_starts_late_is_looked_for_without_backing_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On unix:// a connection to nobody fails at once, with no ping to queue: a link that backed
+    # off there (0.5, 1, 2, 4 s ...) would find a server that starts during a pause only after it.
+    pauses: list[float] = []
+
+    def recorded(retry_s: float) -> Iterator[float]:
+        for pause in retry_delays(retry_s):
+            pauses.append(pause)
+            yield pause
+
+    monkeypatch.setattr(link_module, "retry_delays", recorded)
+    spec = ServerSpec(listen=f"unix://{tmp_path}/run/server.sock", options={"chunk_size": 256})
+    settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
+    connects: list[Client] = []
+    link = ServerLink(settings, f"test-link-{os.getpid()}", connects.append)
+    server: ServerProcess | None = None
+    try:
+        assert not link.start()
+        with pytest.raises(TimeoutError):  # nobody listens for a while: attempts, no pause taken
+            wait_until(lambda: link.up, timeout=2.0, what="the link to stay down while nothing listens")
+        server = ready_server(spec)
+        wait_until(lambda: link.up, timeout=30.0, what="the link to notice the server's start")
+        assert len(connects) == 1
+        assert pauses == []
     finally:
         link.close()
         if server is not None:

@@ -5,8 +5,9 @@ the client from :meth:`ServerLink.client`. When a call fails (server down, slow,
 reports it with :meth:`ServerLink.failed`: the link logs one warning, goes *down*, and a background
 thread (``tiercache-connector-reconnect``) reconnects. It keeps a ping outstanding, one
 ``timeout_s`` after another: ZMQ queues the ping until the server's socket is back, so a returning
-server is noticed as soon as it answers, however long the outage (on ``unix://``, where a
-connection to nobody fails at once, at the next attempt). The first attempt after a failure,
+server is noticed as soon as it answers, however long the outage. On ``unix://``, where a
+connection to nobody fails at once, it tries again every :data:`LISTEN_POLL_S` while nothing
+listens, to the same end (a connect that fails costs microseconds). The first attempt after a failure,
 and any attempt after one that failed at once (the server refused), waits a pause first: from
 :data:`FIRST_RETRY_S`, doubling up to ``retry_s`` while the link keeps failing. While down,
 :meth:`client` returns ``None`` at once, so the engine sees misses and skipped stores instead of
@@ -28,13 +29,16 @@ from typing import Protocol
 from tiercache.client.affinity import background_cpus, spread_current_thread
 from tiercache.client.client import Client
 from tiercache.config.connector import ConnectorSettings
-from tiercache.errors import ConfigError, TierCacheError
+from tiercache.errors import ConfigError, ServerNotListeningError, TierCacheError
 
 log = logging.getLogger(__name__)
 
 #: The first pause before reconnecting; each further failure within ``retry_s`` of the last doubles
 #: it, up to ``retry_s``.
 FIRST_RETRY_S = 0.5
+
+#: How often a link to a ``unix://`` endpoint where nothing listens tries again.
+LISTEN_POLL_S = 0.1
 
 #: What a half runs on every (re)connect, with the connected client.
 OnConnect = Callable[[Client], None]
@@ -156,6 +160,12 @@ class ServerLink:
             except ConfigError as exc:
                 log.error("tiercache: the connector is disabled: %s", exc)
                 return
+            except ServerNotListeningError:
+                # Nobody to refuse us, and nobody to queue a ping for: look again shortly, as a
+                # ping queued by ZMQ would find the server as soon as it listens.
+                if self._closed.wait(LISTEN_POLL_S):
+                    return
+                continue
             except TierCacheError as exc:
                 log.debug("tiercache: server at %s still unreachable: %s", self.endpoint, exc)
             # A server that is down costs an attempt its whole timeout_s (the ping waited, queued, for

@@ -21,7 +21,7 @@ from typing import Protocol, cast
 import zmq
 import zmq.auth
 
-from tiercache.errors import AuthenticationError, ServerUnavailableError
+from tiercache.errors import AuthenticationError, ServerNotListeningError, ServerUnavailableError
 from tiercache.wire import protocol as p
 from tiercache.wire.frames import request_frames
 from tiercache.wire.stream import (
@@ -186,7 +186,8 @@ class UnixWire:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            raise ServerUnavailableError(
+            nobody = isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
+            raise (ServerNotListeningError if nobody else ServerUnavailableError)(
                 f"cannot connect to the tiercache server at {self.endpoint} ({exc.strerror or exc}); check that "
                 "it runs and that the endpoint matches its --listen"
             ) from exc
