@@ -1,4 +1,5 @@
-"""A dense Llama-style model on a real vLLM CPU engine, end to end through a real tiercache server.
+"""A dense Llama-style model on a real vLLM CPU engine, end to end through a real tiercache server
+listening on ``unix://``.
 
 Each engine runs in its own process (``tests/e2e/engine_run.py``), so every run is a *fresh* engine
 with an empty local prefix cache: any cached prompt token it reports came from tiercache. The model
@@ -45,7 +46,12 @@ WAITED = [p for p in range(len(LENGTHS)) if p not in UNWAITED]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    with cold_setup(tmp_path_factory.mktemp("e2e"), write_tiny_llama, LENGTHS, chunk=CHUNK) as s:
+    tmp = tmp_path_factory.mktemp("e2e")
+    # Over unix:// (the other engine tests' servers listen on ipc://): the connector's stores,
+    # lookups and loads, in process and from vLLM's engine-core process, on the transport without
+    # ZeroMQ.
+    spec = ServerSpec(listen=f"unix://{tmp}/server.sock", l1_bytes=64 * MiB, options={"chunk_size": CHUNK})
+    with cold_setup(tmp, write_tiny_llama, LENGTHS, chunk=CHUNK, spec=spec) as s:
         yield s
 
 
