@@ -36,6 +36,19 @@ def ready_server(spec: ServerSpec) -> ServerProcess:
     return server
 
 
+def recorded_pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pauses every link takes from now on, each recorded as the link starts it."""
+    pauses: list[float] = []
+
+    def recorded(retry_s: float) -> Iterator[float]:
+        for pause in retry_delays(retry_s):
+            pauses.append(pause)
+            yield pause
+
+    monkeypatch.setattr(link_module, "retry_delays", recorded)
+    return pauses
+
+
 def test_pauses_start_at_half_a_second_and_double_up_to_retry_s() -> None:
     assert FIRST_RETRY_S == 0.5
     assert list(itertools.islice(retry_delays(5.0), 6)) == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
@@ -78,16 +91,9 @@ def test_a_restarted_server_is_found_as_soon_as_it_answers_not_retry_s_later(tmp
 def test_failures_while_the_server_answers_back_off_instead_of_flapping(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The pauses the link takes, recorded as it starts each one (no wall-clock bound: the machines
-    # are shared, a count of reconnects in so many seconds is a count of how busy the host was).
-    pauses: list[float] = []
-
-    def recorded(retry_s: float) -> Iterator[float]:
-        for pause in retry_delays(retry_s):
-            pauses.append(pause)
-            yield pause
-
-    monkeypatch.setattr(link_module, "retry_delays", recorded)
+    # (No wall-clock bound: the machines are shared, a count of reconnects in so many seconds is a
+    # count of how busy the host was.)
+    pauses = recorded_pauses(monkeypatch)
     spec = server_spec(tmp_path)
     server = ready_server(spec)
     connects: list[Client] = []
@@ -130,14 +136,7 @@ def test_on_unix_a_server_that_starts_late_is_looked_for_without_backing_off(
 ) -> None:
     # On unix:// a connection to nobody fails at once, with no ping to queue: a link that backed
     # off there (0.5, 1, 2, 4 s ...) would find a server that starts during a pause only after it.
-    pauses: list[float] = []
-
-    def recorded(retry_s: float) -> Iterator[float]:
-        for pause in retry_delays(retry_s):
-            pauses.append(pause)
-            yield pause
-
-    monkeypatch.setattr(link_module, "retry_delays", recorded)
+    pauses = recorded_pauses(monkeypatch)
     spec = ServerSpec(listen=f"unix://{tmp_path}/run/server.sock", options={"chunk_size": 256})
     settings = ConnectorSettings(server=spec.listen, timeout_s=1.0, retry_s=600.0)
     connects: list[Client] = []
