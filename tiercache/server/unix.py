@@ -4,7 +4,7 @@ itself, without libzmq's I/O threads.
 Over ``ipc://``, every message crosses libzmq's I/O thread on each side, a hand-off each way: for a
 small request that is most of what it costs both processes (``benchmarks/many_clients.py --ops
 zmq,uds``). Here the loop waits on every connection's descriptor and receives and sends without
-blocking. Each message is a :data:`~tiercache.wire.frames.STREAM_HEADER` and then its body and tag.
+blocking. Each message is a :data:`~tiercache.wire.stream.STREAM_HEADER` and then its body and tag.
 
 What a peer can make the server hold is bounded as on ``ipc://``: the header says a message's size
 before a byte of its body is read, and one larger than its sender may send (a handshake's 16 KiB
@@ -51,7 +51,9 @@ MESSAGES_PER_TURN = 256
 #: Unsent reply bytes a connection may have queued before it is closed (its client is not reading).
 MAX_UNSENT_BYTES = 256 * 1024 * 1024
 #: The loop's readiness flags (ZeroMQ's values, which its poller also uses) and epoll's.
-_ZMQ_TO_EPOLL = {int(zmq.POLLIN): select.EPOLLIN, int(zmq.POLLOUT): select.EPOLLOUT}
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_ZMQ_TO_EPOLL = {_POLLIN: select.EPOLLIN, _POLLOUT: select.EPOLLOUT}
 #: Every identity starts with this: no ZMQ routing id the server sees does (they are 5 bytes, or
 #: the client's ``tc-`` ones).
 IDENTITY_PREFIX = b"\x00ux"
@@ -99,10 +101,6 @@ class EpollPoller:
         self._epoll.close()
 
 
-_POLLIN = int(zmq.POLLIN)
-_POLLOUT = int(zmq.POLLOUT)
-
-
 @dataclass(slots=True, eq=False)
 class Connection:
     """One client's stream: what it sent that is not a whole message yet, and replies not sent."""
@@ -122,18 +120,16 @@ class Connection:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A whole message from ``conn``: its body and tag (``None``: none sent)."""
+    """A whole message: its body and tag (``None``: none sent)."""
 
-    conn: Connection
     body: bytes
     tag: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
 class Oversized:
-    """A message from ``conn`` larger than its sender may send (``size``: its body and tag)."""
+    """A message larger than its sender may send (``size``: its body and tag)."""
 
-    conn: Connection
     size: int
 
 
@@ -230,7 +226,7 @@ class UnixListener:
                 body_len, tag_len = lengths
                 size = body_len + tag_len
                 if size > limit(conn.identity):
-                    yield Oversized(conn, size)
+                    yield Oversized(size)
                     return
                 end = at + STREAM_HEADER.size + size
                 if len(inbox) < end:
@@ -238,7 +234,7 @@ class UnixListener:
                 body, tag = stream_parts(inbox, at, body_len, tag_len)
                 at = end
                 taken += 1
-                yield Message(conn, body, tag)
+                yield Message(body, tag)
         finally:
             del inbox[:at]
 
