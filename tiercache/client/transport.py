@@ -98,6 +98,13 @@ class _State:
         self.lease_riders.clear()
         self.riders_since = 0.0
 
+    def forget_session(self) -> None:
+        """Forget what the server's session of this connection held: the next call says hello."""
+        self.hello = None
+        self.seal = None
+        self.abandoned.clear()  # a new session: the server frees the old one's tickets itself
+        self.drop_riders()
+
 
 #: The largest unsigned reply a client of a shared-secret server decodes: a refusal the server
 #: cannot sign is a few hundred bytes.
@@ -205,11 +212,8 @@ class Transport:
         if st.wire is not None:
             st.wire.close()
         st.wire = None
-        st.hello = None
         st.pending.clear()
-        st.abandoned.clear()  # a new socket is a new session: the server frees the old one's tickets
-        st.drop_riders()
-        st.seal = None
+        st.forget_session()  # a new socket is a new session
         if not self._closed.is_set():
             self._connect()
 
@@ -360,10 +364,7 @@ class Transport:
         for entry in st.pending.values():
             if not entry.done:
                 entry.reply, entry.done, entry.msg = _CONNECTION_ENDED, True, None
-        st.hello = None
-        st.seal = None
-        st.abandoned.clear()
-        st.drop_riders()  # the server released the old session's holds when it saw it close
+        st.forget_session()  # the server released its holds when it saw the connection close
 
     def _authentic(self, frame: bytes, tag: bytes | None) -> bool:
         """Whether a reply may be decoded, judged before any of it is: with a shared secret every
