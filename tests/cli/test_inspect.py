@@ -375,4 +375,4 @@ def test_the_console_script_prints_json_and_one_line_errors(live: Live, tmp_path
     )
     assert proc.returncode == 1
     line = one_line(proc.stderr)
-    assert f"ipc://{tmp_path}/run/tiercache/server.sock" in line
+    assert f"unix://{tmp_path}/run/tiercache/server.sock" in line

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tiercache.client.client import Client
 from tiercache.testing.poll import wait_until
 
 READY_TIMEOUT_S = 60
@@ -66,7 +67,10 @@ class ServerProcess:
 def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
     started: list[ServerProcess] = []
 
-    def start(*args: str, soft_nofile: int | None = None) -> ServerProcess:
+    def start(*args: str, soft_nofile: int | None = None, default_listen: bool = False) -> ServerProcess:
+        """``tiercache server ARGS`` on small tiers, listening on an ipc socket under ``tmp_path``
+        (with ``default_listen``, where it listens by default: under ``$XDG_RUNTIME_DIR``)."""
+        listen = [] if default_listen else ["--listen", f"ipc://{tmp_path / 'server.sock'}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCACHE_")}
         env["XDG_DATA_HOME"] = str(tmp_path / "data")
         env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
@@ -80,8 +84,7 @@ def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-ty
                 "0.01",
                 "--disk-size-gb",
                 "0.01",
-                "--listen",
-                f"ipc://{tmp_path / 'server.sock'}",
+                *listen,
                 *args,
             ],
             stderr=subprocess.PIPE,
@@ -114,16 +117,22 @@ def start_server(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-ty
             server.proc.wait(10)
 
 
-def test_default_server_starts_serves_metrics_and_drains_on_sigterm(start_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    server = start_server("--metrics-port", "0", "--drain-timeout-s", "5")
-    server.wait_for(r"tiercache server ready on ipc://")
+def test_default_server_starts_serves_metrics_and_drains_on_sigterm(  # type: ignore[no-untyped-def]
+    start_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = start_server("--metrics-port", "0", "--drain-timeout-s", "5", default_listen=True)
+    socket_file = tmp_path / "run" / "tiercache" / "server.sock"  # the per-user default, over unix://
+    server.wait_for(rf"tiercache server ready on unix://{re.escape(str(socket_file))}")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    with Client(heartbeat=False) as client:  # a client's default endpoint is the server's
+        assert client.endpoint == f"unix://{socket_file}"
+        client.ping()
     disk = server.wait_for(r"disk: +0\.01 GiB in (\S+)")
     assert disk.group(1) == str(tmp_path / "data" / "tiercache" / "disk")  # the per-user default
     url = server.wait_for(r"metrics: (http://127\.0\.0\.1:\d+/metrics)").group(1)
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
     assert 'tiercache_tier_budget_bytes{tier="disk"}' in text
-    assert (tmp_path / "server.sock").exists()
 
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.output()
@@ -228,7 +237,6 @@ def test_metrics_histograms_time_lookups_and_tier_transfers(start_server, tmp_pa
 
     from tests.server.conftest import manifest
     from tests.server.test_data_path import prompt_hashes, store_prompt
-    from tiercache.client.client import Client
 
     def counts(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every histogram's ``_count`` sample, by metric and labels."""
@@ -279,7 +287,6 @@ def test_silent_connections_past_the_soft_descriptor_limit_do_not_lock_a_client_
     """Started with a soft limit of 256 descriptors (hard: this machine's), the server raises its
     own to the hard limit: 400 connections that never say a word do not keep a client out, and
     libzmq closes them once the handshake time has passed."""
-    from tiercache.client.client import Client
 
     secret = "test-secret-" + "0f9a27c4e1b8d6a3" * 2
     server = start_server("--listen", "tcp://127.0.0.1:0", "--auth-secret", secret, soft_nofile=256)

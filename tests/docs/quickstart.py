@@ -15,7 +15,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 
 #: The quickstart's placeholders in its vLLM commands, which a test substitutes (and nothing else).
 MODEL_PLACEHOLDER = "MODEL"
-SOCKET_PLACEHOLDER = "ipc:///run/user/1000/tiercache/server.sock"
+SOCKET_PLACEHOLDER = "unix:///run/user/1000/tiercache/server.sock"
 
 _BLOCK = re.compile(
     r"(?:<!--\s*quickstart:\s*(?P<marker>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)^```",

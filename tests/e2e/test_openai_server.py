@@ -194,7 +194,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     prompts = [token_text(p) for p in make_prompts(LENGTHS, seed=7, vocab=VOCAB)]
     probes = [token_text(p) for p in make_prompts([PROBE_LENGTH] * PROBES, seed=11, vocab=VOCAB)]
     spec = ServerSpec(
-        listen=f"ipc://{tmp}/server.sock",
+        listen=f"unix://{tmp}/server.sock",  # the default scheme, which the documented command names
         l1_bytes=64 * MiB,
         disk_path=str(tmp / "disk"),
         options={"chunk_size": CHUNK},

@@ -22,7 +22,7 @@ from tests.server.conftest import StartServer, curve_keys
 from tiercache.client.client import Client
 from tiercache.errors import AuthenticationError, ConfigError, ServerError, ServerUnavailableError
 from tiercache.server.connections import map_large_buffers
-from tiercache.server.security import prepare_ipc
+from tiercache.server.security import prepare_socket
 from tiercache.testing.poll import wait_until
 from tiercache.wire.frames import REQUEST_FRAME_BYTES
 
@@ -235,7 +235,7 @@ def test_a_squatted_default_socket_directory_is_refused_by_server_and_client(
     and the client connect to that user's server. Both refuse, saying why."""
     directory = _squatted(tmp_path, monkeypatch, how)
     with pytest.raises(ServerError, match="another local user may have made it"):
-        prepare_ipc(directory / "server.sock")
+        prepare_socket(f"unix://{directory}/server.sock")
     with pytest.raises(ConfigError, match="another local user may have made it"):
         Client()
 

@@ -340,6 +340,51 @@ def test_requests_in_flight_when_the_server_closes_the_connection_fail_at_once_n
         server.close()
 
 
+def test_a_zeromq_client_given_a_unix_servers_socket_is_told_to_use_unix_and_the_server_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client given ``ipc://`` for a ``unix://`` server's socket (a config written before
+    ``unix://`` became the default) speaks ZeroMQ, which the server cannot read. The server closes
+    each such connection and warns once, naming the fix; the client's hello, unanswered, ends in an
+    error that names the endpoint to use, not a bare "is it running?"."""
+    from tiercache.config import L1Config, ServerOptions
+    from tiercache.engine import TieredEngine
+    from tiercache.l1.tier import L1Tier
+    from tiercache.server import Server
+
+    path = tmp_path / "run" / "server.sock"
+    server = Server(
+        TieredEngine(L1Tier(L1Config(size_bytes=1 * MiB))), ServerOptions(listen=f"unix://{path}")
+    )
+    with server, caplog.at_level("WARNING", logger="tiercache.server.unix"):
+        with pytest.raises(
+            ServerUnavailableError,
+            match=f"listens on unix://{path}, not ipc://{path}: connect with unix://{path}",
+        ):
+            Client(f"ipc://{path}", timeout=1.0, heartbeat=False)
+        with Client(f"unix://{path}", timeout=10, heartbeat=False) as client:  # the right scheme is served
+            closed = client.stats()["server"]["zmq_connections_closed"]
+    assert closed >= 2  # the client's (which ZeroMQ reconnects) and the probe's
+    warnings = [r.getMessage() for r in caplog.records if "speaks ZeroMQ" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # one process: told once
+    assert f"point that client at unix://{path}" in warnings[0] and f"pid {os.getpid()}" in warnings[0]
+
+
+def test_a_unix_client_given_a_zeromq_servers_socket_is_told_to_use_ipc_at_once(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The other way round: a ZeroMQ server greets every connection first, which no reply of a
+    ``unix://`` server can begin with; the client's call fails at once, naming the endpoint to use."""
+    path = tmp_path / "zmq" / "server.sock"
+    start_server(listen=f"ipc://{path}")
+    started = time.monotonic()
+    with pytest.raises(
+        ServerUnavailableError, match=f"speaks ZeroMQ: it listens on ipc://{path}, not unix://{path}"
+    ):
+        Client(f"unix://{path}", timeout=30, heartbeat=False)  # its hello
+    assert time.monotonic() - started < 10, "waited for a reply a ZeroMQ server cannot send"
+
+
 def test_stream_header_is_two_big_endian_lengths() -> None:
     assert STREAM_HEADER.size == 8
     assert stream_message(b"body", b"tag") == [struct.pack(">II", 4, 3), b"body", b"tag"]

@@ -23,9 +23,9 @@ def add_server_options(parser: Any, *, timeout: float, timeout_help: str) -> Non
         "--server",
         metavar="ENDPOINT",
         default=None,
-        help=f"endpoint of the server: ipc:///path/to/socket, unix:///path/to/socket or tcp://HOST:PORT "
+        help=f"endpoint of the server: unix:///path/to/socket, ipc:///path/to/socket or tcp://HOST:PORT "
         f"(default: env {LISTEN_ENV}, "
-        "else the server's default ipc socket)",
+        "else the server's default socket)",
     )
     parser.add_argument(
         "--auth-secret",

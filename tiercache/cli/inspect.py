@@ -61,7 +61,7 @@ def add_inspect_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) ->
         "inspect",
         help="show what the cache holds and why (live server, or a disk path / S3 prefix read-only)",
         description=(
-            "Inspect a running server (--server, default: its default ipc socket) or stored data "
+            "Inspect a running server (--server, default: its default socket) or stored data "
             "offline and strictly read-only (--disk-path and/or --s3-bucket). Human tables by default, "
             "--json for scripts. Reference: docs/operations.md."
         ),

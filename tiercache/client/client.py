@@ -77,7 +77,7 @@ def _lookup(
 
 
 class Client(Transport):
-    """Connect to a tiercache server at ``endpoint`` (default: the server's default ipc socket).
+    """Connect to a tiercache server at ``endpoint`` (default: the server's default socket).
 
     ``timeout`` bounds every sync call unless the call passes its own. ``auth_secret`` answers a
     shared-secret server; ``curve_server_key`` (the server's public key, z85 bytes) plus

@@ -89,7 +89,7 @@ class ServerLink:
 
     @property
     def endpoint(self) -> str:
-        return self.settings.server or "the default ipc socket"
+        return self.settings.server or "the default socket"
 
     def start(self, *, raise_config_errors: bool = True) -> bool:
         """Connect once, synchronously (at engine start-up). A :class:`ConfigError` from

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Self, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 import msgspec
 import zmq
@@ -45,14 +45,19 @@ from tiercache.errors import (
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 from tiercache.wire.codec import Codec
-from tiercache.wire.stream import UNIX_SCHEME, peer_credentials
+from tiercache.wire.stream import UNIX_SCHEME, ZMTP_SIGNATURE, peer_credentials
 
 T = TypeVar("T")
 
 _PROTOCOL_CODES = {p.ErrorCode.MALFORMED, p.ErrorCode.UNKNOWN_OP, p.ErrorCode.VERSION_MISMATCH}
 
-#: The reply of a request whose ``unix://`` connection the server closed before answering it.
-_CONNECTION_ENDED: Final = object()
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The reply of a request whose ``unix://`` connection ended before it was answered."""
+
+    why: str  # :attr:`Wire.ended`
+
 
 #: What the server said in its hello reply (chunk size, arena name and size, heartbeat, limits).
 ServerInfo = p.HelloReply
@@ -131,23 +136,49 @@ _MAX_ABANDONED = 4096
 _UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
 
 
-def ipc_listener_uid(endpoint: str) -> int | None:
-    """The uid of the process listening at ipc ``endpoint``, as the kernel says it
-    (``SO_PEERCRED`` of a connection that is closed at once), or ``None`` if nothing listens."""
+def _ipc_probe(endpoint: str) -> socket.socket | None:
+    """A plain stream connection to the socket of ipc ``endpoint`` (1 s timeouts), or ``None`` if
+    nothing listens there."""
     path = endpoint.removeprefix("ipc://")
     if path.startswith("@"):  # libzmq's abstract namespace
         path = "\0" + path[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        probe.close()
+        return None
+    return probe
+
+
+def ipc_listener_uid(endpoint: str) -> int | None:
+    """The uid of the process listening at ipc ``endpoint``, as the kernel says it
+    (``SO_PEERCRED`` of a connection that is closed at once), or ``None`` if nothing listens."""
+    probe = _ipc_probe(endpoint)
+    if probe is None:
+        return None
+    with probe:
         return peer_credentials(probe)[1]
 
 
+def ipc_listener_is_unix(endpoint: str) -> bool:
+    """Whether what listens at ipc ``endpoint``'s socket is a ``unix://`` tiercache server, not a
+    ZeroMQ one: greeted as a ZeroMQ peer greets, it hangs up without a greeting of its own. False
+    if nothing listens, or it greets back, or says nothing within a second."""
+    probe = _ipc_probe(endpoint)
+    if probe is None:
+        return False
+    with probe:
+        try:
+            probe.sendall(ZMTP_SIGNATURE)
+            return probe.recv(len(ZMTP_SIGNATURE)) == b""
+        except OSError:  # reset, or silent (a timeout): not known to be unix://
+            return False
+
+
 class Transport:
-    """A connection to a tiercache server at ``endpoint`` (default: the server's default ipc
+    """A connection to a tiercache server at ``endpoint`` (default: the server's default
     socket): see the module docstring. Its arguments are :class:`~tiercache.client.client.Client`'s.
     """
 
@@ -352,18 +383,19 @@ class Transport:
                 self._state.abandoned.discard(reply.req_id)
                 if isinstance(reply, p.LookupReply) and reply.ticket:
                     self._release_late_ticket(reply.ticket)
-        if wire.ended:
-            self._connection_ended(wire)
+        if wire.ended is not None:
+            self._connection_ended(wire, wire.ended)
 
-    def _connection_ended(self, wire: Wire) -> None:
-        """The server closed the ``unix://`` connection: every request still waiting for a reply
-        fails at once (instead of at its timeout), and the session it held is gone with it (the
-        next call connects again and says hello)."""
+    def _connection_ended(self, wire: Wire, why: str) -> None:
+        """The ``unix://`` connection ended: every request still waiting for a reply fails at once
+        (instead of at its timeout), and the session it held is gone with it (the next call
+        connects again and says hello)."""
         wire.resume()
         st = self._state
+        ended = _Ended(why)
         for entry in st.pending.values():
             if not entry.done:
-                entry.reply, entry.done, entry.msg = _CONNECTION_ENDED, True, None
+                entry.reply, entry.done, entry.msg = ended, True, None
         st.forget_session()  # the server released its holds when it saw the connection close
 
     def _authentic(self, frame: bytes, tag: bytes | None) -> bool:
@@ -429,10 +461,9 @@ class Transport:
     def _result(self, req_id: int) -> Any:
         entry = self._state.pending.pop(req_id)
         reply = entry.reply
-        if reply is _CONNECTION_ENDED:
+        if isinstance(reply, _Ended):
             raise ServerUnavailableError(
-                f"the tiercache server at {self.endpoint} closed the connection before answering "
-                f"request {req_id} (it stopped or restarted); the next call connects again"
+                f"the tiercache server at {self.endpoint} {reply.why} (request {req_id})"
             )
         if isinstance(reply, p.ErrorReply):
             raise self._error(reply)
@@ -466,10 +497,7 @@ class Transport:
                         if entry.done:
                             break
                         self._reset()
-                        raise ServerUnavailableError(
-                            f"no reply from the tiercache server at {self.endpoint} within "
-                            f"{self.timeout if timeout is None else timeout:g} s; is it running?"
-                        )
+                        raise self._no_reply(msg, self.timeout if timeout is None else timeout)
                     self._drain(left)
                 reply = entry.reply
                 if (
@@ -483,6 +511,24 @@ class Transport:
                     continue
                 return cast(T, self._result(req_id))
         raise AssertionError("unreachable")
+
+    def _no_reply(self, msg: p.Message, timeout: float) -> ServerUnavailableError:
+        """The error of a call ``msg`` that got no reply within ``timeout``. A handshake unanswered
+        on ipc may have gone to a ``unix://`` server (the default scheme), which cannot read it:
+        then the error says so."""
+        if (
+            isinstance(msg, (p.Hello, p.Challenge))
+            and self.endpoint.startswith("ipc://")
+            and ipc_listener_is_unix(self.endpoint)
+        ):
+            path = self.endpoint.removeprefix("ipc://")
+            return ServerUnavailableError(
+                f"the server at {path} listens on unix://{path}, not {self.endpoint}: connect with "
+                f"unix://{path} (or start the server with --listen {self.endpoint})"
+            )
+        return ServerUnavailableError(
+            f"no reply from the tiercache server at {self.endpoint} within {timeout:g} s; is it running?"
+        )
 
     def _say_hello(self, timeout: float | None) -> ServerInfo:
         st = self._state

@@ -27,7 +27,9 @@ from tiercache.wire.frames import request_frames
 from tiercache.wire.stream import (
     STREAM_HEADER,
     UNIX_SCHEME,
+    ZMTP_SIGNATURE,
     peer_credentials,
+    speaks_zmtp,
     stream_lengths,
     stream_parts,
     stream_pieces,
@@ -38,6 +40,8 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 #: Bytes a Unix wire reads at once.
 _READ_BYTES = 256 * 1024
+#: How long a connection that ended unheard waits for a ZeroMQ server's greeting (sent at once).
+_GREETING_WAIT_S = 0.5
 
 
 class Wire(Protocol):
@@ -56,12 +60,13 @@ class Wire(Protocol):
         """Close the connection; replies still on the way are lost."""
 
     @property
-    def ended(self) -> bool:
-        """Whether the server closed the connection the requests in flight went on: none of them
-        will be answered (and the server ended their session). :meth:`resume` says it was heard."""
+    def ended(self) -> str | None:
+        """Why the connection the requests in flight went on ended, said after "the server at
+        ENDPOINT" (``None``: it did not): none of them will be answered, and the server ended their
+        session. :meth:`resume` says it was heard."""
 
     def resume(self) -> None:
-        """The transport heard that the connection ended: :attr:`ended` is false again."""
+        """The transport heard that the connection ended: :attr:`ended` is ``None`` again."""
 
 
 class ZmqWire:
@@ -122,7 +127,7 @@ class ZmqWire:
         self._sock.close(0)
 
     #: libzmq reconnects by itself and says nothing: a request lost with the server times out.
-    ended = False
+    ended: str | None = None
 
     def resume(self) -> None:
         pass
@@ -159,6 +164,18 @@ def refuse_other_user(endpoint: str, uid: int) -> None:
         )
 
 
+def zeromq_greets(path: str) -> bool:
+    """Whether a ZeroMQ socket (an ``ipc://`` endpoint) listens at ``path``: it greets a new
+    connection at once, where a ``unix://`` server says nothing until asked."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_GREETING_WAIT_S)
+        try:
+            probe.connect(path)
+            return speaks_zmtp(probe.recv(len(ZMTP_SIGNATURE)))
+        except OSError:  # nobody there, or silent (a timeout)
+            return False
+
+
 class UnixWire:
     """A Unix stream socket to the server at ``endpoint`` (``unix:///path``), connected on the first
     send and again on the first send after the server closed it (a restarted server then asks for
@@ -170,7 +187,8 @@ class UnixWire:
         self._path = endpoint.removeprefix(UNIX_SCHEME)
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
-        self._ended = False
+        self._ended: str | None = None
+        self._heard = False
         self._poll = select.poll()
         self._inbox = bytearray()
         # Every read lands here first: a fresh buffer per recv() would be an allocation per reply.
@@ -197,6 +215,7 @@ class UnixWire:
         self._poll.register(sock.fileno(), select.POLLIN)
         self._sock = sock
         self._inbox.clear()
+        self._heard = False  # nothing from the server on this connection yet
         return sock
 
     def send(self, body: bytes, tag: bytes | None) -> None:
@@ -262,11 +281,29 @@ class UnixWire:
         except OSError:
             got = 0
         if not got:  # the server closed the connection: the next send connects again
+            heard = self._heard
             self.close()
-            self._ended = True
+            # A ZeroMQ server (``ipc://``) may hang up on a request before its greeting is read.
+            self._ended = (
+                "closed the connection before answering (it stopped or restarted); the next call connects again"
+                if heard or not zeromq_greets(self._path)
+                else self._speaks_zeromq()
+            )
             return None
+        self._heard = True
         self._inbox += self._view[:got]
+        if speaks_zmtp(self._inbox):  # a ZeroMQ server's greeting: nothing it sends is a reply
+            self.close()
+            self._ended = self._speaks_zeromq()
+            return None
         return self._take()
+
+    def _speaks_zeromq(self) -> str:
+        path = self._path
+        return (
+            f"speaks ZeroMQ: it listens on ipc://{path}, not unix://{path}; connect with ipc://{path} "
+            f"(or start the server with --listen unix://{path})"
+        )
 
     def _whole_message(self) -> tuple[int, int] | None:
         """The lengths of the inbox's first message if all of it is there."""
@@ -285,11 +322,11 @@ class UnixWire:
         return taken
 
     @property
-    def ended(self) -> bool:
+    def ended(self) -> str | None:
         return self._ended
 
     def resume(self) -> None:
-        self._ended = False
+        self._ended = None
 
     def close(self) -> None:
         if self._sock is not None:

@@ -2,7 +2,7 @@
 
 Keys (all optional)::
 
-    server        ZMQ endpoint of the tiercache server (default: the server's default ipc socket)
+    server        endpoint of the tiercache server (default: the server's default socket)
     timeout_s     bound on every round trip to the server, seconds (default 2.0)
     auth_secret_file
                   a file holding the shared secret of a server that requires one (read at start;

@@ -62,10 +62,10 @@ META: dict[tuple[str, str], Meta] = {
     ),
     # server
     ("server", "listen"): Meta(
-        "Endpoint clients connect to: ipc:///path/to/socket (owner-only, ZMQ), unix:///path/to/socket "
-        "(owner-only, a Unix socket the request loop reads itself: the cheapest for clients on this "
-        "node) or tcp://HOST:PORT (ZMQ; needs --auth-secret or --curve-secret-key-file).",
-        default_text="ipc://$XDG_RUNTIME_DIR/tiercache/server.sock (or /tmp/tiercache-UID/server.sock)",
+        "Endpoint clients connect to: unix:///path/to/socket (owner-only, a Unix socket the request "
+        "loop reads itself: the cheapest for clients on this node), ipc:///path/to/socket "
+        "(owner-only, ZMQ) or tcp://HOST:PORT (ZMQ; needs --auth-secret or --curve-secret-key-file).",
+        default_text="unix://$XDG_RUNTIME_DIR/tiercache/server.sock (or /tmp/tiercache-UID/server.sock)",
         metavar="ENDPOINT",
     ),
     ("server", "chunk_size"): Meta(

@@ -1,10 +1,10 @@
-"""The tiercache server: owns the tiers of one node and serves :mod:`tiercache.wire.protocol` over ZMQ.
+"""The tiercache server: owns the tiers of one node and serves :mod:`tiercache.wire.protocol` over a Unix socket or ZMQ.
 
 Run it from a configuration with :func:`run` (``tiercache server`` does), or drive :class:`Server`
 programmatically::
 
     engine = build_engine(ServerConfig.load())
-    server = Server(engine, ServerOptions(listen="ipc:///run/user/1000/tiercache/server.sock"))
+    server = Server(engine, ServerOptions(listen="unix:///run/user/1000/tiercache/server.sock"))
     server.start()          # bind + background loop thread
     ...
     server.stop(timeout=10)  # stop accepting, drain, flush, close the tiers
@@ -12,7 +12,7 @@ programmatically::
 The rooms: :mod:`~tiercache.server.app` (transport, dispatch, lifecycle), :mod:`~tiercache.server.sessions`
 (clients, what they hold, the handshake), :mod:`~tiercache.server.data_ops` and
 :mod:`~tiercache.server.management_ops` (the requests), :mod:`~tiercache.server.layouts` (registered
-engine layouts), :mod:`~tiercache.server.security` (ipc permissions, CURVE),
+engine layouts), :mod:`~tiercache.server.security` (socket permissions, CURVE),
 :mod:`~tiercache.server.records` (recent evictions), :mod:`~tiercache.server.metrics` (Prometheus),
 :mod:`~tiercache.server.build` (tiers and engine from a config) and :mod:`~tiercache.server.run`.
 """

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, cast
 
 import zmq
@@ -52,7 +51,7 @@ from tiercache.server.layouts import Layouts
 from tiercache.server.management_ops import ManagementOps
 from tiercache.server.records import EvictionRecord
 from tiercache.server.replies import Handler, Refused, error_reply, request_keys
-from tiercache.server.security import ipc_path, prepare_ipc, secure_ipc, setup_curve
+from tiercache.server.security import prepare_socket, secure_socket, setup_curve
 from tiercache.server.sessions import Session, Sessions
 from tiercache.server.tenants import TenantLookups, with_tenants
 from tiercache.server.unix import IDENTITY_PREFIX, EpollPoller, Message, UnixListener
@@ -277,8 +276,7 @@ class Server:
     def _bind(self) -> None:
         opts = self.options
         if opts.listen.startswith(UNIX_SCHEME):
-            path = Path(opts.listen.removeprefix(UNIX_SCHEME))
-            prepare_ipc(path)
+            path = prepare_socket(opts.listen)
             self._poller = EpollPoller()
             self._unix = UnixListener(path, self._poller, self._sessions.drop)
             return
@@ -304,10 +302,9 @@ class Server:
                 self._auth = setup_curve(ctx, sock, opts)
                 sock.bind(opts.listen)
             else:
-                path = ipc_path(opts.listen)
-                prepare_ipc(path)
+                path = prepare_socket(opts.listen)
                 sock.bind(opts.listen)
-                secure_ipc(path)
+                secure_socket(path)
         except zmq.ZMQError as exc:
             sock.close(0)
             ctx.term()
@@ -649,7 +646,12 @@ class Server:
             "in_flight": self._inflight,
             "eviction_records": len(self.evictions),
             # unix:// only: connections closed at once, opened by a process of another user.
-            **({"connections_refused": self._unix.refused} if self._unix is not None else {}),
+            # And those closed for speaking ZeroMQ (clients given ipc:// for this socket).
+            **(
+                {"connections_refused": self._unix.refused, "zmq_connections_closed": self._unix.zmq_peers}
+                if self._unix is not None
+                else {}
+            ),
         }
 
     def metrics_stats(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Transport security: owner-only ipc sockets, ZMQ CURVE, and the shared-secret proof.
+"""Transport security: owner-only socket files, ZMQ CURVE, and the shared-secret proof.
 
-* **ipc** (default): the socket lives in the per-user runtime directory, created ``0700``; the socket
-  file is ``chmod 0600`` right after bind. Only the server's user can connect.
+* **unix** (default) **and ipc**: the socket lives in the per-user runtime directory, created
+  ``0700``; the socket file is ``chmod 0600`` right after bind. Only the server's user can connect
+  (on ``unix://`` the kernel's word on each peer is checked too: :mod:`tiercache.server.unix`).
 * **tcp + shared secret**: each connection proves the secret with a single-use nonce
   (:mod:`tiercache.wire.auth`, the half both ends share). It authenticates but does not encrypt:
   on an untrusted network use CURVE.
@@ -26,16 +27,18 @@ from tiercache.config.parts import ServerOptions, default_runtime_dir, runtime_d
 from tiercache.errors import ConfigError, ServerError
 
 
-def ipc_path(endpoint: str) -> Path:
-    """The socket path of an ``ipc://`` endpoint."""
-    return Path(endpoint[len("ipc://") :])
+def socket_path(endpoint: str) -> Path:
+    """The socket file of an ``ipc://`` or ``unix://`` endpoint."""
+    return Path(endpoint.removeprefix("ipc://").removeprefix("unix://"))
 
 
-def prepare_ipc(path: Path) -> None:
-    """Create the socket's directory owner-only and clear a stale socket file.
+def prepare_socket(endpoint: str) -> Path:
+    """Create the directory of ``endpoint``'s socket file owner-only, clear a stale socket file,
+    and return the file's path.
 
-    Raises :class:`ServerError` if another server already listens at ``path``.
+    Raises :class:`ServerError` if a server already listens there (on either scheme).
     """
+    path = socket_path(endpoint)
     parent = path.parent
     if not parent.exists() and not parent.is_symlink():
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -58,11 +61,12 @@ def prepare_ipc(path: Path) -> None:
             path.unlink(missing_ok=True)  # a crashed server left it behind
         else:
             raise ServerError(
-                f"another tiercache server is already listening on ipc://{path}; stop it or use "
-                "another --listen path"
+                f"another server is already listening at {path} (asked to listen on {endpoint}); stop it "
+                "or use another --listen path"
             )
         finally:
             probe.close()
+    return path
 
 
 def check_own_directory(directory: Path) -> None:
@@ -73,7 +77,7 @@ def check_own_directory(directory: Path) -> None:
         raise ServerError(problem)
 
 
-def secure_ipc(path: Path) -> None:
+def secure_socket(path: Path) -> None:
     """Make the bound socket owner-only (``0600``)."""
     os.chmod(path, 0o600)
 

@@ -11,7 +11,9 @@ before a byte of its body is read, and one larger than its sender may send (a ha
 without a session, ``max_message_bytes`` with one) is refused and its connection closed, unread. A
 connection's unsent replies are bounded too (:data:`MAX_UNSENT_BYTES`): a client that stops reading
 is disconnected. The socket file is owner-only, as ``ipc://``'s, and a connection from a process of
-another user (save root) is closed at once (the kernel says who connected: ``SO_PEERCRED``).
+another user (save root) is closed at once (the kernel says who connected: ``SO_PEERCRED``). So is
+one that opens with ZeroMQ's greeting (a client given ``ipc://`` for this socket), with a warning
+that names the fix, once per process.
 
 Each connection gets an identity of its own, never reused, which the server's sessions are keyed
 by exactly as by a ZMQ routing id: a reconnected client says hello again. Unlike a ZMQ connection's,
@@ -37,6 +39,7 @@ import zmq
 from tiercache.wire.stream import (
     STREAM_HEADER,
     peer_credentials,
+    speaks_zmtp,
     stream_lengths,
     stream_parts,
     stream_pieces,
@@ -50,6 +53,9 @@ READ_BYTES = 256 * 1024
 MESSAGES_PER_TURN = 256
 #: Unsent reply bytes a connection may have queued before it is closed (its client is not reading).
 MAX_UNSENT_BYTES = 256 * 1024 * 1024
+#: Processes told that they speak ZeroMQ to this socket, remembered so that each is told once (a
+#: ZeroMQ client connects again every 0.1 s); past this many, the memory starts over.
+_ZMQ_PIDS_REMEMBERED = 1024
 #: The loop's readiness flags (ZeroMQ's values, which its poller also uses) and epoll's.
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -107,12 +113,18 @@ class Connection:
 
     sock: socket.socket
     identity: bytes
-    peer: str
+    pid: int
     inbox: bytearray = field(default_factory=bytearray)
     unsent: deque[memoryview] = field(default_factory=deque)
     unsent_bytes: int = 0
     #: Whether the loop waits for the socket to take more replies (``unsent`` is not empty).
     writing: bool = False
+    #: Whether a whole message came (before one, the stream may turn out to be a ZeroMQ peer's).
+    spoke: bool = False
+
+    @property
+    def peer(self) -> str:
+        return f"unix pid {self.pid}"
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -171,6 +183,9 @@ class UnixListener:
         self.backlog: set[Connection] = set()
         #: Connections refused because another user's process opened them.
         self.refused = 0
+        #: Connections closed because they opened with ZeroMQ's greeting, and the pids told so.
+        self.zmq_peers = 0
+        self._zmq_pids: set[int] = set()
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -194,7 +209,7 @@ class UnixListener:
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = Connection(sock, IDENTITY_PREFIX + next(self._ids).to_bytes(8, "big"), f"unix pid {pid}")
+            conn = Connection(sock, IDENTITY_PREFIX + next(self._ids).to_bytes(8, "big"), pid)
             self.connections[conn.identity] = conn
             self.by_fd[sock.fileno()] = conn
             self._poller.register(sock.fileno(), _POLLIN)
@@ -217,6 +232,9 @@ class UnixListener:
                 return
             conn.inbox += self._view[:got]
         inbox = conn.inbox
+        if not conn.spoke and speaks_zmtp(inbox):
+            self._close_zmq_peer(conn)
+            return
         at = taken = 0
         try:
             while (lengths := stream_lengths(inbox, at)) is not None:
@@ -234,9 +252,28 @@ class UnixListener:
                 body, tag = stream_parts(inbox, at, body_len, tag_len)
                 at = end
                 taken += 1
+                conn.spoke = True
                 yield Message(body, tag)
         finally:
             del inbox[:at]
+
+    def _close_zmq_peer(self, conn: Connection) -> None:
+        """Close ``conn``, whose process speaks ZeroMQ here: tell the operator the fix, once per process."""
+        self.zmq_peers += 1
+        if conn.pid not in self._zmq_pids:
+            if len(self._zmq_pids) >= _ZMQ_PIDS_REMEMBERED:
+                self._zmq_pids.clear()
+            self._zmq_pids.add(conn.pid)
+            log.warning(
+                "closed a connection to %s from pid %d: it speaks ZeroMQ (a client given ipc://%s), and this "
+                "server listens on unix://%s; point that client at unix://%s",
+                self.path,
+                conn.pid,
+                self.path,
+                self.path,
+                self.path,
+            )
+        self.close(conn)
 
     def send(self, identity: bytes, body: bytes, tag: bytes | None) -> bool:
         """Queue a reply to the connection ``identity`` and send what the socket takes now; False

@@ -5,7 +5,7 @@ Load it with::
     --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "tiercache",
         "module_path": "tiercache.sglang", "class_name": "TierCacheStorage",
-        "interface_v1": 1, "server": "ipc:///run/tiercache/server.sock"}'
+        "interface_v1": 1, "server": "unix:///run/tiercache/server.sock"}'
 
 Importing this package is cheap: SGLang and torch are imported only when ``TierCacheStorage`` is
 first accessed (SGLang's factory does that when it loads the backend). The settings

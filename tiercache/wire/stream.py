@@ -20,6 +20,10 @@ STREAM_HEADER = struct.Struct(">II")
 #: Bodies up to this size are sent joined to their header (:func:`stream_pieces`).
 JOIN_BYTES = 64 * 1024
 
+#: What a ZeroMQ peer sends first on any connection (ZMTP 3's signature: ``0xFF``, 8 bytes, ``0x7F``).
+#: A stream header never starts with ``0xFF``: that is the top byte of a body of 4 GiB or more.
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
+
 _PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -35,6 +39,12 @@ def stream_pieces(body: bytes, tag: bytes | None) -> list[bytes | memoryview]:
     copied."""
     pieces = stream_message(body, tag)
     return [b"".join(pieces)] if len(body) <= JOIN_BYTES else pieces
+
+
+def speaks_zmtp(buffer: bytes | bytearray) -> bool:
+    """Whether a connection whose first bytes are ``buffer`` is from a ZeroMQ peer (an ``ipc://``
+    endpoint at the other end), not a ``unix://`` one."""
+    return buffer[:1] == ZMTP_SIGNATURE[:1]
 
 
 def stream_lengths(buffer: bytearray, at: int = 0) -> tuple[int, int] | None:
