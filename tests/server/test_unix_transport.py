@@ -9,6 +9,7 @@ closes before answering it fails at once."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -274,10 +275,13 @@ def test_a_client_that_goes_away_takes_what_it_held_with_it_at_once(
 
 class HangsUpAfterHello:
     """A listener that answers every hello as a server would and closes the connection on any other
-    request, unanswered: a server stopping or restarting under a client."""
+    request, unanswered: a server stopping or restarting under a client. With ``hang_ups``, it
+    does so on that many connections only; on the later ones it answers pings, and asks for a hello
+    first, as a restarted server does."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, hang_ups: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._hang_ups = hang_ups
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(path))
         self._listener.listen(8)
@@ -287,11 +291,13 @@ class HangsUpAfterHello:
 
     def _serve(self) -> None:
         codec = Codec()
-        while True:
+        for served in itertools.count():
             try:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            hangs_up = self._hang_ups is None or served < self._hang_ups
+            said_hello = False
             with conn:
                 inbox = b""
                 while data := conn.recv(65536):
@@ -303,10 +309,18 @@ class HangsUpAfterHello:
                             break
                         msg = codec.requests.decode(inbox[STREAM_HEADER.size : STREAM_HEADER.size + body_len])
                         inbox = inbox[end:]
-                        if not isinstance(msg, p.Hello):
+                        reply: p.Message
+                        if isinstance(msg, p.Hello):
+                            said_hello, reply = True, stand_in_hello_reply(msg.req_id)
+                        elif hangs_up:
                             self.hung_up += 1
                             break
-                        reply = stand_in_hello_reply(msg.req_id)
+                        elif not said_hello:
+                            reply = p.ErrorReply(
+                                req_id=msg.req_id, code=p.ErrorCode.HELLO_REQUIRED, message="hello first"
+                            )
+                        else:
+                            reply = p.Pong(req_id=msg.req_id)
                         conn.sendall(b"".join(stream_message(codec.encode(reply), None)))
                     else:
                         continue
@@ -335,6 +349,29 @@ def test_requests_in_flight_when_the_server_closes_the_connection_fail_at_once_n
             client.ping()  # a new connection and hello, then the same hang-up: said at once too
         assert time.monotonic() - started < 10
         assert server.hung_up == 2
+    finally:
+        client.close()
+        server.close()
+
+
+def test_requests_sent_before_the_server_restarted_fail_at_once_when_the_next_request_reconnects(
+    tmp_path: Path,
+) -> None:
+    """The client may send its next request before it reads that the server closed the
+    connection (a lookup still in flight, not polled yet): that request goes on a new connection
+    and is served, and the lookup sent on the old one, which nobody will answer, fails at once."""
+    path = tmp_path / "run" / "server.sock"
+    server = HangsUpAfterHello(path, hang_ups=1)
+    client = Client(f"unix://{path}", timeout=30, heartbeat=False)  # says hello
+    try:
+        group = p.GroupRef(fingerprint=bytes(16), object_group=0)
+        asked = client.lookup_async(prompt_hashes(2), [group])
+        wait_until(lambda: server.hung_up == 1, timeout=10, what="the server to hang up")
+        client.ping()  # on a new connection, after a hello: answered
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match="closed the connection before answering"):
+            client.poll(asked, wait_s=1.0)
+        assert time.monotonic() - started < 10  # not the 30 s timeout
     finally:
         client.close()
         server.close()

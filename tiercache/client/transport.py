@@ -353,6 +353,10 @@ class Transport:
         seal = self._state.seal
         tag = None if seal is None or isinstance(msg, (p.Hello, p.Challenge)) else seal.seal(body)
         wire.send(body, tag)
+        if wire.ended is not None:  # it went on a new connection: those sent before are lost
+            self._connection_ended(wire, wire.ended)
+            if isinstance(msg, (p.Hello, p.Challenge)):
+                self._state.seal = seal  # the handshake under way keeps its own
 
     def _drain(self, wait_s: float) -> None:
         """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""

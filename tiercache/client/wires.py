@@ -42,13 +42,16 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _READ_BYTES = 256 * 1024
 #: How long a connection that ended unheard waits for a ZeroMQ server's greeting (sent at once).
 _GREETING_WAIT_S = 0.5
+#: :attr:`UnixWire.ended` when the server closed the connection (it stopped or restarted).
+_CLOSED = "closed the connection before answering (it stopped or restarted); the next call connects again"
 
 
 class Wire(Protocol):
     """What the transport needs of its connection to the server."""
 
     def send(self, body: bytes, tag: bytes | None) -> None:
-        """Send one request (raises :class:`ServerUnavailableError` if it cannot)."""
+        """Send one request (raises :class:`ServerUnavailableError` if it cannot). A wire that
+        finds its connection ended sends on a new one and says so in :attr:`ended`."""
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a reply to read; whether one may be there."""
@@ -226,7 +229,9 @@ class UnixWire:
                 # The connection had ended before this request (a restarted server, whose closing
                 # this client had not read yet): nothing of it was sent, so it goes once more on a
                 # new one, where the server asks for a hello, as a ZMQ socket would reconnect.
+                # The requests sent on the old one will not be answered.
                 self.close()
+                self._ended = _CLOSED
                 self._send(self._connect(), pieces)
         except OSError as exc:
             self.close()  # a request cut short would garble the next one
@@ -284,11 +289,7 @@ class UnixWire:
             heard = self._heard
             self.close()
             # A ZeroMQ server (``ipc://``) may hang up on a request before its greeting is read.
-            self._ended = (
-                "closed the connection before answering (it stopped or restarted); the next call connects again"
-                if heard or not zeromq_greets(self._path)
-                else self._speaks_zeromq()
-            )
+            self._ended = _CLOSED if heard or not zeromq_greets(self._path) else self._speaks_zeromq()
             return None
         self._heard = True
         self._inbox += self._view[:got]
