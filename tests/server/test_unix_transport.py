@@ -25,6 +25,7 @@ import pytest
 from tests.client.test_forged_replies import stand_in_hello_reply
 from tests.server.conftest import StartServer, manifest
 from tests.server.test_data_path import prompt_hashes, store_prompt
+from tiercache.cli.app import main as cli_main
 from tiercache.client.client import Client
 from tiercache.errors import ServerUnavailableError
 from tiercache.keys import Fingerprint, ObjectKey
@@ -378,7 +379,7 @@ def test_requests_sent_before_the_server_restarted_fail_at_once_when_the_next_re
 
 
 def test_a_zeromq_client_given_a_unix_servers_socket_is_told_to_use_unix_and_the_server_says_so_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A client given ``ipc://`` for a ``unix://`` server's socket (a config written before
     ``unix://`` became the default) speaks ZeroMQ, which the server cannot read. The server closes
@@ -394,6 +395,8 @@ def test_a_zeromq_client_given_a_unix_servers_socket_is_told_to_use_unix_and_the
         TieredEngine(L1Tier(L1Config(size_bytes=1 * MiB))), ServerOptions(listen=f"unix://{path}")
     )
     with server, caplog.at_level("WARNING", logger="tiercache.server.unix"):
+        assert cli_main(["inspect", "summary", "--server", f"unix://{path}"]) == 0
+        assert "connections closed from another user 0, for speaking ZeroMQ 0\n" in capsys.readouterr().out
         with pytest.raises(
             ServerUnavailableError,
             match=f"listens on unix://{path}, not ipc://{path}: connect with unix://{path}",
@@ -401,7 +404,10 @@ def test_a_zeromq_client_given_a_unix_servers_socket_is_told_to_use_unix_and_the
             Client(f"ipc://{path}", timeout=1.0, heartbeat=False)
         with Client(f"unix://{path}", timeout=10, heartbeat=False) as client:  # the right scheme is served
             closed = client.stats()["server"]["zmq_connections_closed"]
+        assert cli_main(["inspect", "summary", "--server", f"unix://{path}"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
     assert closed >= 2  # the client's (which ZeroMQ reconnects) and the probe's
+    assert f"for speaking ZeroMQ {closed} (clients given ipc:// for this unix:// socket" in out
     warnings = [r.getMessage() for r in caplog.records if "speaks ZeroMQ" in r.getMessage()]
     assert len(warnings) == 1, warnings  # one process: told once
     assert f"point that client at unix://{path}" in warnings[0] and f"pid {os.getpid()}" in warnings[0]

@@ -103,6 +103,8 @@ def _live_lines(data: dict[str, Any]) -> list[str]:
         f"errors {srv.get('errors', 0)}, in flight {srv.get('in_flight', 0)}"
     )
     lines.append(_trust_line(srv))
+    if "zmq_connections_closed" in srv:  # a unix:// server
+        lines.append(_unix_line(srv))
     if "integrity_failures_l1_read" in e:
         lines.append(_integrity_line(e, data["tiers"].get("l1", {})))
     return lines
@@ -125,6 +127,19 @@ def _trust_line(server: dict[str, Any]) -> str:
     line += f", requests refused unsigned: {unsigned}"
     failed, held = int(server.get("hellos_failed", 0)), int(server.get("hellos_held", 0))
     return line + f", failed hellos: {failed} (+{held} held unchecked; a wrong --auth-secret, or guesses)"
+
+
+def _unix_line(server: dict[str, Any]) -> str:
+    """Connections a ``unix://`` server closed at once: from another user's process, and from
+    clients that speak ZeroMQ (given ``ipc://`` for this socket); both stay at zero on a healthy node."""
+    zmq_peers = int(server.get("zmq_connections_closed", 0))
+    line = (
+        f"unix socket: connections closed from another user {int(server.get('connections_refused', 0))}, "
+        f"for speaking ZeroMQ {zmq_peers}"
+    )
+    if zmq_peers:
+        line += " (clients given ipc:// for this unix:// socket: point them at unix://, the server's log names them)"
+    return line
 
 
 _INTEGRITY_PATHS = {
