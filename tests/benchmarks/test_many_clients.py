@@ -36,9 +36,9 @@ def test_a_ping_and_the_bare_zmq_and_unix_socket_floors_are_rows_of_the_table() 
         assert float(cells[6]) > 0 and cells[7] == "–"  # server CPU per op; no chunks
 
 
-def test_the_table_runs_over_a_unix_endpoint_too() -> None:
+def test_the_table_runs_over_a_unix_endpoint_too_with_each_clients_p99() -> None:
     done = run(
-        "--ops", "lookup,ping", "--clients", "1", "--idle", "2", "--seconds", "0.5", "--transport", "unix"
+        "--ops", "lookup,ping", "--clients", "2", "--idle", "2", "--seconds", "0.5", "--transport", "unix"
     )
     assert done.returncode == 0, done.stderr
     rows = [
@@ -46,6 +46,9 @@ def test_the_table_runs_over_a_unix_endpoint_too() -> None:
     ]
     assert [cells[1].strip() for cells in rows] == ["lookup", "ping"]
     assert all(int(cells[3].replace(",", "")) > 0 for cells in rows)
+    for cells in rows:  # the two clients' p99s, taken one by one, lie either side of both's
+        low, high = map(float, cells[9].split("–"))
+        assert low <= float(cells[5]) <= high
 
 
 def test_server_nice_is_added_to_the_server_process_nice_value_and_the_table_says_what_it_has() -> None:
