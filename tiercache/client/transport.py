@@ -208,11 +208,8 @@ class Transport:
         self._name = client_name
         self._codec = Codec()
         self._ids = itertools.count(1)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        # libzmq starts its I/O thread (which moves every message of the socket, both ways) with
-        # the first socket, bound like the thread that creates it unless told otherwise.
-        for cpu in io_cpus or ():
-            self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+        self._io_cpus = tuple(io_cpus or ())
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None  # made for the first ZMQ socket
         self._lock = threading.RLock()  # guards _state, the socket and _codec
         self._state = _State()
         self._closed = threading.Event()
@@ -234,8 +231,14 @@ class Transport:
     def _connect(self) -> None:
         if self.endpoint.startswith(UNIX_SCHEME):
             self._state.wire = UnixWire(self.endpoint, self.timeout)
-        else:
-            self._state.wire = ZmqWire(self._ctx, self.endpoint, self._curve_server_key, self._curve_key_file)
+            return
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+            # libzmq starts its I/O thread (which moves every message of the socket, both ways)
+            # with the first socket, bound like the thread that creates it unless told otherwise.
+            for cpu in self._io_cpus:
+                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+        self._state.wire = ZmqWire(self._ctx, self.endpoint, self._curve_server_key, self._curve_key_file)
 
     def _reset(self) -> None:
         """Drop the connection (stale replies with it) and make a fresh one; hello again on next use."""
@@ -261,7 +264,8 @@ class Transport:
                 self._state.wire.close()
                 self._state.wire = None
             self._closing()
-        self._ctx.term()
+        if self._ctx is not None:
+            self._ctx.term()
 
     def __enter__(self) -> Self:
         return self
