@@ -291,12 +291,13 @@ class UnixWire:
             # A ZeroMQ server (``ipc://``) may hang up on a request before its greeting is read.
             self._ended = _CLOSED if heard or not zeromq_greets(self._path) else self._speaks_zeromq()
             return None
-        self._heard = True
+        if not self._heard:  # a connection's first bytes
+            self._heard = True
+            if speaks_zmtp(self._buffer):  # a ZeroMQ server's greeting: nothing it sends is a reply
+                self.close()
+                self._ended = self._speaks_zeromq()
+                return None
         self._inbox += self._view[:got]
-        if speaks_zmtp(self._inbox):  # a ZeroMQ server's greeting: nothing it sends is a reply
-            self.close()
-            self._ended = self._speaks_zeromq()
-            return None
         return self._take()
 
     def _speaks_zeromq(self) -> str:
