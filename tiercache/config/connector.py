@@ -11,8 +11,9 @@ Keys (all optional)::
                   and it is on the engine's command line (a warning says so)
     retry_s       the longest pause between reconnect attempts, seconds (default 5.0); pauses start
                   at 0.5 s and double while the link keeps failing. A server that does not answer
-                  at all is listened for without pauses (a ping waits for it; on unix://, a
-                  connect every 0.1 s while nothing listens), so it is found as soon as it is back
+                  at all is listened for without pauses (on unix://, the default, a connect
+                  every 0.1 s while nothing listens; on ipc:// and tcp://, a ping waits for it),
+                  so it is found as soon as it is back
     weights_id    override the weights identity put into the layout fingerprint (default: the
                   model revision, else a content fingerprint of the checkpoint files)
     overlap_loads write loaded pages layer by layer while the forward pass runs (default false;
