@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -404,6 +405,24 @@ def test_a_zeromq_client_given_a_unix_servers_socket_is_told_to_use_unix_and_the
     warnings = [r.getMessage() for r in caplog.records if "speaks ZeroMQ" in r.getMessage()]
     assert len(warnings) == 1, warnings  # one process: told once
     assert f"point that client at unix://{path}" in warnings[0] and f"pid {os.getpid()}" in warnings[0]
+
+
+def test_a_zeromq_client_with_a_shared_secret_is_told_to_use_unix_too(tmp_path: Path) -> None:
+    """With a shared secret the client's first message is the challenge, not the hello: its
+    timeout names the endpoint to use all the same."""
+    from tiercache.config import L1Config, ServerOptions
+    from tiercache.engine import TieredEngine
+    from tiercache.l1.tier import L1Tier
+    from tiercache.server import Server
+
+    secret = secrets.token_hex(32)
+    path = tmp_path / "run" / "server.sock"
+    options = ServerOptions(listen=f"unix://{path}", auth_secret=secret)
+    with Server(TieredEngine(L1Tier(L1Config(size_bytes=1 * MiB))), options):
+        with pytest.raises(ServerUnavailableError, match=f"connect with unix://{path}"):
+            Client(f"ipc://{path}", timeout=1.0, heartbeat=False, auth_secret=secret)
+        with Client(f"unix://{path}", timeout=10, heartbeat=False, auth_secret=secret) as client:
+            client.ping()
 
 
 def test_a_unix_client_given_a_zeromq_servers_socket_is_told_to_use_ipc_at_once(
