@@ -197,3 +197,15 @@ def test_group_and_hash_reads_a_binary_key_without_building_it() -> None:
         ObjectKey.group_and_hash(key.to_bytes()[:-1])
     with pytest.raises(KeyFormatError):
         ObjectKey.group_and_hash(b"\x09" + key.to_bytes()[1:])
+
+
+def test_groups_and_hashes_read_many_binary_keys_as_group_and_hash_reads_each() -> None:
+    keys = [
+        ObjectKey(Fingerprint(bytes(range(16))), g, bytes([g % 256]) * 16).to_bytes()
+        for g in (0, 1, 513, 65535)
+    ]
+    assert ObjectKey.groups_and_hashes(keys) == [ObjectKey.group_and_hash(k) for k in keys]
+    assert ObjectKey.groups_and_hashes([]) == []
+    for bad in (keys[0][:-1], b"\x09" + keys[0][1:]):
+        with pytest.raises(KeyFormatError):
+            ObjectKey.groups_and_hashes([keys[1], bad])

@@ -314,8 +314,8 @@ class SchedulerLookups(SchedulerCore):
             return True
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
         slots: dict[int, dict[int, tuple[int, int, int]]] = {}
-        for slot in result.slots:
-            group, prefix_hash = ObjectKey.group_and_hash(slot.key)
+        found = result.slots
+        for slot, (group, prefix_hash) in zip(found, ObjectKey.groups_and_hashes([s.key for s in found])):
             i = index.get(prefix_hash)
             if i is not None:
                 slots.setdefault(i, {})[group] = (slot.offset, slot.nbytes, slot.digest)
