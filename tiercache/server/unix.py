@@ -121,10 +121,11 @@ class Connection:
     writing: bool = False
     #: Whether a whole message came (before one, the stream may turn out to be a ZeroMQ peer's).
     spoke: bool = False
+    #: Who it is, for the server's log (made once: the loop names it every turn it reads).
+    peer: str = field(init=False)
 
-    @property
-    def peer(self) -> str:
-        return f"unix pid {self.pid}"
+    def __post_init__(self) -> None:
+        self.peer = f"unix pid {self.pid}"
 
     def fileno(self) -> int:
         return self.sock.fileno()
