@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -33,7 +32,14 @@ from typing import Any, Self, TypeVar, cast
 import msgspec
 import zmq
 
-from tiercache.client.wires import UnixWire, Wire, ZmqWire, refuse_other_user
+from tiercache.client.wires import (
+    UnixWire,
+    Wire,
+    ZmqWire,
+    ipc_listener_is_unix,
+    ipc_listener_uid,
+    refuse_other_user,
+)
 from tiercache.config.parts import default_endpoint, default_runtime_dir, runtime_dir_problem
 from tiercache.errors import (
     AuthenticationError,
@@ -45,7 +51,7 @@ from tiercache.errors import (
 from tiercache.wire import protocol as p
 from tiercache.wire.auth import SessionSeal, auth_proof, session_key
 from tiercache.wire.codec import Codec
-from tiercache.wire.stream import UNIX_SCHEME, ZMTP_SIGNATURE, peer_credentials
+from tiercache.wire.stream import UNIX_SCHEME
 
 T = TypeVar("T")
 
@@ -134,47 +140,6 @@ _MAX_ABANDONED = 4096
 #: Refusals a shared-secret server cannot sign (it holds no session for us, or our hello failed),
 #: believed unsigned: the worst a forged one does is make the client say hello again or give up.
 _UNSIGNED_CODES = frozenset({p.ErrorCode.HELLO_REQUIRED, p.ErrorCode.AUTH_FAILED})
-
-
-def _ipc_probe(endpoint: str) -> socket.socket | None:
-    """A plain stream connection to the socket of ipc ``endpoint`` (1 s timeouts), or ``None`` if
-    nothing listens there."""
-    path = endpoint.removeprefix("ipc://")
-    if path.startswith("@"):  # libzmq's abstract namespace
-        path = "\0" + path[1:]
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        probe.close()
-        return None
-    return probe
-
-
-def ipc_listener_uid(endpoint: str) -> int | None:
-    """The uid of the process listening at ipc ``endpoint``, as the kernel says it
-    (``SO_PEERCRED`` of a connection that is closed at once), or ``None`` if nothing listens."""
-    probe = _ipc_probe(endpoint)
-    if probe is None:
-        return None
-    with probe:
-        return peer_credentials(probe)[1]
-
-
-def ipc_listener_is_unix(endpoint: str) -> bool:
-    """Whether what listens at ipc ``endpoint``'s socket is a ``unix://`` tiercache server, not a
-    ZeroMQ one: greeted as a ZeroMQ peer greets, it hangs up without a greeting of its own. False
-    if nothing listens, or it greets back, or says nothing within a second."""
-    probe = _ipc_probe(endpoint)
-    if probe is None:
-        return False
-    with probe:
-        try:
-            probe.sendall(ZMTP_SIGNATURE)
-            return probe.recv(len(ZMTP_SIGNATURE)) == b""
-        except OSError:  # reset, or silent (a timeout): not known to be unix://
-            return False
 
 
 class Transport:

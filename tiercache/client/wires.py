@@ -167,15 +167,56 @@ def refuse_other_user(endpoint: str, uid: int) -> None:
         )
 
 
+def _probe(path: str, timeout_s: float) -> socket.socket | None:
+    """A plain stream connection to the socket file ``path`` (``@NAME``: libzmq's abstract
+    namespace), with ``timeout_s`` on each of its calls; ``None`` if nothing listens there."""
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(path)
+    except OSError:
+        probe.close()
+        return None
+    return probe
+
+
+def ipc_listener_uid(endpoint: str) -> int | None:
+    """The uid of the process listening at ipc ``endpoint``, as the kernel says it
+    (``SO_PEERCRED`` of a connection that is closed at once), or ``None`` if nothing listens."""
+    probe = _probe(endpoint.removeprefix("ipc://"), 1.0)
+    if probe is None:
+        return None
+    with probe:
+        return peer_credentials(probe)[1]
+
+
+def ipc_listener_is_unix(endpoint: str) -> bool:
+    """Whether what listens at ipc ``endpoint``'s socket is a ``unix://`` tiercache server, not a
+    ZeroMQ one: greeted as a ZeroMQ peer greets, it hangs up without a greeting of its own. False
+    if nothing listens, or it greets back, or says nothing within a second."""
+    probe = _probe(endpoint.removeprefix("ipc://"), 1.0)
+    if probe is None:
+        return False
+    with probe:
+        try:
+            probe.sendall(ZMTP_SIGNATURE)
+            return probe.recv(len(ZMTP_SIGNATURE)) == b""
+        except OSError:  # reset, or silent (a timeout): not known to be unix://
+            return False
+
+
 def zeromq_greets(path: str) -> bool:
     """Whether a ZeroMQ socket (an ``ipc://`` endpoint) listens at ``path``: it greets a new
     connection at once, where a ``unix://`` server says nothing until asked."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(_GREETING_WAIT_S)
+    probe = _probe(path, _GREETING_WAIT_S)
+    if probe is None:
+        return False
+    with probe:
         try:
-            probe.connect(path)
             return speaks_zmtp(probe.recv(len(ZMTP_SIGNATURE)))
-        except OSError:  # nobody there, or silent (a timeout)
+        except OSError:  # silent (a timeout)
             return False
 
 
@@ -338,4 +379,4 @@ class UnixWire:
         self._inbox.clear()
 
 
-__all__ = ["UnixWire", "Wire", "ZmqWire", "refuse_other_user"]
+__all__ = ["UnixWire", "Wire", "ZmqWire", "ipc_listener_is_unix", "ipc_listener_uid", "refuse_other_user"]
