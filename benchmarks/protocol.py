@@ -206,7 +206,7 @@ def connector_lookup(
                 if which == "connector":
                     dt, result = as_connector()
                     assert result.state.value == "ready" and result.ready_chunks == len(hashes), result.state
-                    slots = len(result.slots)
+                    slots = len(result.held)
                     c.release_ticket(result.ticket)  # the scheduler releases it in a later step
                 else:
                     t0 = time.perf_counter()

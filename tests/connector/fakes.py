@@ -169,7 +169,7 @@ def hit_reply(chunks: int = 2, arena: str = "tiercache-arena") -> Callable[[list
     the L1 arena ``arena``."""
     from tiercache.keys import ObjectKey
     from tiercache.keys.fingerprint import Fingerprint
-    from tiercache.wire.protocol import Slot, TicketStateName
+    from tiercache.wire.protocol import Slot, SlotColumns, TicketStateName
 
     def reply(hashes: list[bytes]) -> LookupReply:
         fp = Fingerprint(bytes(16))
@@ -183,7 +183,7 @@ def hit_reply(chunks: int = 2, arena: str = "tiercache-arena") -> Callable[[list
             state=TicketStateName.READY,
             ticket=HIT_TICKET,
             ready_chunks=chunks,
-            slots=slots,
+            held=SlotColumns.of(slots),
             arena=arena,
         )
 

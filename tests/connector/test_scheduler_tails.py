@@ -32,7 +32,7 @@ from tiercache.connector.metadata import RequestLoad
 from tiercache.connector.scheduler import SchedulerHalf
 from tiercache.keys import ExtraKeys, ObjectKey, PrefixHasher, tail_hashes
 from tiercache.keys.fingerprint import Fingerprint
-from tiercache.wire.protocol import LookupKind, LookupReply, Slot, TicketStateName
+from tiercache.wire.protocol import LookupKind, LookupReply, Slot, SlotColumns, TicketStateName
 
 
 def _tails_scheduler(client: object, *, loads: bool = True) -> SchedulerHalf:
@@ -247,7 +247,7 @@ def _tail_reply(
         state=TicketStateName.READY,
         ticket=HIT_TICKET + 1,
         ready_chunks=1,
-        slots=[Slot(key, 0, object_blocks * 196608, 200)],
+        held=SlotColumns.of([Slot(key, 0, object_blocks * 196608, 200)]),
         arena=arena,
     )
 

@@ -144,7 +144,9 @@ def test_pin_all_holds_every_object_or_none(make_l1) -> None:
     assert tier.release_all(held) == 3  # twice: harmless, and said to hold nothing
 
 
-def test_held_slots_names_each_object_under_the_hold_token_and_refuses_a_released_hold(make_l1) -> None:
+def test_held_slots_and_columns_name_each_object_under_the_hold_token_and_refuse_a_released_hold(
+    make_l1,
+) -> None:
     tier = make_l1(size_bytes=8 * UNIT)
     keys = [make_key(i) for i in (2, 0, 1)]
     fill(tier, range(3))
@@ -157,10 +159,14 @@ def test_held_slots_names_each_object_under_the_hold_token_and_refuses_a_release
         for k, h in zip(keys, leases, strict=True)
     ]
     assert built == expected  # in the keys' order, with each writer's digest
+    keys_raw, offsets, sizes, _tokens, digests = zip(*expected, strict=True)
+    assert tier.held_columns(held) == (list(keys_raw), list(offsets), list(sizes), list(digests))
     tier.release_many(leases)
     tier.release_all(held)
     with pytest.raises(LeaseError, match="pin the keys again"):
         tier.held_slots(held, lambda *fields: fields)
+    with pytest.raises(LeaseError, match="pin the keys again"):
+        tier.held_columns(held)
 
 
 def test_a_hold_expires_as_a_whole_each_object_counted(make_l1, clock: FakeClock) -> None:

@@ -365,12 +365,13 @@ class Client(Transport):
             )
         # The lookup's time is not known here: its leases are judged from now (the ticket holding
         # them is released only after the copies), and each copy is checked against its digest.
-        load = Load.adopt(self, self.arena(), result.arena, list(result.slots), self.clock())
+        slots = result.slots
+        load = Load.adopt(self, self.arena(), result.arena, list(slots), self.clock())
         if load is None:
             return {}  # a server restarted since the lookup (and forgot its ticket): other objects here
         try:
             copies = _copies(load)
-            return {ObjectKey.from_bytes(s.key): c for s, c in zip(result.slots, copies) if c is not None}
+            return {ObjectKey.from_bytes(s.key): c for s, c in zip(slots, copies) if c is not None}
         finally:
             if release:
                 self.release_ticket(result.ticket)

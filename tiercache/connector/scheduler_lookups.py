@@ -259,10 +259,11 @@ class SchedulerLookups(SchedulerCore):
         # blocks, holding at least the blocks the reply counts.
         blocks = min(result.blocks, len(st.tail.hashes))
         by_group = {}
-        for slot in result.slots:
-            group, prefix_hash = ObjectKey.group_and_hash(slot.key)
-            by_group[group] = (prefix_hash, slot.nbytes)
-            st.tail.slots[group] = (slot.offset, slot.nbytes, slot.digest)
+        pinned = result.held
+        for key, offset, nbytes, digest in zip(pinned.keys, pinned.offsets, pinned.nbytes, pinned.digests):
+            group, prefix_hash = ObjectKey.group_and_hash(key)
+            by_group[group] = (prefix_hash, nbytes)
+            st.tail.slots[group] = (offset, nbytes, digest)
         targets = {h for h, _ in by_group.values()}
         sizes = set()
         for g in self.layout.groups:
@@ -314,11 +315,13 @@ class SchedulerLookups(SchedulerCore):
             return True
         index = {h: i for i, h in enumerate(st.hashes(self.layout.chunk_size))} if self.layout else {}
         slots: dict[int, dict[int, tuple[int, int, int]]] = {}
-        found = result.slots
-        for slot, (group, prefix_hash) in zip(found, ObjectKey.groups_and_hashes([s.key for s in found])):
+        held = result.held
+        for at, (group, prefix_hash) in zip(
+            zip(held.offsets, held.nbytes, held.digests), ObjectKey.groups_and_hashes(held.keys)
+        ):
             i = index.get(prefix_hash)
             if i is not None:
-                slots.setdefault(i, {})[group] = (slot.offset, slot.nbytes, slot.digest)
+                slots.setdefault(i, {})[group] = at
         hit = self._restorable(slots, result.ready_chunks)
         st.hit_chunks, st.slots = hit, slots
         if hit == 0:

@@ -19,8 +19,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import filterfalse
-from operator import attrgetter
 
 from tiercache.config.parts import L1Config
 from tiercache.config.units import format_bytes
@@ -53,9 +51,6 @@ class Slot:
     #: first pin (views are never released by their holders; a slot's bytes never change while
     #: it is visible or pinned): a hit costs no new view.
     view: memoryview | None = None
-
-
-_VISIBLE = attrgetter("visible")
 
 
 @dataclass(slots=True, eq=False)
@@ -320,7 +315,9 @@ class L1Core(FrontTier):
         counts in one loop, then the hidden ones (rare) looked at, each once."""
         for slot in slots:
             slot.pins -= 1
-        for slot in dict.fromkeys(filterfalse(_VISIBLE, slots)):  # (slots hash by identity)
+        # (A comprehension's attribute reads are specialized for slots: faster than attrgetter's.)
+        hidden = [slot for slot in slots if not slot.visible]
+        for slot in dict.fromkeys(hidden):  # (slots hash by identity)
             if slot.pins == 0:
                 self._free(slot)
 

@@ -17,6 +17,7 @@ from tiercache.config.parts import L1Config
 from tiercache.keys.object_key import ObjectKey
 from tiercache.l1.arena import ArenaSlot, SharedArena
 from tiercache.l1.core import Abandoned, L1Stats
+from tiercache.l1.slots import HeldColumns
 from tiercache.tier.contract import HeldSet, ReadHandle, WriteHandle
 
 T = TypeVar("T")
@@ -88,6 +89,10 @@ class ArenaFront(Protocol):
         """:meth:`lease_slots` of a :meth:`FrontTier.pin_all <tiercache.tier.FrontTier.pin_all>`
         hold, every slot under the hold's token; ``count``: the objects are read now (a client's
         pin), counted as hits."""
+        ...
+
+    def held_columns(self, held: HeldSet) -> HeldColumns:
+        """:meth:`held_slots` field by field (every slot under the hold's token)."""
         ...
 
     def abandon_many(self, handles: Sequence[WriteHandle]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import operator
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from tiercache.errors import LeaseError, ReservationError, TierFullError
 from tiercache.keys.digest import digest as digest_of
@@ -25,6 +25,16 @@ from tiercache.tier.contract import HeldSet, ReadHandle, WriteHandle
 from tiercache.tier.stats import EvictionReason
 
 T = TypeVar("T")
+
+
+class HeldColumns(NamedTuple):
+    """The objects of a :meth:`L1Slots.pin_all` hold, field by field, in its keys' order."""
+
+    keys: list[bytes]  # binary forms
+    offsets: list[int]
+    nbytes: list[int]
+    digests: list[int]
+
 
 #: Builds a NamedTuple handle as its generated ``__new__`` does, minus that Python call (a ticket's
 #: holds build one per object of a long prompt).
@@ -107,20 +117,35 @@ class L1Slots(L1Core):
         the hold's token. ``count``: a client reads the objects now (its pin), counted as
         :meth:`pin_many` counts its reads. Raises :class:`LeaseError` if the hold is no longer open."""
         with self._lock:
-            self._check_open()
-            self._sweep(self._clock())
-            slots, raws = self._held.get(held.token, (None, ()))
-            if slots is None:
-                raise LeaseError(
-                    f"read lease {held.token} of {held.count} objects is not open (released or "
-                    f"expired after lease_ttl_s={self._config.lease_ttl_s}s); pin the keys again"
-                )
+            slots, raws = self._open_hold(held)
             if count:
                 self._count_reads(slots, raws)
             token = held.token
             return [
                 build(raw, slot.offset, slot.nbytes, token, slot.digest) for raw, slot in zip(raws, slots)
             ]
+
+    def held_columns(self, held: HeldSet) -> HeldColumns:
+        """:meth:`held_slots` field by field (every slot under ``held.token``): a lookup's reply
+        names its ticket's slots so, without an object built for each. Raises
+        :class:`LeaseError` if the hold is no longer open."""
+        with self._lock:
+            slots, raws = self._open_hold(held)
+            return HeldColumns(
+                list(raws), [s.offset for s in slots], [s.nbytes for s in slots], [s.digest for s in slots]
+            )
+
+    def _open_hold(self, held: HeldSet) -> tuple[list[Slot], Sequence[bytes]]:
+        """The slots and keys of the open hold ``held`` (under the lock), or :class:`LeaseError`."""
+        self._check_open()
+        self._sweep(self._clock())
+        slots, raws = self._held.get(held.token, (None, ()))
+        if slots is None:
+            raise LeaseError(
+                f"read lease {held.token} of {held.count} objects is not open (released or "
+                f"expired after lease_ttl_s={self._config.lease_ttl_s}s); pin the keys again"
+            )
+        return slots, raws
 
     def pin_all(self, raws: Sequence[bytes]) -> HeldSet | None:
         """Hold every object of ``raws`` (keys' binary forms) as one lease (one token, one
@@ -420,7 +445,7 @@ class L1Slots(L1Core):
             tenant_access = self._tenants.on_access
             for raw, slot in zip(raws, slots):
                 tenant_access(raw, slot.tenant)
-        self.stats.hit(sum(map(_NBYTES, slots)), len(slots))
+        self.stats.hit(sum([slot.nbytes for slot in slots]), len(slots))  # (faster than attrgetter's)
 
     def _hold_locked(self, raws: Sequence[bytes], now: float) -> list[ReadHandle | None]:
         """Pin the keys whose binary forms are ``raws`` (under the lock; :meth:`pin_many` counts the

@@ -285,9 +285,10 @@ class DataOps:
             reply.ready_chunks = ticket.chunks
             # Once settled, the ticket pins the objects of its ready chunks and nothing else.
             if ticket.held is not None:
-                reply.slots = self._l1.held_slots(ticket.held, p.Slot)
+                keys, offsets, sizes, digests = self._l1.held_columns(ticket.held)
+                reply.held = p.SlotColumns(keys, offsets, sizes, [ticket.held.token] * len(keys), digests)
             else:
-                reply.slots = self._l1.lease_slots(list(ticket.handles.values()), p.Slot)
+                reply.held = p.SlotColumns.of(self._l1.lease_slots(list(ticket.handles.values()), p.Slot))
             reply.arena = self._l1.arena_name
         return reply
 
