@@ -172,6 +172,11 @@ class SlotColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return list(map(Slot, self.keys, self.offsets, self.nbytes, self.tokens, self.digests))
 
 
+#: A reply's ``held`` before it names any slot: one shared instance (frozen, never filled), so a
+#: reply costs no empty columns of its own, and omitted on the wire (the default).
+_NO_SLOTS = SlotColumns()
+
+
 class ManifestFields(msgspec.Struct, frozen=True, kw_only=True):
     """A :class:`~tiercache.keys.LayoutManifest` on the wire, its fields typed (``to_dict()``'s),
     so a request holds nothing untyped a decoder would descend into."""
@@ -575,7 +580,7 @@ class LookupReply(Message, tag="lookup_ok"):
     ticket: int = 0
     ready_chunks: int = 0
     #: The slots of the objects the ticket pins (when READY), field by field.
-    held: SlotColumns = msgspec.field(default_factory=SlotColumns)
+    held: SlotColumns = _NO_SLOTS
     awaiting: int = 0
     #: The L1 arena ``held`` is in (the server's ``arena_name``), set with it: a reader that
     #: maps another arena (a server restarted since) must not copy from these offsets.
