@@ -41,8 +41,9 @@ docs/server.md's advice on CPU priority gains.
 add /tmp/base <commit>``): each round runs the table once from each tree (each tree's own script,
 client and server, the same interpreter), the order alternating between rounds, and prints each
 row's server CPU per operation from both, then per row the ratios (this ÷ that) of every round and
-their median: how the published "halved" figures are made (``--transport`` applies to this tree;
-that tree's server listens on ``ipc://``). ::
+their median, of the server's CPU and of the p99: how the published "halved" figures are made
+(``--transport`` and ``--server-nice`` apply to both trees where that tree's script takes them; an
+older one's server listens on ``ipc://`` at the default priority). ::
 
     python benchmarks/many_clients.py --against /tmp/base --ops load --clients 1,16 --rounds 10
 
@@ -401,19 +402,20 @@ def size_case(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
-def table_rows(text: str) -> dict[tuple[str, int], float]:
-    """The server CPU µs per operation of each ``(op, clients)`` row of a printed table."""
-    rows: dict[tuple[str, int], float] = {}
+def table_rows(text: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """The server CPU µs per operation and the p99 ms of each ``(op, clients)`` row of a printed
+    table."""
+    rows: dict[tuple[str, int], tuple[float, float]] = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.split("|")]
         if len(cells) > 7 and cells[1] in OPS:
-            rows[cells[1], int(cells[2])] = float(cells[6])
+            rows[cells[1], int(cells[2])] = (float(cells[6]), float(cells[5]))
     return rows
 
 
 def against(args: argparse.Namespace) -> int:
     """``--against``: the table from this tree and from ``args.against``, alternately, and each
-    row's ratios (this ÷ that) with their median."""
+    row's ratios (this ÷ that) of server CPU and of p99, with their medians."""
     trees = {"this": Path(__file__).resolve().parents[1], "that": Path(args.against).resolve()}
     script = Path("benchmarks") / "many_clients.py"
     if not (trees["that"] / script).is_file():
@@ -426,10 +428,17 @@ def against(args: argparse.Namespace) -> int:
     same += ["--idle", str(args.idle), "--chunk-kb", str(args.chunk_kb)]
     if args.l1_gb != L1_GB:  # (an older tree's script may not take it)
         same += ["--l1-gb", str(args.l1_gb)]
-    # (An older tree has ipc alone and its server at the default priority.)
-    only = {"this": ["--transport", args.transport, "--server-nice", str(args.server_nice)], "that": []}
-    runs: dict[str, list[dict[tuple[str, int], float]]] = {"this": [], "that": []}
-    print(f"this: {trees['this']}\nthat: {trees['that']}\nserver CPU µs per operation, per round:\n")
+    # Both trees on the same transport and priority, where that tree's script takes them (an older
+    # one has ipc alone and its server at the default priority).
+    theirs = (trees["that"] / script).read_text()
+    only: dict[str, list[str]] = {"this": [], "that": []}
+    for flag, value in (("--transport", args.transport), ("--server-nice", str(args.server_nice))):
+        only["this"] += [flag, value]
+        if f'"{flag}"' in theirs:
+            only["that"] += [flag, value]
+    runs: dict[str, list[dict[tuple[str, int], tuple[float, float]]]] = {"this": [], "that": []}
+    print(f"this: {trees['this']} {' '.join(only['this'])}\nthat: {trees['that']} {' '.join(only['that'])}")
+    print("server CPU µs per operation, per round:\n")
     for round_ in range(args.rounds):
         for side in ("this", "that") if round_ % 2 == 0 else ("that", "this"):
             tree = trees[side]
@@ -445,18 +454,21 @@ def against(args: argparse.Namespace) -> int:
                 return 1
             rows = table_rows(done.stdout)
             runs[side].append(rows)
-            cells = ", ".join(f"{op} {n}: {us:,.0f}" for (op, n), us in rows.items())
+            cells = ", ".join(f"{op} {n}: {us:,.0f}" for (op, n), (us, _) in rows.items())
             print(f"round {round_ + 1}, {side}: {cells}", flush=True)
-    print("\n| op | clients | this ÷ that, each round (sorted) | median | this µs/op | that µs/op |")
-    print("|---|---|---|---|---|---|")
-    for key in runs["this"][0]:
-        mine = [rows[key] for rows in runs["this"]]
-        theirs = [rows.get(key, float("nan")) for rows in runs["that"]]
-        ratios = sorted(a / b for a, b in zip(mine, theirs))
+    for at, what, unit in ((0, "server CPU", "µs/op"), (1, "p99", "p99 ms")):
         print(
-            f"| {key[0]} | {key[1]} | {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} | "
-            f"{min(mine):,.0f}–{max(mine):,.0f} | {min(theirs):,.0f}–{max(theirs):,.0f} |"
+            f"\n| op | clients | {what}, this ÷ that, each round (sorted) | median | this {unit} | that {unit} |"
         )
+        print("|---|---|---|---|---|---|")
+        for key in runs["this"][0]:
+            mine = [rows[key][at] for rows in runs["this"]]
+            other = [rows[key][at] if key in rows else float("nan") for rows in runs["that"]]
+            ratios = sorted(a / b for a, b in zip(mine, other))
+            print(
+                f"| {key[0]} | {key[1]} | {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} | "
+                f"{min(mine):,.{2 * at}f}–{max(mine):,.{2 * at}f} | {min(other):,.{2 * at}f}–{max(other):,.{2 * at}f} |"
+            )
     return 0
 
 
