@@ -327,8 +327,10 @@ class Transport:
             if isinstance(msg, (p.Hello, p.Challenge)):
                 self._state.seal = seal  # the handshake under way keeps its own
 
-    def _drain(self, wait_s: float) -> None:
-        """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``."""
+    def _drain(self, wait_s: float, until: _Pending | None = None) -> None:
+        """Receive replies (waiting up to ``wait_s`` for the first) and file them by ``req_id``;
+        with ``until``, only up to that request's (the rest wait in the socket for the next
+        drain: a call does not pay a read that finds nothing)."""
         wire = self._state.wire
         assert wire is not None
         if wait_s > 0 and not wire.wait(wait_s):
@@ -352,6 +354,8 @@ class Transport:
             entry = self._state.pending.get(reply.req_id)
             if entry is not None:
                 entry.reply, entry.done = reply, True
+                if entry is until:
+                    break
             elif reply.req_id in self._state.abandoned:
                 self._state.abandoned.discard(reply.req_id)
                 if isinstance(reply, p.LookupReply) and reply.ticket:
@@ -471,7 +475,7 @@ class Transport:
                             break
                         self._reset()
                         raise self._no_reply(msg, self.timeout if timeout is None else timeout)
-                    self._drain(left)
+                    self._drain(left, entry)
                 reply = entry.reply
                 if (
                     attempt == 0
