@@ -260,8 +260,9 @@ class SchedulerLookups(SchedulerCore):
         blocks = min(result.blocks, len(st.tail.hashes))
         by_group = {}
         pinned = result.held
-        for key, offset, nbytes, digest in zip(pinned.keys, pinned.offsets, pinned.nbytes, pinned.digests):
-            group, prefix_hash = ObjectKey.group_and_hash(key)
+        for (group, prefix_hash), offset, nbytes, digest in zip(
+            ObjectKey.groups_and_hashes(pinned.keys), pinned.offsets, pinned.nbytes, pinned.digests
+        ):
             by_group[group] = (prefix_hash, nbytes)
             st.tail.slots[group] = (offset, nbytes, digest)
         targets = {h for h, _ in by_group.values()}
