@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol, Self
 
 from tests.e2e.engine_run import make_prompts
@@ -27,6 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_RUN = "tests.e2e.engine_run"
 LOAD_FAILURE_RUN = "tests.e2e.load_failure_run"
 MiB = 1 << 20
+#: How long an e2e server's lookup waits for the bucket (its ``remote_lookup_budget_s``; default 1 s)
+#: and for one existence check there (``head_timeout_s``; default 0.5 s). These tests claim what a
+#: lookup finds in S3, not how fast: on a loaded CI machine a first answer can take longer than the
+#: defaults, and the lookup then misses (rightly; tests/reliability/test_s3_outage.py holds them).
+S3_PATIENCE_S = 5.0
+#: A :class:`ServerSpec`'s options for that (read-only: spread them into its ``s3_options`` and
+#: ``engine_options``).
+PATIENT_S3 = MappingProxyType({"head_timeout_s": S3_PATIENCE_S})
+PATIENT_LOOKUPS = MappingProxyType({"remote_lookup_budget_s": S3_PATIENCE_S})
 
 
 @dataclass

@@ -20,6 +20,8 @@ pytest.importorskip("vllm")
 from tests.conftest import S3Endpoint
 from tests.e2e.engine_run import write_tiny_llama
 from tests.e2e.setup import (
+    PATIENT_LOOKUPS,
+    PATIENT_S3,
     MiB,
     Run,
     Setup,
@@ -55,6 +57,8 @@ def _spec(setup_tmp: Path, name: str, disk: Path, s3_url: str | None, bucket: st
         s3_url=s3_url,
         s3_bucket=bucket,
         options={"chunk_size": CHUNK},
+        s3_options={**PATIENT_S3},  # a hit from S3 is the claim, not its speed
+        engine_options={**PATIENT_LOOKUPS},
     )
 
 
