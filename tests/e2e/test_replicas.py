@@ -108,6 +108,8 @@ FAILED_WARNING = "treating the cache as unavailable"
 HALVES = 2
 #: The connector's lookup hits by the tier that held each object (its ``per_tier``), in vLLM's /metrics.
 TIER_HITS = "vllm:tiercache_hit_objects_total"
+#: The times a connector found its server unreachable, in vLLM's /metrics.
+OUTAGES = "vllm:tiercache_server_unavailable_total"
 
 
 def prompt_keys(prompt_ids: list[list[int]]) -> set[bytes]:
@@ -178,6 +180,11 @@ def hits_by_tier(vllm: OpenAIServer) -> dict[str, float]:
                 tier = sample.labels["tier"]
                 out[tier] = out.get(tier, 0.0) + sample.value
     return out
+
+
+def connector_warnings(vllm: OpenAIServer) -> list[str]:
+    """The connector's warning lines in ``vllm``'s log, for a failure's message."""
+    return [line for line in vllm.log_text().splitlines() if "tiercache" in line and "WARNING" in line]
 
 
 def tier_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -327,8 +334,8 @@ def node_a(replicas: Replicas) -> NodeA:
         l3_writes,
         list_bucket(replicas.s3, replicas.bucket),
         vllm.metric("vllm:tiercache_store_skipped_total"),
-        vllm.metric("vllm:tiercache_server_unavailable_total"),
-        [line for line in vllm.log_text().splitlines() if "tiercache" in line and "WARNING" in line],
+        vllm.metric(OUTAGES),
+        connector_warnings(vllm),
     )
 
 
@@ -390,8 +397,8 @@ def node_b(replicas: Replicas, node_a: NodeA) -> NodeB:
         hits,
         by_tier,
         l1_keys(replicas.server_b),
-        vllm.metric("vllm:tiercache_server_unavailable_total"),
-        [line for line in vllm.log_text().splitlines() if "tiercache" in line and "WARNING" in line],
+        vllm.metric(OUTAGES),
+        connector_warnings(vllm),
     )
 
 
